@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC stubs for the layertap.v1 API. Do not edit."""
