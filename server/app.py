@@ -1,0 +1,155 @@
+"""Assemble and run a layertap gRPC server: services, health, reflection, shutdown."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from layertap.server.config import ServerConfig
+from layertap.server.dtypes import DTYPE_BY_NAME
+from layertap.server.inference_service import InferenceService
+from layertap.server.model_host import ModelHost
+from layertap.server.model_sources import LoadedModel, ModelLoadError, load_model
+from layertap.server.state import ServerState, StateCell
+from layertap.server.telemetry_service import TelemetryService
+from layertap.v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
+
+log = logging.getLogger("layertap.server")
+
+SERVICE_NAMES = (
+    inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
+    telemetry_pb2.DESCRIPTOR.services_by_name["TelemetryService"].full_name,
+)
+
+
+def server_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("layertap")
+    except PackageNotFoundError:  # running from a source tree
+        return "0+unknown"
+
+
+def pick_device(name: str | None) -> torch.device:
+    """``--device``: CUDA when available unless told otherwise."""
+    if name:
+        dev = torch.device(name)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ModelLoadError(f"--device {name}: CUDA is not available on this machine")
+        return dev
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass
+class LayertapServer:
+    """A running server; ``stop()`` shuts it down gracefully."""
+
+    grpc_server: grpc.Server
+    state: ServerState
+    port: int
+    health: health.HealthServicer
+    metrics_port: int | None = None
+    _closers: list[Any] = field(default_factory=list)
+    _stopped: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def address(self) -> str:
+        return f"{self.state.config.host}:{self.port}"
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop accepting work, drain in-flight RPCs for ``grace`` seconds, close."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.health.enter_graceful_shutdown()
+        self.grpc_server.stop(self.state.config.grace_seconds if grace is None else grace).wait()
+        for close in reversed(self._closers):
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - shutdown must finish
+                log.exception("error during shutdown")
+
+    def wait(self) -> None:
+        self.grpc_server.wait_for_termination()
+
+    def __enter__(self) -> LayertapServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(0)
+
+
+def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> ServerState:
+    """Load the model and build the shared state (no sockets yet)."""
+    if loaded is None:
+        loaded = load_model(config.model, seed=config.seed, weights=config.weights,
+                            input_shape=config.input_shape, input_dtype=config.input_dtype)
+    if config.dtype not in ("float32", "float16", "bfloat16"):
+        raise ModelLoadError(f"--dtype {config.dtype!r}: expected float32, float16 or bfloat16")
+    host = ModelHost(loaded, device=pick_device(config.device), dtype=DTYPE_BY_NAME[config.dtype])
+    host.warm_up()
+    return ServerState(config=config, host=host, version=server_version())
+
+
+def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> LayertapServer:
+    """Build everything and start serving; returns once the port is bound.
+
+    Health reports NOT_SERVING until the model is loaded and warmed up.
+    """
+    options = [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    # A thread pool sized for streaming: every Capture/Subscribe holds a worker
+    # while it streams, so the pool must exceed captures + subscribers.
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="layertap-rpc"),
+        options=options,
+        maximum_concurrent_rpcs=config.workers,
+    )
+    cell = StateCell()
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(cell), server)
+    telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(TelemetryService(cell), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", *SERVICE_NAMES):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {config.host}:{config.port}")
+    if config.reflection:
+        reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    server.start()
+    try:
+        state = build_state(config, loaded)
+    except BaseException:
+        server.stop(0)
+        raise
+    cell.set(state)
+    running = LayertapServer(server, state, port, health_servicer)
+    for name in ("", *SERVICE_NAMES):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving %s (%s) on %s:%d, device=%s dtype=%s", state.host.loaded.name,
+             state.host.loaded.source, config.host, port, state.host.device, config.dtype)
+    return running
+
+
+def install_signal_handlers(server: LayertapServer) -> None:
+    """SIGTERM/SIGINT: graceful shutdown (health goes NOT_SERVING first)."""
+    def handle(signum: int, _frame: object) -> None:
+        log.info("signal %d: shutting down (grace %.1fs)", signum, server.state.config.grace_seconds)
+        threading.Thread(target=server.stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)

@@ -1,0 +1,44 @@
+"""Server configuration: one dataclass, filled from the ``layertap serve`` flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerConfig:
+    """Every knob of a layertap server, with safe defaults.
+
+    The server binds loopback unless ``host`` says otherwise, and caps request
+    size, capture size, captures in flight and subscribers.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int | None = 9466
+    model: str = "demo"
+    seed: int = 0
+    weights: str | None = None
+    input_shape: str | None = None
+    input_dtype: str = "float32"
+    device: str | None = None
+    dtype: str = "float32"
+    max_request_bytes: int = 256 << 20
+    max_capture_bytes: int = 256 << 20
+    max_capture_passes: int = 16
+    max_concurrent_captures: int = 8
+    max_subscribers: int = 32
+    subscriber_queue: int = 256
+    max_taps: int = 64
+    workers: int = 64
+    reflection: bool = True
+    tap_config: str | None = None
+    baseline_dir: str | None = None
+    drift_window: int = 50
+    max_export_layers: int = 200
+    grace_seconds: float = 5.0
+
+    @property
+    def max_message_bytes(self) -> int:
+        """gRPC message limit: the tensor cap plus room for the envelope."""
+        return self.max_request_bytes + (1 << 20)

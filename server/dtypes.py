@@ -1,0 +1,116 @@
+"""Conversions between torch tensors and the wire ``Tensor`` message.
+
+Tensors travel as raw little-endian row-major bytes with a dtype and an int64
+shape, like KServe v2 ``raw_input_contents``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from layertap.server.errors import InvalidSpec
+from layertap.v1 import tensor_pb2
+
+DataType = tensor_pb2.DataType
+
+TORCH_BY_WIRE: dict[int, torch.dtype] = {
+    tensor_pb2.DATA_TYPE_FLOAT32: torch.float32,
+    tensor_pb2.DATA_TYPE_FLOAT16: torch.float16,
+    tensor_pb2.DATA_TYPE_BFLOAT16: torch.bfloat16,
+    tensor_pb2.DATA_TYPE_FLOAT64: torch.float64,
+    tensor_pb2.DATA_TYPE_INT8: torch.int8,
+    tensor_pb2.DATA_TYPE_INT16: torch.int16,
+    tensor_pb2.DATA_TYPE_INT32: torch.int32,
+    tensor_pb2.DATA_TYPE_INT64: torch.int64,
+    tensor_pb2.DATA_TYPE_UINT8: torch.uint8,
+    tensor_pb2.DATA_TYPE_BOOL: torch.bool,
+}
+WIRE_BY_TORCH: dict[torch.dtype, int] = {v: k for k, v in TORCH_BY_WIRE.items()}
+
+DTYPE_BY_NAME: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
+    raise ImportError("layertap's wire format assumes a little-endian host")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def wire_dtype(dtype: torch.dtype) -> int:
+    """The wire enum for a torch dtype; raises InvalidSpec when unsupported."""
+    try:
+        return WIRE_BY_TORCH[dtype]
+    except KeyError:
+        raise InvalidSpec("dtype", f"unsupported tensor dtype {dtype}") from None
+
+
+def tensor_nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes a dense tensor of ``dtype`` and ``shape`` occupies."""
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def tensor_from_proto(msg: tensor_pb2.Tensor, field: str = "inputs[0]") -> torch.Tensor:
+    """Decode a wire tensor into a CPU torch tensor, validating bytes vs shape."""
+    if msg.dtype not in TORCH_BY_WIRE:
+        valid = ", ".join(tensor_pb2.DataType.Name(k) for k in TORCH_BY_WIRE)
+        raise InvalidSpec(f"{field}.dtype", f"unsupported or unset dtype; expected one of {valid}")
+    dtype = TORCH_BY_WIRE[msg.dtype]
+    shape = tuple(int(d) for d in msg.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidSpec(f"{field}.shape", f"negative dimension in shape {list(shape)}")
+    expected = tensor_nbytes(dtype, shape)
+    if len(msg.raw_data) != expected:
+        raise InvalidSpec(
+            f"{field}.raw_data",
+            f"got {len(msg.raw_data)} bytes but {dtype_name(dtype)} x {list(shape)} "
+            f"needs {expected} bytes",
+        )
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(bytearray(msg.raw_data), dtype=dtype)
+    return flat.reshape(shape)
+
+
+def tensor_to_bytes(t: torch.Tensor) -> bytes:
+    """Row-major bytes of a CPU tensor (made contiguous first)."""
+    t = t.detach().contiguous()
+    if t.numel() == 0:
+        return b""
+    return t.view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def tensor_to_proto(t: torch.Tensor, name: str = "") -> tensor_pb2.Tensor:
+    """Encode a tensor (any device) as a wire tensor."""
+    cpu = t.detach().to("cpu")
+    return tensor_pb2.Tensor(
+        name=name, dtype=wire_dtype(cpu.dtype), shape=list(cpu.shape), raw_data=tensor_to_bytes(cpu)
+    )
+
+
+def flatten_outputs(out: object) -> list[tuple[str, torch.Tensor]]:
+    """Model outputs as ``(name, tensor)``: one tensor, a tuple/list, or a dict."""
+    if isinstance(out, torch.Tensor):
+        return [("output", out)]
+    if isinstance(out, dict):
+        return [(str(k), v) for k, v in out.items() if isinstance(v, torch.Tensor)]
+    if isinstance(out, (tuple, list)):
+        return [(f"output{i}", v) for i, v in enumerate(out) if isinstance(v, torch.Tensor)]
+    raise InvalidSpec("outputs", f"model returned {type(out).__name__}, which has no tensors to send")

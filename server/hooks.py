@@ -1,0 +1,106 @@
+"""Module hooks owned by captures and taps, counted so leaks are visible.
+
+Every torch hook layertap installs goes through :class:`HookRegistry`, which
+keeps the live count that ``GetServerStats``/``ListLayers`` report. Callbacks
+only fire while a pass is current (see :mod:`layertap.server.model_host`), so
+each firing belongs to exactly one pass.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from layertap.v1 import telemetry_pb2 as pb
+
+#: ``callback(ctx, value)``: ``value`` is the output object, the args tuple,
+#: the grad tuple, or ``{param_name: grad}`` depending on the point.
+HookCallback = Callable[[Any, Any], None]
+
+POINT_NAMES: dict[int, str] = {
+    pb.POINT_OUTPUT: "output",
+    pb.POINT_INPUT: "input",
+    pb.POINT_GRAD_OUTPUT: "grad_output",
+    pb.POINT_GRAD_INPUT: "grad_input",
+    pb.POINT_PARAM_GRAD: "param_grad",
+}
+POINT_BY_NAME: dict[str, int] = {v: k for k, v in POINT_NAMES.items()}
+
+
+@dataclass
+class HookHandle:
+    """One registered hook; ``remove()`` is idempotent."""
+
+    layer: str
+    point: int
+    _handles: list[RemovableHandle]
+    _registry: HookRegistry
+    _removed: bool = False
+
+    def remove(self) -> None:
+        self._registry._remove(self)
+
+
+class HookRegistry:
+    """Installs and counts torch hooks on the hosted model's modules."""
+
+    def __init__(self, model: nn.Module, current_pass: Callable[[], Any]) -> None:
+        self._modules = dict(model.named_modules())
+        self._current_pass = current_pass
+        self._lock = threading.Lock()
+        self._live: set[int] = set()
+
+    @property
+    def active(self) -> int:
+        """Number of torch hook handles currently installed."""
+        with self._lock:
+            return len(self._live)
+
+    def add(self, layer: str, point: int, callback: HookCallback) -> HookHandle:
+        """Install ``callback`` at ``layer``/``point``; the caller owns removal."""
+        module = self._modules[layer]
+        current = self._current_pass
+
+        def fire(value: Any) -> None:
+            ctx = current()
+            if ctx is not None:
+                callback(ctx, value)
+
+        handles: list[RemovableHandle] = []
+        if point == pb.POINT_OUTPUT:
+            handles.append(module.register_forward_hook(lambda _m, _a, out: fire(out)))
+        elif point == pb.POINT_INPUT:
+            handles.append(module.register_forward_pre_hook(lambda _m, args: fire(args)))
+        elif point == pb.POINT_GRAD_OUTPUT:
+            handles.append(module.register_full_backward_hook(lambda _m, _gi, go: fire(go)))
+        elif point == pb.POINT_GRAD_INPUT:
+            handles.append(module.register_full_backward_hook(lambda _m, gi, _go: fire(gi)))
+        elif point == pb.POINT_PARAM_GRAD:
+            for pname, param in module.named_parameters():
+                if param.requires_grad:
+                    handles.append(
+                        param.register_post_accumulate_grad_hook(
+                            lambda p, _n=pname: fire({_n: p.grad})
+                        )
+                    )
+        else:
+            raise ValueError(f"unknown point {point}")
+        handle = HookHandle(layer, point, handles, self)
+        with self._lock:
+            self._live.update(id(h) for h in handles)
+        return handle
+
+    def _remove(self, handle: HookHandle) -> None:
+        with self._lock:
+            if handle._removed:
+                return
+            handle._removed = True
+            for h in handle._handles:
+                self._live.discard(id(h))
+        for h in handle._handles:
+            h.remove()

@@ -1,0 +1,76 @@
+"""``layertap.v1.InferenceService``: Infer and GetModelMetadata."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import torch
+
+from layertap.server.dtypes import flatten_outputs, tensor_from_proto, tensor_to_proto, wire_dtype
+from layertap.server.errors import InvalidSpec, LimitExceeded, grpc_errors
+from layertap.server.state import ServerState, StateCell
+from layertap.v1 import inference_pb2 as ipb
+from layertap.v1 import inference_pb2_grpc
+from layertap.v1 import tensor_pb2
+
+API_VERSION = "layertap.v1"
+
+
+def decode_inputs(inputs: list[tensor_pb2.Tensor], state: ServerState, field: str = "inputs") -> list[torch.Tensor]:
+    """Wire tensors -> validated CPU tensors, enforcing the request byte cap."""
+    total = sum(len(t.raw_data) for t in inputs)
+    if total > state.config.max_request_bytes:
+        raise LimitExceeded(
+            f"request carries {total} tensor bytes, over --max-request-bytes={state.config.max_request_bytes}"
+        )
+    tensors = [tensor_from_proto(t, f"{field}[{i}]") for i, t in enumerate(inputs)]
+    state.host.validate_inputs(tensors, field)
+    return tensors
+
+
+class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
+    """Runs the hosted model."""
+
+    def __init__(self, cell: StateCell) -> None:
+        self._cell = cell
+
+    @property
+    def state(self) -> ServerState:
+        return self._cell.get()
+
+    @grpc_errors
+    def Infer(self, request: ipb.InferRequest, context: grpc.ServicerContext) -> ipb.InferResponse:
+        metrics = self.state.metrics
+        start = time.perf_counter()
+        status = "error"
+        try:
+            if not request.inputs:
+                raise InvalidSpec("inputs", "send at least one input tensor (see GetModelMetadata)")
+            tensors = decode_inputs(list(request.inputs), self.state)
+            out, ctx = self.state.host.run(tensors)
+            outputs = [tensor_to_proto(t, name) for name, t in flatten_outputs(out)]
+            status = "ok"
+            return ipb.InferResponse(outputs=outputs, pass_index=ctx.index)
+        except InvalidSpec:
+            status = "invalid"
+            raise
+        finally:
+            if metrics is not None:
+                metrics.observe_inference(status, time.perf_counter() - start)
+
+    @grpc_errors
+    def GetModelMetadata(self, request: ipb.GetModelMetadataRequest, context: grpc.ServicerContext) -> ipb.GetModelMetadataResponse:
+        host = self.state.host
+        return ipb.GetModelMetadataResponse(
+            model_name=host.loaded.name,
+            source=host.loaded.source,
+            device=str(host.device),
+            dtype=wire_dtype(host.dtype),
+            parameter_count=host.parameter_count,
+            inputs=[tensor_pb2.TensorSpec(name=s.name, dtype=wire_dtype(s.dtype), shape=list(s.shape)) for s in host.inputs],
+            server_version=self.state.version,
+            api_version=API_VERSION,
+            active_hooks=host.hooks.active,
+            hooks_supported=host.loaded.hooks_supported,
+        )

@@ -1,0 +1,108 @@
+"""``layertap serve``: the server's command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from layertap.server.config import ServerConfig
+
+log = logging.getLogger("layertap.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = ServerConfig()
+    p = argparse.ArgumentParser(prog="layertap serve", description="Serve a PyTorch model with layer telemetry over gRPC.")
+    p.add_argument("--model", default=d.model, help="demo | torchvision name | file.pt2 | file.pt (TorchScript) | package.module:factory")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the demo model's weights")
+    p.add_argument("--weights", help="state_dict file, loaded with torch.load(weights_only=True)")
+    p.add_argument("--input-shape", help="input shape for factory/export/TorchScript models, -1 for the batch (e.g. -1,3,224,224)")
+    p.add_argument("--input-dtype", default=d.input_dtype)
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--host", default=d.host, help="bind address (default loopback; 0.0.0.0 exposes the server)")
+    p.add_argument("--port", type=int, default=d.port, help="gRPC port; 0 picks a free one")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port; 0 picks a free one")
+    p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
+    p.add_argument("--no-reflection", action="store_true", help="disable gRPC server reflection")
+    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
+    p.add_argument("--max-capture-bytes", type=int, default=d.max_capture_bytes)
+    p.add_argument("--max-capture-passes", type=int, default=d.max_capture_passes)
+    p.add_argument("--max-concurrent-captures", type=int, default=d.max_concurrent_captures)
+    p.add_argument("--max-subscribers", type=int, default=d.max_subscribers)
+    p.add_argument("--workers", type=int, default=d.workers, help="RPC worker threads (streams hold one each)")
+    p.add_argument("--taps", dest="tap_config", help="YAML or JSON file of durable taps to create at start")
+    p.add_argument("--baseline-dir", help="directory where drift baselines are saved and reloaded")
+    p.add_argument("--drift-window", type=int, default=d.drift_window, help="passes in the sliding drift window")
+    p.add_argument("--max-export-layers", type=int, default=d.max_export_layers)
+    p.add_argument("--grace", dest="grace_seconds", type=float, default=d.grace_seconds, help="seconds to drain on SIGTERM")
+    p.add_argument("--smoke", action="store_true", help="start on a free port, capture layer4 once through the client, print it, exit")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    fields = set(ServerConfig.__dataclass_fields__)
+    cfg = ServerConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    if args.no_metrics:
+        cfg.metrics_port = None
+    cfg.reflection = not args.no_reflection
+    if args.smoke:
+        cfg.port = 0
+        cfg.metrics_port = None if cfg.metrics_port is None else 0
+    return cfg
+
+
+def smoke(address: str) -> int:
+    """Capture ``layer4`` from the running server with the real client and print it."""
+    import numpy as np
+
+    from layertap import Client
+
+    with Client(address) as client:
+        meta = client.metadata()
+        shape = [2 if d == -1 else d for d in meta.inputs[0].shape]
+        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        act = client.capture("layer4", input=x)
+        passive_out = client.infer(x)
+        print(f"layertap: model={meta.model_name} source={meta.source} device={meta.device} "
+              f"params={meta.parameter_count}")
+        print(f"layertap: captured layer4 {tuple(act.shape)} {act.dtype} mean={float(np.mean(act)):.6f} "
+              f"std={float(np.std(act)):.6f}; infer output {tuple(passive_out.shape)}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from layertap.server.app import install_signal_handlers, start_server
+    from layertap.server.model_sources import ModelLoadError
+
+    config = config_from_args(args)
+    try:
+        server = start_server(config)
+    except ModelLoadError as exc:
+        print(f"layertap serve: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"layertap serve: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"layertap: serving on {config.host}:{server.port}", flush=True)
+    if server.metrics_port is not None:
+        print(f"layertap: metrics on http://{config.host}:{server.metrics_port}/metrics", flush=True)
+    if args.smoke:
+        try:
+            return smoke(f"{config.host}:{server.port}")
+        finally:
+            server.stop(0)
+    print(f"layertap: try `layertap capture {config.host}:{server.port} layer4 -o layer4.npy`", flush=True)
+    install_signal_handlers(server)
+    server.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""The model host: one forward pass at a time, each with a pass context.
+
+Passes are serialised by a lock, so every hook firing belongs to exactly one
+pass (and one request). Observers (taps, passive captures) are told when a
+pass finishes, still under the lock, so per-pass state never interleaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from layertap.server.dtypes import dtype_name
+from layertap.server.errors import InvalidSpec
+from layertap.server.hooks import HookRegistry
+from layertap.server.model_sources import InputSpec, LoadedModel
+
+
+@dataclass
+class PassContext:
+    """What a hook knows about the pass it fires in."""
+
+    index: int
+    #: Set for active captures: the pass ran a client's own input. Taps,
+    #: baselines and passive captures ignore such passes.
+    active_owner: object | None = None
+    step: int | None = None
+    wall_time: float = field(default_factory=time.time)
+
+    @property
+    def active(self) -> bool:
+        return self.active_owner is not None
+
+
+class PassObserver(Protocol):
+    """Told about every finished pass, under the model lock."""
+
+    def pass_finished(self, ctx: PassContext) -> None: ...
+
+
+@dataclass
+class LayerShapes:
+    inputs: list[tuple[int, ...]]
+    outputs: list[tuple[int, ...]]
+
+
+def flatten_tensors(value: Any) -> list[tuple[str, torch.Tensor]]:
+    """Tensors in a hook value with their key: ``""`` for a bare tensor,
+    ``"0"``, ``"1"``... for tuples/lists, the dict key for dicts."""
+    if isinstance(value, torch.Tensor):
+        return [("", value)]
+    if isinstance(value, dict):
+        return [(str(k), v) for k, v in value.items() if isinstance(v, torch.Tensor)]
+    if isinstance(value, (tuple, list)):
+        return [(str(i), v) for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _shapes(value: Any) -> list[tuple[int, ...]]:
+    return [tuple(t.shape) for _, t in flatten_tensors(value)]
+
+
+class ModelHost:
+    """Hosts one model on one device and runs its forward passes one at a time."""
+
+    def __init__(self, loaded: LoadedModel, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.loaded = loaded
+        self.device = torch.device(device)
+        self.dtype = dtype
+        module = loaded.module
+        if loaded.hooks_supported:
+            module = module.to(device=self.device, dtype=dtype)
+        else:
+            module = module.to(self.device)
+        self.module: nn.Module = module
+        self.inputs: list[InputSpec] = [
+            InputSpec(s.name, dtype if s.dtype.is_floating_point else s.dtype, s.shape)
+            for s in loaded.inputs
+        ]
+        self._lock = threading.RLock()
+        self._counter = itertools.count()
+        self._current: PassContext | None = None
+        self._observers: list[PassObserver] = []
+        self.passes = 0
+        self.hooks = HookRegistry(self.module, lambda: self._current)
+        self._modules = dict(self.module.named_modules()) if loaded.hooks_supported else {"": self.module}
+        self.layer_shapes: dict[str, LayerShapes] = {}
+        self._probe_armed = loaded.hooks_supported
+
+    # -- introspection -------------------------------------------------------
+    @property
+    def layer_names(self) -> list[str]:
+        """Qualified module names, ``""`` (the root) excluded."""
+        return [n for n in self._modules if n]
+
+    @property
+    def modules(self) -> dict[str, nn.Module]:
+        return self._modules
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+    def add_observer(self, observer: PassObserver) -> None:
+        with self._lock:
+            self._observers.append(observer)
+
+    def remove_observer(self, observer: PassObserver) -> None:
+        with self._lock:
+            if observer in self._observers:
+                self._observers.remove(observer)
+
+    def pass_lock(self) -> threading.RLock:
+        """The lock that serialises passes; hold it to change hooks between passes."""
+        return self._lock
+
+    def arm_shape_probe(self) -> None:
+        """Record every module's shapes on the next pass (cheap: one pass only)."""
+        self._probe_armed = self.loaded.hooks_supported
+
+    # -- passes --------------------------------------------------------------
+    def validate_inputs(self, inputs: Sequence[torch.Tensor], field_name: str = "inputs") -> None:
+        """Check count, dtype and shape against the declared signature."""
+        if len(inputs) != len(self.inputs):
+            raise InvalidSpec(field_name, f"expected {len(self.inputs)} input tensor(s), got {len(inputs)}")
+        for i, (t, spec) in enumerate(zip(inputs, self.inputs)):
+            where = f"{field_name}[{i}]"
+            if t.dtype != spec.dtype:
+                raise InvalidSpec(f"{where}.dtype", f"expected {dtype_name(spec.dtype)}, got {dtype_name(t.dtype)}")
+            if t.dim() != len(spec.shape) or any(
+                want != -1 and got != want for got, want in zip(t.shape, spec.shape)
+            ):
+                raise InvalidSpec(f"{where}.shape", f"expected {list(spec.shape)} (-1 = any), got {list(t.shape)}")
+
+    @contextlib.contextmanager
+    def pass_context(self, *, step: int | None = None, active_owner: object | None = None) -> Iterator[PassContext]:
+        """Hold the model for one pass. In-process users (training loops) run
+        forward and backward inside; observers are told when it exits."""
+        with self._lock:
+            ctx = PassContext(next(self._counter), active_owner=active_owner, step=step)
+            self._current = ctx
+            probe = self._start_probe() if self._probe_armed else None
+            try:
+                yield ctx
+            finally:
+                if probe is not None:
+                    probe.remove()
+                self._current = None
+                self.passes += 1
+                for obs in list(self._observers):
+                    obs.pass_finished(ctx)
+
+    def run(self, inputs: Sequence[torch.Tensor], *, active_owner: object | None = None) -> tuple[Any, PassContext]:
+        """Validate, move to the device and run one inference pass."""
+        self.validate_inputs(inputs)
+        moved = [t.to(self.device, non_blocking=True) for t in inputs]
+        with self.pass_context(active_owner=active_owner) as ctx, torch.inference_mode():
+            out = self.module(*moved)
+        return out, ctx
+
+    def _start_probe(self) -> torch.utils.hooks.RemovableHandle:
+        self._probe_armed = False
+        names = {id(m): n for n, m in self._modules.items() if n}
+        shapes = self.layer_shapes
+
+        def record(module: nn.Module, args: Any, out: Any) -> None:
+            name = names.get(id(module))
+            if name is not None:
+                shapes[name] = LayerShapes(_shapes(args), _shapes(out))
+
+        # A global hook lives only for this pass, under the model lock.
+        return nn.modules.module.register_module_forward_hook(record)
+
+    def warm_up(self) -> None:
+        """Run one batch-1 pass on zeros so shapes are known before traffic."""
+        if any(d < -1 for spec in self.inputs for d in spec.shape):
+            return
+        dummy = [torch.zeros([1 if d == -1 else d for d in s.shape], dtype=s.dtype) for s in self.inputs]
+        self._probe_armed = self.loaded.hooks_supported
+        with self.pass_context(active_owner="warm-up"), torch.inference_mode():
+            self.module(*[d.to(self.device) for d in dummy])
+
+

@@ -1,0 +1,196 @@
+"""Loading the model to host: the demo, torchvision, torch.export, TorchScript, factories.
+
+Every source resolves to a :class:`LoadedModel`: the module, its input
+signature and whether module hooks work on it. Loading errors are raised as
+:class:`ModelLoadError` with a one-line message that the CLI prints as is.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from layertap.server.demo_model import DEMO_INPUT_SHAPE, build_demo_model
+from layertap.server.dtypes import DTYPE_BY_NAME
+
+
+class ModelLoadError(Exception):
+    """The model could not be loaded; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One positional input: ``-1`` in ``shape`` marks the free batch dimension."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to be hosted."""
+
+    module: nn.Module
+    name: str
+    source: str
+    inputs: list[InputSpec]
+    hooks_supported: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """Parse ``"-1,3,224,224"`` (or ``x``-separated) into a shape tuple."""
+    parts = [p for p in text.replace("x", ",").split(",") if p.strip()]
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        raise ModelLoadError(f"--input-shape {text!r} is not a comma-separated list of ints") from None
+    if not shape or any(d < -1 or d == 0 for d in shape):
+        raise ModelLoadError(f"--input-shape {text!r}: dims must be positive, or -1 for the batch")
+    return shape
+
+
+def _torch_dtype(name: str, flag: str) -> torch.dtype:
+    try:
+        return DTYPE_BY_NAME[name]
+    except KeyError:
+        raise ModelLoadError(f"{flag} {name!r}: expected one of {', '.join(DTYPE_BY_NAME)}") from None
+
+
+def _declared_inputs(input_shape: str | None, input_dtype: str, what: str) -> list[InputSpec]:
+    if input_shape is None:
+        raise ModelLoadError(f"{what} needs --input-shape (e.g. -1,3,224,224) to declare its input")
+    return [InputSpec("input", _torch_dtype(input_dtype, "--input-dtype"), parse_shape(input_shape))]
+
+
+def _load_weights(module: nn.Module, weights: str) -> None:
+    path = Path(weights)
+    if not path.is_file():
+        raise ModelLoadError(f"--weights {weights!r}: no such file")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for a bad file
+        raise ModelLoadError(f"--weights {weights!r}: cannot load state_dict ({exc.__class__.__name__}: {str(exc).splitlines()[0]})") from None
+    if not isinstance(state, dict):
+        raise ModelLoadError(f"--weights {weights!r}: expected a state_dict, got {type(state).__name__}")
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else "mismatch"
+        raise ModelLoadError(f"--weights {weights!r} does not fit the model: {first}") from None
+
+
+def _load_torchvision(name: str) -> nn.Module | None:
+    try:
+        import torchvision.models as tvm  # noqa: PLC0415 - optional dependency
+    except Exception:
+        return None
+    try:
+        builder = tvm.get_model_builder(name)
+    except ValueError:
+        return None
+    model: nn.Module = builder(weights=None)
+    return model
+
+
+def _load_export(path: Path, input_shape: str | None, input_dtype: str) -> LoadedModel:
+    try:
+        program = torch.export.load(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: not a loadable torch.export program ({exc.__class__.__name__})") from None
+    # Module hooks never fire on ExportedProgram.module(); unflatten restores
+    # the original module hierarchy, whose submodules do run their hooks.
+    module = torch.export.unflatten(program)
+    if input_shape is not None:
+        inputs = _declared_inputs(input_shape, input_dtype, "a torch.export program")
+    else:
+        args = getattr(program, "example_inputs", None)
+        flat = list(args[0]) if args else []
+        if not flat or not all(isinstance(a, torch.Tensor) for a in flat):
+            raise ModelLoadError(f"{path}: no example inputs stored; pass --input-shape")
+        inputs = [
+            InputSpec(f"input{i}" if len(flat) > 1 else "input", a.dtype, (-1, *a.shape[1:]))
+            for i, a in enumerate(flat)
+        ]
+    return LoadedModel(module, path.stem, "export", inputs)
+
+
+def _load_torchscript(path: Path, input_shape: str | None, input_dtype: str) -> LoadedModel:
+    try:
+        module = torch.jit.load(str(path), map_location="cpu")
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: not a loadable TorchScript file ({exc.__class__.__name__})") from None
+    inputs = _declared_inputs(input_shape, input_dtype, "a TorchScript model")
+    note = "TorchScript modules refuse Python hooks: Infer works, Capture and taps do not"
+    return LoadedModel(module, path.stem, "torchscript", inputs, hooks_supported=False, notes=[note])
+
+
+def _load_factory(ref: str, input_shape: str | None, input_dtype: str) -> LoadedModel:
+    mod_name, _, attr = ref.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise ModelLoadError(f"--model {ref!r}: cannot import {mod_name!r} ({exc})") from None
+    factory = getattr(mod, attr, None)
+    if not callable(factory):
+        raise ModelLoadError(f"--model {ref!r}: {mod_name!r} has no callable {attr!r}")
+    try:
+        module = factory()
+    except Exception as exc:
+        raise ModelLoadError(f"--model {ref!r}: factory raised {exc.__class__.__name__}: {exc}") from None
+    if not isinstance(module, nn.Module):
+        raise ModelLoadError(f"--model {ref!r}: factory returned {type(module).__name__}, not nn.Module")
+    inputs = _declared_inputs(input_shape, input_dtype, f"factory {ref!r}")
+    return LoadedModel(module, attr, "factory", inputs)
+
+
+def load_model(
+    model: str = "demo",
+    *,
+    seed: int = 0,
+    weights: str | None = None,
+    input_shape: str | None = None,
+    input_dtype: str = "float32",
+) -> LoadedModel:
+    """Resolve ``--model`` into a :class:`LoadedModel` on the CPU in eval mode.
+
+    ``model`` is ``demo``, a torchvision model name, a ``.pt2`` export, a
+    TorchScript file (``.pt``/``.ts``/``.jit``) or ``package.module:factory``.
+    """
+    path = Path(model)
+    if model == "demo":
+        loaded = LoadedModel(
+            build_demo_model(seed), "demo", "demo", [InputSpec("input", torch.float32, DEMO_INPUT_SHAPE)]
+        )
+        if weights:
+            _load_weights(loaded.module, weights)
+    elif model.endswith(".pt2"):
+        if not path.is_file():
+            raise ModelLoadError(f"--model {model!r}: no such file")
+        loaded = _load_export(path, input_shape, input_dtype)
+    elif path.suffix in {".pt", ".ts", ".jit", ".pth"} and ":" not in model:
+        if not path.is_file():
+            raise ModelLoadError(f"--model {model!r}: no such file")
+        loaded = _load_torchscript(path, input_shape, input_dtype)
+    elif ":" in model:
+        loaded = _load_factory(model, input_shape, input_dtype)
+        if weights:
+            _load_weights(loaded.module, weights)
+    else:
+        tv = _load_torchvision(model)
+        if tv is None:
+            raise ModelLoadError(
+                f"--model {model!r}: not 'demo', a .pt2/.pt file, 'package.module:factory', "
+                "or a torchvision model name (is torchvision installed?)"
+            )
+        if weights:
+            _load_weights(tv, weights)
+        shape = parse_shape(input_shape) if input_shape else (-1, 3, 224, 224)
+        loaded = LoadedModel(tv, model, "torchvision", [InputSpec("input", torch.float32, shape)])
+    loaded.module.eval()
+    return loaded

@@ -1,0 +1,70 @@
+"""Everything the services share, built once per server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from layertap.server.capture import CaptureLimits, CaptureSlots
+from layertap.server.config import ServerConfig
+from layertap.server.model_host import ModelHost
+
+if TYPE_CHECKING:
+    from layertap.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    host: ModelHost
+    version: str
+    metrics: ServerMetrics | None = None
+    captures: CaptureSlots = field(init=False)
+    capture_limits: CaptureLimits = field(init=False)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.capture_limits = CaptureLimits(
+            max_bytes=self.config.max_capture_bytes,
+            max_passes=self.config.max_capture_passes,
+            max_concurrent=self.config.max_concurrent_captures,
+        )
+        self.captures = CaptureSlots(self.config.max_concurrent_captures)
+
+    def count_capture(self, code: str, nbytes: int) -> None:
+        """Record a finished capture in the metrics, when metrics are on."""
+        if self.metrics is not None:
+            self.metrics.observe_capture(code, nbytes)
+
+    def stats(self) -> Any:
+        """The GetServerStats response."""
+        from layertap.v1 import telemetry_pb2 as pb
+
+        taps = self.extras.get("taps")
+        broker = self.extras.get("broker")
+        return pb.GetServerStatsResponse(
+            active_hooks=self.host.hooks.active,
+            passes=self.host.passes,
+            active_captures=self.captures.active,
+            subscribers=broker.subscriber_count if broker is not None else 0,
+            taps=len(taps.list()) if taps is not None else 0,
+            reducer_errors=taps.reducer_errors if taps is not None else 0,
+            stream_dropped=broker.dropped_total if broker is not None else 0,
+        )
+
+
+class StateCell:
+    """Holds the state once the model is loaded; services answer UNAVAILABLE before."""
+
+    def __init__(self) -> None:
+        self._state: ServerState | None = None
+
+    def set(self, state: ServerState) -> None:
+        self._state = state
+
+    def get(self) -> ServerState:
+        if self._state is None:
+            from layertap.server.errors import Unavailable
+
+            raise Unavailable("the model is still loading; watch grpc.health.v1 for SERVING")
+        return self._state
