@@ -14,7 +14,11 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from layertap.server.broker import Broker
 from layertap.server.config import ServerConfig
+from layertap.server.errors import LayertapServerError
+from layertap.server.tap_config import load_tap_config
+from layertap.server.taps import TapEngine
 from layertap.server.dtypes import DTYPE_BY_NAME
 from layertap.server.inference_service import InferenceService
 from layertap.server.model_host import ModelHost
@@ -22,6 +26,7 @@ from layertap.server.model_sources import LoadedModel, ModelLoadError, load_mode
 from layertap.server.state import ServerState, StateCell
 from layertap.server.telemetry_service import TelemetryService
 from layertap.v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
+from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")
 
@@ -98,7 +103,16 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
         raise ModelLoadError(f"--dtype {config.dtype!r}: expected float32, float16 or bfloat16")
     host = ModelHost(loaded, device=pick_device(config.device), dtype=DTYPE_BY_NAME[config.dtype])
     host.warm_up()
-    return ServerState(config=config, host=host, version=server_version())
+    broker = Broker(default_queue_size=config.subscriber_queue, max_subscribers=config.max_subscribers)
+    taps = TapEngine(host, broker, max_taps=config.max_taps)
+    state = ServerState(config=config, host=host, version=server_version(), taps=taps, broker=broker)
+    if config.tap_config:
+        for i, spec in enumerate(load_tap_config(config.tap_config)):
+            try:
+                taps.create(spec, kind=pb.TAP_KIND_DURABLE, forever=True, field_prefix=f"{config.tap_config}: taps[{i}]")
+            except LayertapServerError as exc:
+                raise ModelLoadError(f"--taps {config.tap_config}: {exc}") from None
+    return state
 
 
 def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> LayertapServer:

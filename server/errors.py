@@ -49,13 +49,18 @@ class Unavailable(LayertapServerError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+LAYER_HINT = "Hint: list layers with ListLayers / client.layers()"
+
+
+def close_names(name: str, known: Iterable[str]) -> str:
+    """``"; did you mean: a, b?"`` for the names closest to ``name`` (or "")."""
+    close = difflib.get_close_matches(name, list(known), n=5, cutoff=0.5)
+    return f"; did you mean: {', '.join(close)}?" if close else ""
+
+
 def unknown_layer(name: str, known: Iterable[str]) -> NotFound:
     """Build the NOT_FOUND error for an unknown layer, with close names."""
-    close = difflib.get_close_matches(name, list(known), n=5, cutoff=0.5)
-    hint = f"; did you mean: {', '.join(close)}?" if close else ""
-    return NotFound(
-        f"unknown layer {name!r}{hint} Hint: list layers with ListLayers / client.layers()"
-    )
+    return NotFound(f"unknown layer {name!r}{close_names(name, known)} {LAYER_HINT}")
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -104,3 +109,7 @@ def grpc_errors(method):  # type: ignore[no-untyped-def]
                 raise
             fail(exc, context)
     return unary
+
+
+class AlreadyExists(LayertapServerError):
+    code = grpc.StatusCode.ALREADY_EXISTS

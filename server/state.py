@@ -10,7 +10,9 @@ from layertap.server.config import ServerConfig
 from layertap.server.model_host import ModelHost
 
 if TYPE_CHECKING:
+    from layertap.server.broker import Broker
     from layertap.server.metrics import ServerMetrics
+    from layertap.server.taps import TapEngine
 
 
 @dataclass
@@ -18,6 +20,8 @@ class ServerState:
     config: ServerConfig
     host: ModelHost
     version: str
+    taps: TapEngine
+    broker: Broker
     metrics: ServerMetrics | None = None
     captures: CaptureSlots = field(init=False)
     capture_limits: CaptureLimits = field(init=False)
@@ -40,16 +44,14 @@ class ServerState:
         """The GetServerStats response."""
         from layertap.v1 import telemetry_pb2 as pb
 
-        taps = self.extras.get("taps")
-        broker = self.extras.get("broker")
         return pb.GetServerStatsResponse(
             active_hooks=self.host.hooks.active,
             passes=self.host.passes,
             active_captures=self.captures.active,
-            subscribers=broker.subscriber_count if broker is not None else 0,
-            taps=len(taps.list()) if taps is not None else 0,
-            reducer_errors=taps.reducer_errors if taps is not None else 0,
-            stream_dropped=broker.dropped_total if broker is not None else 0,
+            subscribers=self.broker.subscriber_count,
+            taps=len(self.taps.list()),
+            reducer_errors=self.taps.reducer_errors,
+            stream_dropped=self.broker.dropped_total,
         )
 
 

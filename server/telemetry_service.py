@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Iterator
 
 import grpc
 
 from layertap.server.capture import CaptureSession, CaptureTooLarge, describe, encode_pass, parse_options
-from layertap.server.errors import grpc_errors
+from layertap.server.errors import InvalidSpec, grpc_errors
 from layertap.server.inference_service import decode_inputs
 from layertap.server.state import ServerState, StateCell
 from layertap.v1 import tensor_pb2
@@ -20,9 +21,84 @@ log = logging.getLogger("layertap.server")
 
 #: How often a waiting stream re-checks that its client is still there.
 POLL_SECONDS = 0.1
+#: Largest per-subscriber queue a client may ask for.
+MAX_QUEUE = 65536
 
 
-class TelemetryService(telemetry_pb2_grpc.TelemetryServiceServicer):
+class TapMethods:
+    """CreateTap/DeleteTap/ListTaps/Subscribe, mixed into TelemetryService."""
+
+    state: ServerState
+
+    @grpc_errors
+    def CreateTap(self, request: pb.CreateTapRequest, context: grpc.ServicerContext) -> pb.CreateTapResponse:
+        ttl = request.ttl.ToTimedelta().total_seconds() if request.HasField("ttl") else None
+        tap = self.state.taps.create(request.spec, kind=pb.TAP_KIND_DURABLE, ttl=ttl, forever=request.forever)
+        return pb.CreateTapResponse(tap=tap.info())
+
+    @grpc_errors
+    def DeleteTap(self, request: pb.DeleteTapRequest, context: grpc.ServicerContext) -> pb.DeleteTapResponse:
+        tap = self.state.taps.get(request.id)
+        if not tap.durable:
+            raise InvalidSpec("id", f"{request.id!r} is a stream tap; it ends with its Subscribe stream")
+        self.state.taps.delete(request.id)
+        return pb.DeleteTapResponse()
+
+    @grpc_errors
+    def ListTaps(self, request: pb.ListTapsRequest, context: grpc.ServicerContext) -> pb.ListTapsResponse:
+        return pb.ListTapsResponse(taps=[t.info() for t in self.state.taps.list()])
+
+    @grpc_errors
+    def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext) -> Iterator[pb.SubscribeResponse]:
+        state = self.state
+        engine, broker = state.taps, state.broker
+        if request.queue_size > MAX_QUEUE:
+            raise InvalidSpec("queue_size", f"at most {MAX_QUEUE}, got {request.queue_size}")
+        for i, tap_id in enumerate(request.tap_ids):
+            try:
+                engine.get(tap_id)
+            except Exception as exc:
+                raise type(exc)(f"tap_ids[{i}]: {exc}") from None
+        stream_taps = []
+        try:
+            for i, spec in enumerate(request.stream_taps):
+                stream_taps.append(engine.create(spec, kind=pb.TAP_KIND_STREAM, field_prefix=f"stream_taps[{i}]"))
+            ids = [*request.tap_ids, *(t.id for t in stream_taps)]
+            sub = broker.subscribe(ids or None, request.queue_size)
+        except Exception:
+            for t in stream_taps:
+                engine.delete(t.id, reason="ended")
+            raise
+        done = threading.Event()
+
+        def cleanup() -> None:
+            if done.is_set():
+                return
+            done.set()
+            broker.unsubscribe(sub)
+            for t in stream_taps:
+                try:
+                    engine.delete(t.id, reason="ended")
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+
+        # Stream taps and the queue go when the client does, even on SIGKILL.
+        context.add_callback(cleanup)
+        try:
+            yield pb.SubscribeResponse(stream_tap_ids=[t.id for t in stream_taps])
+            while context.is_active():
+                batch = sub.get(timeout=POLL_SECONDS)
+                if batch is None:
+                    if sub.closed:
+                        return
+                    continue
+                yield pb.SubscribeResponse(summaries=batch.summaries, events=batch.events, dropped=sub.dropped)
+        finally:
+            cleanup()
+
+
+
+class TelemetryService(TapMethods, telemetry_pb2_grpc.TelemetryServiceServicer):
     """Looks inside the hosted model."""
 
     def __init__(self, cell: StateCell) -> None:
@@ -56,20 +132,30 @@ class TelemetryService(telemetry_pb2_grpc.TelemetryServiceServicer):
     @grpc_errors
     def Capture(self, request: pb.CaptureRequest, context: grpc.ServicerContext) -> Iterator[pb.CaptureResponse]:
         state = self.state
-        code = "OK"
         try:
             opts = parse_options(request, state.host, state.capture_limits)
             inputs = decode_inputs(list(request.inputs), state) if request.inputs else None
             state.captures.acquire()
         except Exception as exc:
-            code = _code_of(exc)
-            state.count_capture(code, 0)
+            state.count_capture(_code_of(exc), 0)
             raise
-        sent = 0
         session = CaptureSession(state.host, opts, max_bytes=state.capture_limits.max_bytes, active=inputs is not None)
+        outcome = {"code": "CANCELLED", "sent": 0}
+        finished = threading.Event()
+
+        def finish() -> None:
+            # Runs once: on normal end, on error, or from gRPC's callback when
+            # the client vanishes (a cancelled generator is never resumed).
+            if finished.is_set():
+                return
+            finished.set()
+            session.close()
+            state.captures.release()
+            state.count_capture(outcome["code"], outcome["sent"])
+            log.info("capture end: code=%s bytes=%d", outcome["code"], outcome["sent"])
+
         log.info("capture start: %s active=%s", describe(opts), inputs is not None)
-        # Hooks must go even when the client vanishes mid-stream.
-        context.add_callback(session.close)
+        context.add_callback(finish)
         try:
             session.open()
             if inputs is not None:
@@ -79,7 +165,6 @@ class TelemetryService(telemetry_pb2_grpc.TelemetryServiceServicer):
                 rec = None
                 while rec is None:
                     if not context.is_active():
-                        code = "CANCELLED"
                         return
                     rec = session.next_pass(POLL_SECONDS)
                 if rec.too_large:
@@ -87,19 +172,19 @@ class TelemetryService(telemetry_pb2_grpc.TelemetryServiceServicer):
                 if rec.ordinal == opts.passes - 1:
                     session.close()  # the last pass is in hand: free the hooks now
                 for msg in encode_pass(rec, opts, ids):
-                    sent += len(msg.chunk.data)
+                    outcome["sent"] += len(msg.chunk.data)
                     yield msg
+            outcome["code"] = "OK"
         except Exception as exc:
-            code = _code_of(exc)
+            outcome["code"] = _code_of(exc)
             raise
         finally:
-            session.close()
-            state.captures.release()
-            state.count_capture(code, sent)
-            log.info("capture end: code=%s bytes=%d", code, sent)
+            finish()
 
 
 def _code_of(exc: BaseException) -> str:
     from layertap.server.errors import status_for
 
     return status_for(exc)[0].name
+
+

@@ -1,0 +1,130 @@
+"""Fan-out of summary batches to subscribers, never blocking the model.
+
+Each subscriber has a bounded queue; when it is full the oldest message is
+dropped and counted. Publishing is O(subscribers) appends under short locks.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from layertap.v1 import telemetry_pb2 as pb
+
+
+@dataclass
+class Batch:
+    """One stream message: the summaries of one pass (and any tap events)."""
+
+    summaries: list[pb.Summary] = field(default_factory=list)
+    events: list[pb.TapEvent] = field(default_factory=list)
+
+
+class Subscription:
+    """A subscriber's bounded, drop-oldest queue."""
+
+    def __init__(self, tap_ids: Iterable[str] | None, queue_size: int) -> None:
+        self.tap_ids: set[str] | None = set(tap_ids) if tap_ids is not None else None
+        self.queue_size = queue_size
+        self._queue: collections.deque[Batch] = collections.deque()
+        self._cond = threading.Condition()
+        self.dropped = 0
+        self.delivered = 0
+        self.closed = False
+
+    def wants(self, tap_id: str, durable: bool) -> bool:
+        return durable if self.tap_ids is None else tap_id in self.tap_ids
+
+    def put(self, batch: Batch) -> int:
+        """Enqueue; returns how many old messages were dropped (0 or 1)."""
+        with self._cond:
+            dropped = 0
+            if len(self._queue) >= self.queue_size:
+                self._queue.popleft()
+                self.dropped += 1
+                dropped = 1
+            self._queue.append(batch)
+            self._cond.notify()
+            return dropped
+
+    def get(self, timeout: float | None = None) -> Batch | None:
+        """Next batch, or None on timeout or close."""
+        with self._cond:
+            if not self._queue and not self.closed:
+                self._cond.wait(timeout)
+            if not self._queue:
+                return None
+            self.delivered += 1
+            return self._queue.popleft()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+
+class Broker:
+    """Routes per-pass summaries to every interested subscription."""
+
+    def __init__(self, default_queue_size: int = 256, max_subscribers: int = 32) -> None:
+        self.default_queue_size = default_queue_size
+        self.max_subscribers = max_subscribers
+        self._lock = threading.Lock()
+        self._subs: list[Subscription] = []
+        self.dropped_total = 0
+        self.messages_total = 0
+
+    @property
+    def subscriber_count(self) -> int:
+        with self._lock:
+            return len(self._subs)
+
+    def subscribe(self, tap_ids: Iterable[str] | None = None, queue_size: int = 0) -> Subscription:
+        """Register a subscriber; ``tap_ids=None`` follows every durable tap."""
+        from layertap.server.errors import LimitExceeded
+
+        sub = Subscription(tap_ids, queue_size or self.default_queue_size)
+        with self._lock:
+            if len(self._subs) >= self.max_subscribers:
+                raise LimitExceeded(f"{len(self._subs)} subscribers already, the server limit is {self.max_subscribers}")
+            self._subs.append(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        sub.close()
+        with self._lock:
+            if sub in self._subs:
+                self._subs.remove(sub)
+
+    def publish(self, summaries: list[pb.Summary], durable: dict[str, bool], events: Iterable[pb.TapEvent] = ()) -> None:
+        """Send one pass's summaries; each subscriber gets one message with its share.
+
+        Args:
+            summaries: every summary of the pass.
+            durable: tap id -> whether it is durable (for "all durable" subscribers).
+            events: tap events (errors, expiry) to deliver alongside.
+        """
+        events = list(events)
+        with self._lock:
+            subs = list(self._subs)
+        for sub in subs:
+            mine = [s for s in summaries if sub.wants(s.tap, durable.get(s.tap, False))]
+            evs = [e for e in events if sub.wants(e.tap, durable.get(e.tap, False))]
+            if not mine and not evs:
+                continue
+            dropped = sub.put(Batch(mine, evs))
+            with self._lock:
+                self.messages_total += 1
+                self.dropped_total += dropped
+
+    def close(self) -> None:
+        with self._lock:
+            subs, self._subs = self._subs, []
+        for sub in subs:
+            sub.close()

@@ -1,0 +1,85 @@
+"""Durable taps from a YAML or JSON file given to ``layertap serve --taps``.
+
+The file holds ``{"taps": [...]}`` (or a bare list). Each entry mirrors
+``TapSpec`` with two conveniences: ``point`` and reducer names may be written
+in lower case, and a reducer may be a bare name or ``{name: {params}}``::
+
+    taps:
+      - name: blocks
+        selector: "layer*"
+        reducers: [moments, nonfinite, {histogram: {bins: 32, min: -4, max: 4}}]
+        sampling: {every_n: 10}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from google.protobuf import json_format
+
+from layertap.server.errors import InvalidSpec
+from layertap.v1 import telemetry_pb2 as pb
+
+_PARAM_FIELD = {"histogram": "histogram", "quantiles": "quantiles", "per_channel": "per_channel"}
+
+
+def reducer_spec(entry: Any, field: str) -> pb.ReducerSpec:
+    """``"moments"`` or ``{"histogram": {"bins": 32}}`` -> ReducerSpec."""
+    if isinstance(entry, str):
+        name, params = entry, {}
+    elif isinstance(entry, dict) and len(entry) == 1:
+        name, params = next(iter(entry.items()))
+        params = params or {}
+    else:
+        raise InvalidSpec(field, f"expected a reducer name or {{name: params}}, got {entry!r}")
+    kind = f"REDUCER_KIND_{str(name).upper()}"
+    if kind not in pb.ReducerKind.keys() or kind == "REDUCER_KIND_UNSPECIFIED":
+        valid = ", ".join(k.removeprefix("REDUCER_KIND_").lower() for k in pb.ReducerKind.keys()[1:])
+        raise InvalidSpec(field, f"unknown reducer {name!r}; valid: {valid}")
+    spec = pb.ReducerSpec(kind=pb.ReducerKind.Value(kind))
+    if params:
+        sub = _PARAM_FIELD.get(str(name))
+        if sub is None:
+            raise InvalidSpec(field, f"reducer {name!r} takes no parameters")
+        try:
+            json_format.ParseDict(params, getattr(spec, sub))
+        except json_format.ParseError as exc:
+            raise InvalidSpec(field, f"bad {name} parameters: {exc}") from None
+    return spec
+
+
+def tap_spec_from_dict(entry: dict[str, Any], field: str) -> pb.TapSpec:
+    """One config entry -> TapSpec."""
+    if not isinstance(entry, dict):
+        raise InvalidSpec(field, f"expected a mapping, got {type(entry).__name__}")
+    entry = dict(entry)
+    reducers = entry.pop("reducers", [])
+    point = entry.pop("point", None)
+    spec = pb.TapSpec()
+    try:
+        json_format.ParseDict(entry, spec)
+    except json_format.ParseError as exc:
+        raise InvalidSpec(field, str(exc)) from None
+    if point is not None:
+        name = f"POINT_{str(point).upper()}"
+        if name not in pb.Point.keys():
+            raise InvalidSpec(f"{field}.point", f"unknown point {point!r}; valid: output, input, grad_output, grad_input, param_grad")
+        spec.point = pb.Point.Value(name)
+    if not isinstance(reducers, list):
+        raise InvalidSpec(f"{field}.reducers", "expected a list")
+    for i, r in enumerate(reducers):
+        spec.reducers.append(reducer_spec(r, f"{field}.reducers[{i}]"))
+    return spec
+
+
+def load_tap_config(path: str | Path) -> list[pb.TapSpec]:
+    """Parse a YAML (``yaml.safe_load``) or JSON tap file."""
+    text = Path(path).read_text()
+    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    entries = data.get("taps", []) if isinstance(data, dict) else data
+    if not isinstance(entries, list):
+        raise InvalidSpec("taps", "expected a list of taps")
+    return [tap_spec_from_dict(e, f"taps[{i}]") for i, e in enumerate(entries)]

@@ -1,0 +1,294 @@
+"""Taps: hooks that run reducers on chosen layers and publish summaries.
+
+The hot path (a hook) only launches reducer kernels and appends their result
+vector to the pass buffer: no host sync. When the pass ends the buffer goes
+to the collector thread in one device-to-host copy, and the collector turns
+it into ``Summary`` messages for the broker and the sinks (metrics, drift).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from google.protobuf import timestamp_pb2
+
+from layertap.server.broker import Broker
+from layertap.server.collector import Collector, PassBuffer
+from layertap.server.errors import AlreadyExists, InvalidSpec, LimitExceeded, NotFound, Unsupported
+from layertap.server.hooks import POINT_NAMES, HookHandle
+from layertap.server.model_host import ModelHost, PassContext, flatten_tensors
+from layertap.server.reducers import ReducerPlan, SpecError, build_reducers
+from layertap.server.sampling import Clock, Sampler
+from layertap.server.selectors import select_layers
+from layertap.v1 import telemetry_pb2 as pb
+
+log = logging.getLogger("layertap.server")
+
+DEFAULT_TTL_SECONDS = 600.0
+#: Sinks see every summary batch of a pass, on the collector thread.
+Sink = Callable[[PassContext, list[pb.Summary]], None]
+
+
+def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+@dataclass
+class Tap:
+    """A registered tap and its counters."""
+
+    id: str
+    spec: pb.TapSpec
+    kind: int
+    layers: list[str]
+    plan: ReducerPlan
+    always: ReducerPlan | None
+    sampler: Sampler
+    created_wall: float
+    expires_at: float | None = None  # engine clock
+    expires_wall: float | None = None
+    hits: int = 0
+    drops: int = 0
+    errors: int = 0
+    last_error: str = ""
+    disabled: bool = False
+    handles: list[HookHandle] = field(default_factory=list)
+    _pass: int = -1
+    _sampled: bool = False
+
+    @property
+    def durable(self) -> bool:
+        return self.kind == pb.TAP_KIND_DURABLE
+
+    def info(self) -> pb.TapInfo:
+        msg = pb.TapInfo(
+            id=self.id, spec=self.spec, kind=self.kind, layers=self.layers, hits=self.hits,
+            drops=self.drops, errors=self.errors, last_error=self.last_error, disabled=self.disabled,
+            created_at=_timestamp(self.created_wall),
+        )
+        if self.expires_wall is not None:
+            msg.expires_at.CopyFrom(_timestamp(self.expires_wall))
+        return msg
+
+
+@dataclass
+class _Piece:
+    tap: Tap
+    layer: str
+    output_index: int
+    shape: tuple[int, ...]
+    plan: ReducerPlan
+    sampled: bool
+
+
+class TapEngine:
+    """Owns every tap on a model host; is the host's pass observer."""
+
+    def __init__(self, host: ModelHost, broker: Broker, *, clock: Clock = time.monotonic,
+                 wall: Clock = time.time, max_taps: int = 64, rng: random.Random | None = None,
+                 collector_queue: int = 64) -> None:
+        self.host = host
+        self.broker = broker
+        self.clock = clock
+        self.wall = wall
+        self.max_taps = max_taps
+        self._rng = rng or random.Random()
+        self._lock = threading.RLock()
+        self._taps: dict[str, Tap] = {}
+        self._buffer: PassBuffer | None = None
+        self._pieces: list[_Piece] = []
+        self._hook_seconds = 0.0
+        self._events: list[pb.TapEvent] = []
+        self.reducer_errors = 0
+        self.sinks: list[Sink] = []
+        self.hook_observer: Callable[[float], None] | None = None
+        self.collector = Collector(maxsize=collector_queue)
+        host.add_observer(self)
+
+    # -- registry ------------------------------------------------------------
+    def create(self, spec: pb.TapSpec, *, kind: int = pb.TAP_KIND_DURABLE, ttl: float | None = None,
+               forever: bool = False, field_prefix: str = "spec") -> Tap:
+        """Validate ``spec``, install hooks and return the new tap.
+
+        Raises:
+            InvalidSpec: a field is wrong (the message names it).
+            NotFound: the selector matches no layer.
+            LimitExceeded: too many taps.
+        """
+        if not self.host.loaded.hooks_supported:
+            raise Unsupported(f"model source {self.host.loaded.source!r} does not support module hooks")
+        layers = select_layers(spec.selector, self.host.layer_names, f"{field_prefix}.selector")
+        point = spec.point or pb.POINT_OUTPUT
+        if point not in POINT_NAMES:
+            raise InvalidSpec(f"{field_prefix}.point", f"unknown point {spec.point}")
+        if not spec.reducers:
+            raise InvalidSpec(f"{field_prefix}.reducers", "name at least one reducer, e.g. moments")
+        try:
+            reducers = build_reducers(list(spec.reducers), f"{field_prefix}.reducers")
+        except SpecError as exc:
+            raise InvalidSpec(exc.field, str(exc)) from None
+        if ttl is not None and ttl <= 0:
+            raise InvalidSpec("ttl", f"must be positive, got {ttl}s")
+        sampler = Sampler(spec.sampling, clock=self.clock, rng=self._rng, field=f"{field_prefix}.sampling")
+        plan = ReducerPlan(reducers)
+        with self._lock:
+            if len(self._taps) >= self.max_taps:
+                raise LimitExceeded(f"{len(self._taps)} taps exist, the server limit is {self.max_taps}")
+            tap_id = spec.name or f"tap-{secrets.token_hex(4)}"
+            if tap_id in self._taps:
+                raise AlreadyExists(f"a tap named {tap_id!r} exists; delete it or pick another name")
+            stored = pb.TapSpec()
+            stored.CopyFrom(spec)
+            stored.point = point
+            tap = Tap(tap_id, stored, kind, layers, plan, plan.nonfinite_only(), sampler, self.wall())
+            if kind == pb.TAP_KIND_DURABLE and not forever:
+                life = DEFAULT_TTL_SECONDS if ttl is None else ttl
+                tap.expires_at = self.clock() + life
+                tap.expires_wall = self.wall() + life
+            with self.host.pass_lock():
+                for layer in layers:
+                    tap.handles.append(self.host.hooks.add(
+                        layer, point, lambda ctx, v, _t=tap, _l=layer: self._on_hook(_t, _l, ctx, v)))
+            self._taps[tap_id] = tap
+        log.info("tap %s created: kind=%s layers=%d point=%s", tap_id, pb.TapKind.Name(kind), len(layers), POINT_NAMES[point])
+        return tap
+
+    def delete(self, tap_id: str, reason: str = "deleted") -> Tap:
+        with self._lock:
+            tap = self._taps.pop(tap_id, None)
+        if tap is None:
+            raise NotFound(f"no tap {tap_id!r}; list taps with ListTaps / client.taps()")
+        self._unhook(tap)
+        self._events.append(pb.TapEvent(tap=tap_id, kind=reason, message=f"tap {reason}"))
+        log.info("tap %s %s", tap_id, reason)
+        return tap
+
+    def get(self, tap_id: str) -> Tap:
+        with self._lock:
+            tap = self._taps.get(tap_id)
+        if tap is None:
+            raise NotFound(f"no tap {tap_id!r}; list taps with ListTaps / client.taps()")
+        return tap
+
+    def list(self) -> list[Tap]:
+        with self._lock:
+            return list(self._taps.values())
+
+    def is_durable(self) -> dict[str, bool]:
+        with self._lock:
+            return {k: t.durable for k, t in self._taps.items()}
+
+    def expire(self) -> list[str]:
+        """Delete durable taps whose TTL has passed; returns their ids."""
+        now = self.clock()
+        with self._lock:
+            due = [t.id for t in self._taps.values() if t.expires_at is not None and t.expires_at <= now]
+        for tap_id in due:
+            try:
+                self.delete(tap_id, reason="expired")
+            except NotFound:
+                pass
+        return due
+
+    def _unhook(self, tap: Tap) -> None:
+        for h in tap.handles:
+            h.remove()
+        tap.handles.clear()
+
+    # -- model thread --------------------------------------------------------
+    def _on_hook(self, tap: Tap, layer: str, ctx: PassContext, value: Any) -> None:
+        if ctx.active or tap.disabled:
+            return  # active-capture passes are never fed to taps
+        t0 = time.perf_counter()
+        if tap._pass != ctx.index:
+            tap._pass = ctx.index
+            tap._sampled = tap.sampler.sample()
+        plan = tap.plan if tap._sampled else tap.always
+        if plan is None:
+            return
+        if self._buffer is None:
+            self._buffer = PassBuffer()
+        try:
+            for i, (_key, tensor) in enumerate(flatten_tensors(value)):
+                vec = plan.run(tensor)
+                self._buffer.add(len(self._pieces), vec)
+                self._pieces.append(_Piece(tap, layer, i, tuple(tensor.shape), plan, tap._sampled))
+        except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
+            self._fail(tap, layer, exc)
+        finally:
+            self._hook_seconds += time.perf_counter() - t0
+
+    def _fail(self, tap: Tap, layer: str, exc: BaseException) -> None:
+        tap.errors += 1
+        tap.disabled = True
+        tap.last_error = f"{layer}: {type(exc).__name__}: {exc}"
+        self.reducer_errors += 1
+        # Its pieces already in this pass are partial; _publish skips disabled taps.
+        self._unhook(tap)
+        self._events.append(pb.TapEvent(tap=tap.id, kind="disabled", message=tap.last_error))
+        log.warning("tap %s disabled after a reducer error: %s", tap.id, tap.last_error)
+
+    def pass_finished(self, ctx: PassContext) -> None:
+        """Ship the pass's results to the collector (one D2H copy)."""
+        buffer, pieces, events = self._buffer, self._pieces, self._events
+        self._buffer, self._pieces, self._events = None, [], []
+        hook_seconds, self._hook_seconds = self._hook_seconds, 0.0
+        if hook_seconds and self.hook_observer is not None:
+            self.hook_observer(hook_seconds)
+        if buffer is None or not pieces:
+            if events:
+                self.broker.publish([], self.is_durable(), events)
+            return
+        pending = buffer.finish()
+        ok = self.collector.submit(pending, lambda values: self._publish(ctx, pieces, values, events))
+        if not ok:
+            for p in pieces:
+                p.tap.drops += 1
+
+    # -- collector thread ----------------------------------------------------
+    def _publish(self, ctx: PassContext, pieces: list[_Piece], values: dict[int, np.ndarray],
+                 events: list[pb.TapEvent]) -> None:
+        wall = _timestamp(ctx.wall_time)
+        summaries = []
+        seen: set[str] = set()
+        for i, p in enumerate(pieces):
+            if p.tap.disabled:
+                continue
+            summary = pb.Summary(
+                tap=p.tap.id, layer=p.layer, point=p.tap.spec.point, output_index=p.output_index,
+                pass_index=ctx.index, wall_time=wall, results=p.plan.decode(values[i], p.shape),
+                unsampled=not p.sampled,
+            )
+            if ctx.step is not None:
+                summary.step = ctx.step
+                summary.has_step = True
+            summaries.append(summary)
+            if p.sampled and p.tap.id not in seen:
+                seen.add(p.tap.id)
+                p.tap.hits += 1
+        self.broker.publish(summaries, self.is_durable(), events)
+        for sink in list(self.sinks):
+            try:
+                sink(ctx, summaries)
+            except Exception:  # noqa: BLE001 - a sink must not stop the stream
+                log.exception("summary sink failed")
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every finished pass has been published."""
+        return self.collector.flush(timeout)
+
+    def close(self) -> None:
+        self.host.remove_observer(self)
+        for tap in self.list():
+            self._unhook(tap)
+        self.collector.close()

@@ -1,0 +1,113 @@
+"""Shared fixtures: real servers on ephemeral loopback ports, real clients."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO = TESTS_DIR.parent
+sys.path.insert(0, str(TESTS_DIR))
+
+
+@pytest.fixture
+def make_server():
+    """Start in-process servers (port 0); all are stopped after the test."""
+    from layertap.server.app import start_server
+    from layertap.server.config import ServerConfig
+
+    started = []
+
+    def make(loaded=None, **overrides):
+        cfg = ServerConfig(port=0, metrics_port=None)
+        for k, v in overrides.items():
+            setattr(cfg, k, v)
+        srv = start_server(cfg, loaded)
+        started.append(srv)
+        return srv
+
+    yield make
+    for srv in started:
+        srv.state.taps.close()
+        srv.stop(0)
+
+
+@pytest.fixture
+def demo_server(make_server):
+    return make_server()
+
+
+@pytest.fixture
+def client(demo_server):
+    from layertap import Client
+
+    with Client(f"127.0.0.1:{demo_server.port}") as c:
+        yield c
+
+
+class ServerProcess:
+    """``layertap serve`` as a subprocess; the port is read from its stdout."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "layertap.cli", "serve", "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+        )
+        self.lines: list[str] = []
+        self.port = -1
+        self.metrics_port: int | None = None
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if m := re.search(r"metrics on http://[^:]+:(\d+)/metrics", line):
+                self.metrics_port = int(m.group(1))
+            if m := re.search(r"serving on [^\s]+:(\d+)", line):
+                self.port = int(m.group(1))
+            if line.startswith("layertap: try"):
+                break
+        if self.port < 0:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise RuntimeError(f"server did not start: {''.join(self.lines)}\n{err}")
+        # Keep draining so the child never blocks on a full pipe.
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()
+        self.proc.stdout.read()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                return self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+@pytest.fixture
+def serve_process() -> Iterator:
+    procs: list[ServerProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        p = ServerProcess(*args, env=env)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.stop()

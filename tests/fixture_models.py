@@ -1,0 +1,77 @@
+"""Small models for tests, importable as ``fixture_models:<factory>``.
+
+Tests put this folder on ``PYTHONPATH`` for subprocess servers, so these are
+real ``package.module:factory`` references.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Identity(nn.Module):
+    """Returns its input through a named child, for big-tensor captures."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def identity() -> nn.Module:
+    return Identity()
+
+
+class PairHead(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x.sum(dim=1)
+
+
+class DictHead(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"pos": torch.relu(x), "neg": torch.relu(-x)}
+
+
+class Mixer(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+
+class Containers(nn.Module):
+    """Tuple and dict outputs, and a two-argument module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.pair = PairHead()
+        self.dict = DictHead()
+        self.mix = Mixer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        a, _s = self.pair(h)
+        d = self.dict(h)
+        return self.mix(a, d["pos"])
+
+
+def containers() -> nn.Module:
+    torch.manual_seed(0)
+    return Containers()
+
+
+class Perturbable(nn.Module):
+    """Three stages; ``layer3`` can be scaled at run time to force drift."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer1 = nn.Linear(16, 16)
+        self.layer2 = nn.Linear(16, 16)
+        self.layer3 = nn.Linear(16, 16)
+        self.layer4 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer4(torch.relu(self.layer3(torch.relu(self.layer2(torch.relu(self.layer1(x)))))))
