@@ -11,15 +11,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from layertap.v1 import telemetry_pb2 as pb
 
 #: ``callback(ctx, value)``: ``value`` is the output object, the args tuple,
-#: the grad tuple, or ``{param_name: grad}`` depending on the point.
+#: the grad tuple, or a :class:`ParamGrad` depending on the point.
 HookCallback = Callable[[Any, Any], None]
 
 POINT_NAMES: dict[int, str] = {
@@ -30,6 +31,14 @@ POINT_NAMES: dict[int, str] = {
     pb.POINT_PARAM_GRAD: "param_grad",
 }
 POINT_BY_NAME: dict[str, int] = {v: k for k, v in POINT_NAMES.items()}
+
+
+class ParamGrad(NamedTuple):
+    """A parameter's accumulated gradient; ``index`` is its position in the module."""
+
+    index: int
+    name: str
+    grad: torch.Tensor
 
 
 @dataclass
@@ -81,11 +90,11 @@ class HookRegistry:
         elif point == pb.POINT_GRAD_INPUT:
             handles.append(module.register_full_backward_hook(lambda _m, gi, _go: fire(gi)))
         elif point == pb.POINT_PARAM_GRAD:
-            for pname, param in module.named_parameters():
+            for i, (pname, param) in enumerate(module.named_parameters()):
                 if param.requires_grad:
                     handles.append(
                         param.register_post_accumulate_grad_hook(
-                            lambda p, _n=pname: fire({_n: p.grad})
+                            lambda p, _i=i, _n=pname: fire(ParamGrad(_i, _n, p.grad))
                         )
                     )
         else:

@@ -20,7 +20,7 @@ from torch import nn
 
 from layertap.server.dtypes import dtype_name
 from layertap.server.errors import InvalidSpec
-from layertap.server.hooks import HookRegistry
+from layertap.server.hooks import HookRegistry, ParamGrad
 from layertap.server.model_sources import InputSpec, LoadedModel
 
 
@@ -57,6 +57,8 @@ def flatten_tensors(value: Any) -> list[tuple[str, torch.Tensor]]:
     ``"0"``, ``"1"``... for tuples/lists, the dict key for dicts."""
     if isinstance(value, torch.Tensor):
         return [("", value)]
+    if isinstance(value, ParamGrad):
+        return [(value.name, value.grad)] if isinstance(value.grad, torch.Tensor) else []
     if isinstance(value, dict):
         return [(str(k), v) for k, v in value.items() if isinstance(v, torch.Tensor)]
     if isinstance(value, (tuple, list)):

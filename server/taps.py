@@ -23,7 +23,7 @@ from google.protobuf import timestamp_pb2
 from layertap.server.broker import Broker
 from layertap.server.collector import Collector, PassBuffer
 from layertap.server.errors import AlreadyExists, InvalidSpec, LimitExceeded, NotFound, Unsupported
-from layertap.server.hooks import POINT_NAMES, HookHandle
+from layertap.server.hooks import POINT_NAMES, HookHandle, ParamGrad
 from layertap.server.model_host import ModelHost, PassContext, flatten_tensors
 from layertap.server.reducers import ReducerPlan, SpecError, build_reducers
 from layertap.server.sampling import Clock, Sampler
@@ -218,11 +218,13 @@ class TapEngine:
             return
         if self._buffer is None:
             self._buffer = PassBuffer()
+        # A parameter gradient reports its position among the module's parameters.
+        offset = value.index if isinstance(value, ParamGrad) else 0
         try:
             for i, (_key, tensor) in enumerate(flatten_tensors(value)):
                 vec = plan.run(tensor)
                 self._buffer.add(len(self._pieces), vec)
-                self._pieces.append(_Piece(tap, layer, i, tuple(tensor.shape), plan, tap._sampled))
+                self._pieces.append(_Piece(tap, layer, offset + i, tuple(tensor.shape), plan, tap._sampled))
         except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
             self._fail(tap, layer, exc)
         finally:

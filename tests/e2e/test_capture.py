@@ -19,6 +19,8 @@ import layertap
 from layertap.server.demo_model import build_demo_model
 from layertap.v1 import tensor_pb2, telemetry_pb2, telemetry_pb2_grpc
 
+from e2e_util import batch, wait_for  # noqa: E402
+
 
 def reference(x: np.ndarray, layers: list[str], seed: int = 0) -> dict[str, np.ndarray]:
     """Forward-hook reference from the same seed, in this process."""
@@ -35,19 +37,6 @@ def reference(x: np.ndarray, layers: list[str], seed: int = 0) -> dict[str, np.n
     for h in handles:
         h.remove()
     return got
-
-
-def batch(n: int = 4, seed: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((n, 3, 32, 32)).astype(np.float32)
-
-
-def wait_for(cond, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def test_subprocess_server_active_and_passive_match_reference(serve_process):

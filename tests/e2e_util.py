@@ -1,0 +1,23 @@
+"""Helpers shared by the end-to-end tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+
+def batch(n: int = 4, seed: int = 1) -> np.ndarray:
+    """A deterministic demo-model input batch."""
+    return np.random.default_rng(seed).standard_normal((n, 3, 32, 32)).astype(np.float32)
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Poll ``cond`` until true or ``timeout`` seconds pass."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return bool(cond())
