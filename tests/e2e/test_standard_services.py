@@ -1,0 +1,87 @@
+"""grpc.health.v1 and server reflection, checked with grpc's own clients."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from layertap.server.app import SERVICE_NAMES
+
+
+def test_health_serving_and_graceful_shutdown(make_server):
+    srv = make_server()
+    channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    stub = health_pb2_grpc.HealthStub(channel)
+    for name in ("", *SERVICE_NAMES):
+        resp = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    srv.health.enter_graceful_shutdown()
+    resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    channel.close()
+
+
+def test_reflection_lists_services(demo_server):
+    channel = grpc.insecure_channel(f"127.0.0.1:{demo_server.port}")
+    services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"layertap.v1.InferenceService", "layertap.v1.TelemetryService", "grpc.health.v1.Health"} <= services
+    channel.close()
+
+
+def test_no_reflection_flag(make_server):
+    srv = make_server(reflection=False)
+    channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    db = ProtoReflectionDescriptorDatabase(channel)
+    try:
+        services = db.get_services()
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.UNIMPLEMENTED
+    else:
+        raise AssertionError(f"reflection answered: {services}")
+    channel.close()
+
+
+def test_model_loading_is_not_serving_then_serving(tmp_path):
+    """Health says NOT_SERVING while the model loads (a slow factory)."""
+    import sys
+    import threading
+    import time
+
+    from layertap.server.app import start_server
+    from layertap.server.config import ServerConfig
+
+    mod = tmp_path / "slow_model.py"
+    mod.write_text(
+        "import time, torch\n"
+        "def build():\n"
+        "    time.sleep(2)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    cfg = ServerConfig(port=port, metrics_port=None, model="slow_model:build", input_shape="-1,4")
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("srv", start_server(cfg)))
+    t.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = health_pb2_grpc.HealthStub(channel)
+    seen = set()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and "srv" not in box:
+        try:
+            seen.add(stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status)
+        except grpc.RpcError:
+            pass
+        time.sleep(0.05)
+    t.join(30)
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in seen
+    assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    channel.close()
+    box["srv"].stop(0)
+    sys.path.remove(str(tmp_path))
