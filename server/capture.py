@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from layertap.server.dtypes import TORCH_BY_WIRE, dtype_name, tensor_to_bytes, wire_dtype
+from layertap.server.dtypes import TORCH_BY_WIRE, dtype_name, wire_dtype
 from layertap.server.errors import InvalidSpec, LimitExceeded, Unsupported, unknown_layer
 from layertap.server.hooks import HookHandle
 from layertap.server.model_host import ModelHost, PassContext, flatten_tensors
@@ -204,21 +204,28 @@ def encode_pass(rec: CapturedPass, opts: CaptureOptions, tensor_ids: Iterator[in
     point = opts.point
     order = sorted(rec.tensors, key=lambda c: (rank[c.layer], c.output_index))
     for cap in order:
-        host_t = cap.tensor.to("cpu")
-        data = memoryview(tensor_to_bytes(host_t))
+        host_t = cap.tensor.to("cpu").contiguous()
+        nbytes = host_t.numel() * host_t.element_size()
+        # A byte view of the tensor itself: each chunk is copied once, into its message.
+        data = memoryview(host_t.view(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
         tid = next(tensor_ids)
-        nchunks = (len(data) + CHUNK_BYTES - 1) // CHUNK_BYTES
+        nchunks = (nbytes + CHUNK_BYTES - 1) // CHUNK_BYTES
         yield pb.CaptureResponse(header=pb.CaptureHeader(
             tensor_id=tid, layer=cap.layer, point=point, output_index=cap.output_index,
             output_key=cap.output_key, output_count=cap.output_count, dtype=wire_dtype(host_t.dtype),
             shape=list(host_t.shape), pass_index=rec.ctx.index, pass_ordinal=rec.ordinal,
-            total_bytes=len(data), num_chunks=nchunks, active=rec.ctx.active,
+            total_bytes=nbytes, num_chunks=nchunks, active=rec.ctx.active,
             is_container=cap.is_container,
         ))
         for i in range(nchunks):
             off = i * CHUNK_BYTES
-            yield pb.CaptureResponse(chunk=pb.CaptureChunk(
-                tensor_id=tid, chunk_index=i, offset=off, data=bytes(data[off:off + CHUNK_BYTES])))
+            msg = pb.CaptureResponse()
+            chunk = msg.chunk
+            chunk.tensor_id = tid
+            chunk.chunk_index = i
+            chunk.offset = off
+            chunk.data = data[off:off + CHUNK_BYTES].tobytes()
+            yield msg
 
 
 class CaptureSlots:
