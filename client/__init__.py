@@ -1,0 +1,88 @@
+"""layertap: tap any layer of a served PyTorch model over gRPC.
+
+>>> import layertap
+>>> with layertap.Client("localhost:50051") as client:
+...     x = client.capture("layer4")
+
+The base install has no torch; ``as_torch=True`` needs it. Everything public
+is listed in ``__all__``; modules starting with ``_`` are private.
+"""
+
+from ._client import Client, SummaryStream, TapHandle
+from ._errors import (
+    CaptureTooLarge,
+    ClientClosed,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    LayerNotFound,
+    LayertapError,
+    NotFound,
+    ProtocolError,
+    ResourceExhausted,
+    ServerUnavailable,
+)
+from ._types import (
+    AbsMax,
+    BaselineInfo,
+    DriftThresholds,
+    Histogram,
+    LayerDrift,
+    LayerInfo,
+    MinMax,
+    ModelMetadata,
+    Moments,
+    Nonfinite,
+    Norm,
+    PerChannel,
+    Quantiles,
+    ServerStats,
+    Summary,
+    TapEvent,
+    TapInfo,
+    TapSpec,
+    TensorSpec,
+    ZeroFraction,
+)
+from ._version import __version__
+
+__all__ = [
+    # client
+    "Client",
+    "SummaryStream",
+    "TapHandle",
+    # errors
+    "LayertapError",
+    "NotFound",
+    "LayerNotFound",
+    "InvalidArgument",
+    "ResourceExhausted",
+    "CaptureTooLarge",
+    "FailedPrecondition",
+    "DeadlineExceeded",
+    "ServerUnavailable",
+    "ProtocolError",
+    "ClientClosed",
+    # results
+    "ModelMetadata",
+    "TensorSpec",
+    "LayerInfo",
+    "ServerStats",
+    "TapSpec",
+    "TapInfo",
+    "TapEvent",
+    "Summary",
+    "Moments",
+    "MinMax",
+    "AbsMax",
+    "ZeroFraction",
+    "Nonfinite",
+    "Norm",
+    "Histogram",
+    "Quantiles",
+    "PerChannel",
+    "BaselineInfo",
+    "DriftThresholds",
+    "LayerDrift",
+    "__version__",
+]

@@ -1,0 +1,727 @@
+"""The layertap client: one gRPC channel, blocking calls, numpy (or torch) out."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from . import _convert
+from ._errors import (
+    ClientClosed,
+    InvalidArgument,
+    NotFound,
+    ProtocolError,
+    from_rpc_error,
+)
+from ._types import (
+    BaselineInfo,
+    DriftThresholds,
+    LayerDrift,
+    LayerInfo,
+    ModelMetadata,
+    ReducerSpec,
+    ServerStats,
+    Summary,
+    TapEvent,
+    TapInfo,
+    TapSpec,
+)
+from .v1 import (
+    inference_pb2,
+    inference_pb2_grpc,
+    telemetry_pb2,
+    telemetry_pb2_grpc,
+)
+
+__all__ = ["Client", "SummaryStream", "TapHandle"]
+
+MiB = 1 << 20
+#: Seconds a unary call or a capture may take unless ``timeout=`` says otherwise.
+DEFAULT_TIMEOUT = 30.0
+#: The server accepts requests of up to 256 MiB of tensor data by default; the
+#: slack covers the protobuf envelope around the raw bytes.
+DEFAULT_MAX_MESSAGE_BYTES = 256 * MiB + 1 * MiB
+#: Reducers used when a tap or watch names none: cheap, and enough for the CLI table.
+DEFAULT_REDUCERS: tuple[str, ...] = ("moments", "minmax", "nonfinite")
+_LAYER_NAMES_TIMEOUT = 5.0
+
+
+def normalize_target(target: str | int) -> str:
+    """Turns ``"host:port"``, ``"port"``, ``":port"`` or an int port into a gRPC target.
+
+    A bare port means ``127.0.0.1``, the server's default bind address.
+    """
+    text = str(target).strip()
+    if text.startswith(":"):
+        text = text[1:]
+    if text.isdigit():
+        return f"127.0.0.1:{text}"
+    if not text:
+        raise InvalidArgument("empty server address; expected host:port or a port")
+    return text
+
+
+def _as_spec(
+    selector: str | TapSpec,
+    *,
+    reducers: Sequence[ReducerSpec] | str | None,
+    point: str | None,
+    every: int | None,
+    probability: float | None,
+    max_per_second: float | None,
+    name: str | None,
+) -> TapSpec:
+    if isinstance(reducers, str):
+        # Accept the CLI's "moments,nonfinite" form, and avoid iterating characters.
+        reducers = [r.strip() for r in reducers.split(",") if r.strip()]
+    spec = TapSpec(selector=selector) if isinstance(selector, str) else selector
+    overrides: dict[str, Any] = {
+        "reducers": tuple(reducers) if reducers is not None else None,
+        "point": point,
+        "every": every,
+        "probability": probability,
+        "max_per_second": max_per_second,
+        "name": name,
+    }
+    return dataclasses.replace(spec, **{k: v for k, v in overrides.items() if v is not None})
+
+
+class SummaryStream(Iterator[Summary]):
+    """A live subscription: iterate it for :class:`Summary` objects.
+
+    The server batches summaries (about one message per pass); iterating
+    flattens them. Use :meth:`batches` to see message boundaries, e.g. to
+    refresh a display after each. The stream runs until :meth:`close`, the end
+    of a ``with`` block, the client's close, or its deadline (which raises
+    :class:`~layertap.DeadlineExceeded`).
+
+    Attributes:
+        dropped: Messages this subscriber lost so far to its full server-side queue.
+        events: The most recent tap events (reducer errors, expiry), oldest first.
+        stream_tap_ids: Ids the server gave this subscription's inline taps.
+    """
+
+    def __init__(
+        self, call: Any, translating: Callable[[], AbstractContextManager[None]]
+    ) -> None:
+        self._call = call
+        self._translating = translating
+        self._buffer: deque[Summary] = deque()
+        self._closed = False
+        self.dropped = 0
+        self.events: deque[TapEvent] = deque(maxlen=1000)
+        self.stream_tap_ids: list[str] = []
+
+    def __iter__(self) -> SummaryStream:
+        return self
+
+    def __next__(self) -> Summary:
+        while not self._buffer:
+            self._buffer.extend(self._next_message())
+        return self._buffer.popleft()
+
+    def batches(self) -> Iterator[list[Summary]]:
+        """Yields each stream message's summaries (possibly empty, when only events came)."""
+        while True:
+            if self._buffer:
+                pending = list(self._buffer)
+                self._buffer.clear()
+                yield pending
+            try:
+                yield self._next_message()
+            except StopIteration:
+                return
+
+    def _next_message(self) -> list[Summary]:
+        if self._closed:
+            raise StopIteration
+        try:
+            with self._translating():
+                msg = next(self._call)
+        except StopIteration:
+            self._closed = True
+            raise
+        except Exception:
+            if self._closed:  # Our own cancel() surfaces as CANCELLED: a clean end.
+                raise StopIteration from None
+            self.close()
+            raise
+        batch = _convert.subscribe_batch_from_proto(msg)
+        self.dropped = batch.dropped
+        self.events.extend(batch.events)
+        if batch.stream_tap_ids:
+            self.stream_tap_ids = batch.stream_tap_ids
+        return batch.summaries
+
+    def close(self) -> None:
+        """Cancels the subscription; the server removes its stream taps."""
+        if not self._closed:
+            self._closed = True
+            self._call.cancel()
+
+    def __enter__(self) -> SummaryStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class TapHandle:
+    """A durable tap created by :meth:`Client.tap`; deleted when the block exits.
+
+    Attributes:
+        info: The tap as the server reported it at creation.
+    """
+
+    def __init__(self, client: Client, info: TapInfo) -> None:
+        self._client = client
+        self.info = info
+        self._streams: list[SummaryStream] = []
+
+    @property
+    def id(self) -> str:
+        """The tap's server-assigned id."""
+        return self.info.id
+
+    def summaries(
+        self, *, timeout: float | None = None, queue_size: int | None = None
+    ) -> SummaryStream:
+        """Subscribes to this tap.
+
+        Args:
+            timeout: Seconds until the stream's deadline (None: no deadline).
+            queue_size: Server-side queue length for this subscriber.
+        """
+        stream = self._client._subscribe(
+            _convert.subscribe_request(tap_ids=[self.id], queue_size=queue_size), timeout
+        )
+        self._streams.append(stream)
+        return stream
+
+    def refresh(self) -> TapInfo:
+        """Fetches the tap's current counters (hits, drops, errors).
+
+        Raises:
+            NotFound: The tap expired or was deleted.
+        """
+        for info in self._client.taps():
+            if info.id == self.id:
+                self.info = info
+                return info
+        raise NotFound(f"tap {self.id!r} no longer exists (expired or deleted)")
+
+    def close(self) -> None:
+        """Cancels every subscription opened through this handle."""
+        for stream in self._streams:
+            stream.close()
+        self._streams.clear()
+
+
+class Client:
+    """A blocking client for one layertap server.
+
+    Use it as a context manager, or call :meth:`close`. After close, every
+    method raises :class:`~layertap.ClientClosed` (a ``RuntimeError``). The
+    client is safe to share between threads.
+
+    Every call has a deadline: ``timeout`` seconds by default, overridable per
+    call with ``timeout=`` (``math.inf`` waits forever). Subscriptions
+    (:meth:`watch`, :meth:`TapHandle.summaries`) have none unless given one.
+
+    Args:
+        target: ``"host:port"``, or a bare port for ``127.0.0.1``.
+        timeout: Default deadline of a call, in seconds.
+        max_message_bytes: gRPC send/receive limit; matches the server's
+            default 256 MiB request cap plus envelope slack.
+
+    Example:
+        >>> with layertap.Client("localhost:50051") as client:
+        ...     x = client.capture("layer4")
+    """
+
+    def __init__(
+        self,
+        target: str | int,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        if not timeout > 0:
+            raise InvalidArgument(f"timeout must be > 0 seconds, got {timeout}")
+        self.target = normalize_target(target)
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(
+            self.target,
+            options=[
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.max_receive_message_length", max_message_bytes),
+            ],
+        )
+        self._inference = inference_pb2_grpc.InferenceServiceStub(self._channel)
+        self._telemetry = telemetry_pb2_grpc.TelemetryServiceStub(self._channel)
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> Client:
+        self._check_open()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<layertap.Client {self.target} {state}>"
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def close(self) -> None:
+        """Closes the channel and cancels its in-flight calls. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._channel.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed(f"this layertap.Client for {self.target} is closed; create a new one")
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        t = self.timeout if timeout is None else timeout
+        if math.isinf(t):
+            return None
+        if not t > 0:
+            raise InvalidArgument(f"timeout must be > 0 seconds, got {t}")
+        return t
+
+    def _layer_names(self) -> list[str]:
+        resp = self._telemetry.ListLayers(
+            telemetry_pb2.ListLayersRequest(), timeout=min(self.timeout, _LAYER_NAMES_TIMEOUT)
+        )
+        return [layer.name for layer in resp.layers]
+
+    @contextmanager
+    def _translating(self, *, layer_hint: bool = False) -> Iterator[None]:
+        """The one place where gRPC errors become layertap errors."""
+        self._check_open()
+        try:
+            yield
+        except grpc.RpcError as exc:
+            mapped = (
+                ClientClosed(f"this layertap.Client for {self.target} was closed during the call")
+                if self._closed
+                else from_rpc_error(exc, layer_names=self._layer_names if layer_hint else None)
+            )
+            raise mapped from exc
+
+    # ------------------------------------------------------------------ inference
+
+    def metadata(self, *, timeout: float | None = None) -> ModelMetadata:
+        """Describes the served model and its input signature.
+
+        Raises:
+            LayertapError: Any server error, translated (see ``layertap._errors``).
+        """
+        with self._translating():
+            resp = self._inference.GetModelMetadata(
+                inference_pb2.GetModelMetadataRequest(), timeout=self._deadline(timeout)
+            )
+        return _convert.metadata_from_proto(resp)
+
+    def infer(self, x: Any, *more: Any, as_torch: bool = False, timeout: float | None = None) -> Any:
+        """Runs one forward pass.
+
+        Args:
+            x: First model input: a numpy array (or array-like) or a torch
+                tensor. ``torch.bfloat16`` is sent as bfloat16.
+            *more: Further positional inputs.
+            as_torch: Return torch tensors (bf16 outputs stay bf16).
+            timeout: Deadline override in seconds.
+
+        Returns:
+            One output: an array. Several: a list of arrays. numpy bf16 outputs
+            arrive as float32 (exact widening).
+
+        Raises:
+            InvalidArgument: Wrong dtype, shape or byte count for the model.
+        """
+        req = _convert.infer_request((x, *more))
+        with self._translating():
+            resp = self._inference.Infer(req, timeout=self._deadline(timeout))
+        outputs = _convert.infer_outputs(resp, as_torch=as_torch)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    # ------------------------------------------------------------------ layers, capture
+
+    def layers(self, *, timeout: float | None = None) -> list[LayerInfo]:
+        """Lists every module with its type, parameter count and last-seen shapes."""
+        with self._translating():
+            resp = self._telemetry.ListLayers(
+                telemetry_pb2.ListLayersRequest(), timeout=self._deadline(timeout)
+            )
+        return _convert.layers_from_proto(resp)
+
+    def stats(self, *, timeout: float | None = None) -> ServerStats:
+        """Returns the server-wide counters (active hooks, passes, captures, ...)."""
+        with self._translating():
+            resp = self._telemetry.GetServerStats(
+                telemetry_pb2.GetServerStatsRequest(), timeout=self._deadline(timeout)
+            )
+        return _convert.stats_from_proto(resp)
+
+    def capture(
+        self,
+        layers: str | Sequence[str],
+        *,
+        input: Any = None,  # noqa: A002 - the issue's public name
+        n: int = 1,
+        point: str = "output",
+        max_batch: int | None = None,
+        dtype: str | None = None,
+        as_torch: bool = False,
+        timeout: float | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Any:
+        """Fetches the tensors at one or more layers.
+
+        Passive by default: waits for the next ``n`` live forward passes. With
+        ``input``, active: the server runs that input instead (its passes are
+        marked and never feed taps or baselines).
+
+        Args:
+            layers: One exact module name, or a list of them.
+            input: Model input for an active capture: an array, or a tuple or
+                list of arrays for a multi-argument model.
+            n: Passes to capture.
+            point: ``"output"`` or ``"input"`` of the module.
+            max_batch: Keep at most this many rows of the batch.
+            dtype: Downcast floating tensors to ``"float16"`` or ``"bfloat16"``.
+            as_torch: Return torch tensors (needs torch installed).
+            timeout: Deadline override in seconds (passive captures wait for traffic).
+            progress: Called as ``progress(received_bytes, total_bytes)`` while
+                data arrives; ``total_bytes`` counts the headers seen so far.
+
+        Returns:
+            A layer name and ``n=1``: its array. A list of names: a dict name ->
+            array. ``n > 1``: a list with one such entry per pass. Where the
+            layer's value is a tuple/list (or a multi-argument input), a list
+            ordered by position replaces the array; a dict output gives a dict.
+
+            numpy has no bfloat16: a bf16 tensor arrives as float32 (exact: its
+            bits widen into the high half), or as ``torch.bfloat16`` with
+            ``as_torch=True``.
+
+        Raises:
+            LayerNotFound: A name is not a module; the error suggests close names.
+            CaptureTooLarge: Over the server's byte cap (no data was sent).
+            ResourceExhausted: Too many concurrent captures, or n over the limit.
+            FailedPrecondition: The model refuses hooks (TorchScript).
+            DeadlineExceeded: No (or not enough) traffic before the deadline.
+            ProtocolError: The stream ended before every byte arrived.
+        """
+        names = [layers] if isinstance(layers, str) else list(layers)
+        inputs: list[Any] | None = None
+        if input is not None:
+            inputs = list(input) if isinstance(input, (tuple, list)) else [input]
+        req = _convert.capture_request(
+            names, inputs=inputs, passes=n, point=point, max_batch=max_batch, dtype=dtype
+        )
+        if as_torch:
+            _convert._torch()  # Fail before the server does any work.
+        assembler = _convert.CaptureAssembler(as_torch=as_torch, progress=progress)
+        with self._translating(layer_hint=True):
+            call = self._telemetry.Capture(req, timeout=self._deadline(timeout))
+            try:
+                for msg in call:
+                    assembler.feed(msg)
+            except BaseException:
+                call.cancel()  # Free the server's capture hooks now, not at the deadline.
+                raise
+        return _shape_capture(assembler.finish(), names, single=isinstance(layers, str), n=n)
+
+    # ------------------------------------------------------------------ taps
+
+    def taps(self, *, timeout: float | None = None) -> list[TapInfo]:
+        """Lists durable and stream taps with their kind, counters and expiry."""
+        with self._translating():
+            resp = self._telemetry.ListTaps(
+                telemetry_pb2.ListTapsRequest(), timeout=self._deadline(timeout)
+            )
+        return [_convert.tap_info_from_proto(t) for t in resp.taps]
+
+    def create_tap(
+        self,
+        selector: str | TapSpec,
+        *,
+        reducers: Sequence[ReducerSpec] | str | None = None,
+        point: str | None = None,
+        every: int | None = None,
+        probability: float | None = None,
+        max_per_second: float | None = None,
+        name: str | None = None,
+        ttl: float | None = None,
+        forever: bool = False,
+        timeout: float | None = None,
+    ) -> TapInfo:
+        """Registers a durable tap.
+
+        Args:
+            selector: Exact module name, glob (``layer*``, ``**``) or ``re:`` regex;
+                or a whole :class:`TapSpec` (keyword arguments then override it).
+            reducers: Names (``"moments"``, ``"minmax"``, ``"abs_max"``,
+                ``"zero_fraction"``, ``"nonfinite"``, ``"norm"``, ``"histogram"``,
+                ``"quantiles"``, ``"per_channel"``) or one-key dicts with
+                parameters, e.g. ``{"histogram": {"bins": 32, "min": -4, "max": 4}}``.
+                Default: moments, minmax, nonfinite.
+            point: ``"output"`` (default), ``"input"``, ``"grad_output"``,
+                ``"grad_input"`` or ``"param_grad"``.
+            every: Summarize every N-th live pass.
+            probability: Summarize a pass with this probability.
+            max_per_second: At most this many summaries per second.
+            name: A label for the tap.
+            ttl: Seconds to live (None: the server's default, 10 minutes).
+            forever: Keep the tap until deleted.
+            timeout: Deadline override in seconds.
+
+        Raises:
+            InvalidArgument: Unknown reducer or parameter (checked client-side), bad sampling.
+            LayerNotFound: The selector matches no module.
+        """
+        spec = _as_spec(
+            selector,
+            reducers=reducers,
+            point=point,
+            every=every,
+            probability=probability,
+            max_per_second=max_per_second,
+            name=name,
+        )
+        req = _convert.create_tap_request(spec, ttl=ttl, forever=forever)
+        with self._translating(layer_hint=True):
+            resp = self._telemetry.CreateTap(req, timeout=self._deadline(timeout))
+        return _convert.tap_info_from_proto(resp.tap)
+
+    def delete_tap(self, tap: str | TapInfo | TapHandle, *, timeout: float | None = None) -> None:
+        """Removes a durable tap and its hooks.
+
+        Raises:
+            NotFound: No tap has this id (it may have expired).
+        """
+        tap_id = tap if isinstance(tap, str) else tap.id
+        with self._translating():
+            self._telemetry.DeleteTap(
+                telemetry_pb2.DeleteTapRequest(id=tap_id), timeout=self._deadline(timeout)
+            )
+
+    @contextmanager
+    def tap(
+        self,
+        selector: str | TapSpec,
+        *,
+        reducers: Sequence[ReducerSpec] | str | None = None,
+        point: str | None = None,
+        every: int | None = None,
+        probability: float | None = None,
+        max_per_second: float | None = None,
+        name: str | None = None,
+        ttl: float | None = None,
+        forever: bool = False,
+        timeout: float | None = None,
+    ) -> Iterator[TapHandle]:
+        """Creates a durable tap for the duration of a ``with`` block.
+
+        Takes the arguments of :meth:`create_tap`. On exit, however the block
+        ends, open subscriptions are cancelled and the tap is deleted (a tap
+        that already expired is fine).
+
+        Example:
+            >>> with client.tap("layer*", reducers=["moments"], ttl=60) as t:
+            ...     for s in t.summaries():
+            ...         print(s.layer, s.results["moments"].mean)
+        """
+        info = self.create_tap(
+            selector,
+            reducers=reducers,
+            point=point,
+            every=every,
+            probability=probability,
+            max_per_second=max_per_second,
+            name=name,
+            ttl=ttl,
+            forever=forever,
+            timeout=timeout,
+        )
+        handle = TapHandle(self, info)
+        try:
+            yield handle
+        finally:
+            handle.close()
+            if not self._closed:
+                try:
+                    self.delete_tap(info.id, timeout=timeout)
+                except NotFound:
+                    pass  # Expired already: the goal is reached.
+
+    def watch(
+        self,
+        selector: str | TapSpec,
+        *,
+        reducers: Sequence[ReducerSpec] | str | None = None,
+        every: int | None = None,
+        point: str | None = None,
+        probability: float | None = None,
+        max_per_second: float | None = None,
+        queue_size: int | None = None,
+        timeout: float | None = None,
+    ) -> SummaryStream:
+        """Streams summaries from an inline stream tap that lives as long as the stream.
+
+        Args:
+            selector: As for :meth:`create_tap`.
+            reducers: As for :meth:`create_tap` (default moments, minmax, nonfinite).
+            every: Summarize every N-th live pass.
+            point: Where to read the tensor (default ``"output"``).
+            probability: Summarize a pass with this probability.
+            max_per_second: At most this many summaries per second.
+            queue_size: Server-side queue length; a slow reader loses the oldest
+                messages, counted in ``stream.dropped``.
+            timeout: Deadline in seconds (None: until closed).
+
+        Returns:
+            A :class:`SummaryStream`; close it (or use ``with``) to remove the tap.
+            A bad selector raises when iteration starts.
+        """
+        spec = _as_spec(
+            selector,
+            reducers=reducers,
+            point=point,
+            every=every,
+            probability=probability,
+            max_per_second=max_per_second,
+            name=None,
+        )
+        req = _convert.subscribe_request(stream_taps=[spec], queue_size=queue_size)
+        return self._subscribe(req, timeout)
+
+    def subscribe(
+        self,
+        tap_ids: Sequence[str] = (),
+        *,
+        queue_size: int | None = None,
+        timeout: float | None = None,
+    ) -> SummaryStream:
+        """Follows durable taps (all of them when ``tap_ids`` is empty).
+
+        Args:
+            tap_ids: Ids of durable taps to follow.
+            queue_size: Server-side queue length for this subscriber.
+            timeout: Deadline in seconds (None: until closed).
+        """
+        req = _convert.subscribe_request(tap_ids=tap_ids, queue_size=queue_size)
+        return self._subscribe(req, timeout)
+
+    def _subscribe(
+        self, req: telemetry_pb2.SubscribeRequest, timeout: float | None
+    ) -> SummaryStream:
+        self._check_open()
+        deadline = None if timeout is None or math.isinf(timeout) else self._deadline(timeout)
+        with self._translating():
+            call = self._telemetry.Subscribe(req, timeout=deadline)
+        return SummaryStream(call, lambda: self._translating(layer_hint=True))
+
+    # ------------------------------------------------------------------ drift
+
+    def set_baseline(
+        self,
+        selector: str,
+        *,
+        passes: int = 100,
+        window: int = 50,
+        point: str = "output",
+        thresholds: DriftThresholds | Mapping[str, float] | None = None,
+        timeout: float | None = None,
+    ) -> BaselineInfo:
+        """Freezes a drift baseline from the next ``passes`` live passes.
+
+        Args:
+            selector: Layers to baseline (tap selector syntax).
+            passes: Live passes that make up the baseline.
+            window: Sliding window of current passes compared with it.
+            point: Where to read the tensor.
+            thresholds: Drift thresholds, as a :class:`DriftThresholds` or a
+                mapping with keys psi, js, wasserstein, mean_shift (missing keys
+                take the server defaults 0.2, 0.1, 0.1, 1.0).
+            timeout: Deadline override in seconds.
+
+        Returns:
+            The durable tap collecting the baseline and the layers it covers.
+        """
+        req = _convert.set_baseline_request(
+            selector, passes=passes, window=window, point=point, thresholds=thresholds
+        )
+        with self._translating(layer_hint=True):
+            resp = self._telemetry.SetBaseline(req, timeout=self._deadline(timeout))
+        return _convert.baseline_from_proto(resp)
+
+    def drift(self, selector: str = "", *, timeout: float | None = None) -> list[LayerDrift]:
+        """Returns the current drift scores, optionally filtered by a layer selector."""
+        with self._translating(layer_hint=True):
+            resp = self._telemetry.GetDrift(
+                telemetry_pb2.GetDriftRequest(selector=selector), timeout=self._deadline(timeout)
+            )
+        return _convert.drift_from_proto(resp)
+
+
+def _layer_value(tensors: list[_convert.CapturedTensor]) -> Any:
+    if len(tensors) == 1 and not tensors[0].is_container:
+        return tensors[0].value
+    ordered = sorted(tensors, key=lambda t: t.output_index)
+    if any(t.output_key for t in ordered):
+        return {t.output_key: t.value for t in ordered}
+    return [t.value for t in ordered]
+
+
+def _shape_capture(
+    tensors: list[_convert.CapturedTensor], names: list[str], *, single: bool, n: int
+) -> Any:
+    by_pass: dict[int, dict[str, list[_convert.CapturedTensor]]] = {}
+    for t in tensors:
+        by_pass.setdefault(t.pass_ordinal, {}).setdefault(t.layer, []).append(t)
+    if not by_pass:
+        raise ProtocolError("the capture stream ended without any tensor")
+    passes: list[Any] = []
+    for ordinal in sorted(by_pass):
+        layer_groups = by_pass[ordinal]
+        order = names + [name for name in layer_groups if name not in names]
+        values = {name: _layer_value(layer_groups[name]) for name in order if name in layer_groups}
+        if single:
+            if names[0] not in values:
+                raise ProtocolError(f"the server sent no tensor for layer {names[0]!r}")
+            passes.append(values[names[0]])
+        else:
+            passes.append(values)
+    return passes[0] if n == 1 else passes

@@ -1,0 +1,297 @@
+"""Public result types of the layertap client: small frozen dataclasses.
+
+None of them holds a protobuf object; :mod:`layertap._convert` builds them.
+Point names are ``"output"``, ``"input"``, ``"grad_output"``, ``"grad_input"``
+and ``"param_grad"``; dtype names are numpy-style (``"float32"``,
+``"bfloat16"``, ...).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+__all__ = [
+    "AbsMax",
+    "BaselineInfo",
+    "DriftThresholds",
+    "Histogram",
+    "LayerDrift",
+    "LayerInfo",
+    "MinMax",
+    "ModelMetadata",
+    "Moments",
+    "Nonfinite",
+    "Norm",
+    "PerChannel",
+    "Quantiles",
+    "ReducerResult",
+    "ReducerSpec",
+    "ServerStats",
+    "Summary",
+    "TapEvent",
+    "TapInfo",
+    "TapSpec",
+    "TensorSpec",
+    "ZeroFraction",
+]
+
+Shape = tuple[int, ...]
+
+#: A reducer as the client accepts it: a name such as ``"moments"``, or a
+#: one-key mapping of name to parameters such as ``{"histogram": {"bins": 32}}``.
+ReducerSpec = Union[str, Mapping[str, Mapping[str, Any]]]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A declared model input; ``-1`` marks a free dimension (the batch)."""
+
+    name: str
+    dtype: str
+    shape: Shape
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    """What the server hosts, and how to build a valid input for it."""
+
+    model_name: str
+    source: str
+    device: str
+    dtype: str
+    parameter_count: int
+    inputs: list[TensorSpec]
+    server_version: str
+    api_version: str
+    active_hooks: int
+    hooks_supported: bool
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One module of the served model, with the shapes last seen at it."""
+
+    name: str
+    type: str
+    parameter_count: int
+    input_shapes: list[Shape]
+    output_shapes: list[Shape]
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    """Server-wide counters; ``active_hooks`` returns to its idle value when nothing leaks."""
+
+    active_hooks: int
+    passes: int
+    active_captures: int
+    subscribers: int
+    taps: int
+    reducer_errors: int
+    stream_dropped: int
+
+
+@dataclass(frozen=True)
+class TapSpec:
+    """What a tap hooks, how it summarizes and how often.
+
+    Attributes:
+        selector: Exact module name, glob (``*`` stays within a dot level,
+            ``**`` crosses) or ``re:``-prefixed regex.
+        reducers: Reducer names, or one-key mappings name -> parameters.
+        point: Where on the module the tensor is read.
+        every: Run reducers on every N-th live pass (None: every pass).
+        probability: Run reducers on a pass with this probability (None: always).
+        max_per_second: At most this many summaries per second (None: unlimited).
+        name: A label for the tap.
+    """
+
+    selector: str
+    reducers: tuple[ReducerSpec, ...] = ("moments", "minmax", "nonfinite")
+    point: str = "output"
+    every: int | None = None
+    probability: float | None = None
+    max_per_second: float | None = None
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class TapInfo:
+    """A tap as the server reports it, with its counters.
+
+    ``kind`` is ``"durable"`` or ``"stream"``; ``expires_at`` is None for taps
+    that never expire. Times are timezone-aware UTC datetimes.
+    """
+
+    id: str
+    spec: TapSpec
+    kind: str
+    layers: list[str]
+    hits: int
+    drops: int
+    errors: int
+    last_error: str
+    disabled: bool
+    expires_at: _dt.datetime | None
+    created_at: _dt.datetime | None
+
+
+@dataclass(frozen=True)
+class Moments:
+    """Element count, mean and (population) standard deviation."""
+
+    count: int
+    mean: float
+    std: float
+
+
+@dataclass(frozen=True)
+class MinMax:
+    """Smallest and largest element."""
+
+    min: float
+    max: float
+
+
+@dataclass(frozen=True)
+class AbsMax:
+    """Largest absolute value."""
+
+    value: float
+
+
+@dataclass(frozen=True)
+class ZeroFraction:
+    """Fraction and count of elements equal to zero."""
+
+    fraction: float
+    count: int
+
+
+@dataclass(frozen=True)
+class Nonfinite:
+    """NaN and ±Inf counts."""
+
+    nan_count: int
+    inf_count: int
+
+
+@dataclass(frozen=True)
+class Norm:
+    """L2 norm of the whole tensor."""
+
+    l2: float
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Counts over inner ``edges``; ``counts`` has ``len(edges) + 1`` entries,
+    the first and last being the open bins ``(-inf, e0)`` and ``[e_last, +inf)``."""
+
+    edges: list[float]
+    counts: list[int]
+    sample_size: int
+    population: int
+
+
+@dataclass(frozen=True)
+class Quantiles:
+    """Estimated quantiles; ``rank_error`` bounds each value's rank error
+    as a fraction of ``population``."""
+
+    probabilities: list[float]
+    values: list[float]
+    sample_size: int
+    population: int
+    rank_error: float
+
+
+@dataclass(frozen=True)
+class PerChannel:
+    """Per-channel stats along ``dim``; ``channels`` may exceed ``len(mean)`` when capped."""
+
+    dim: int
+    mean: list[float]
+    std: list[float]
+    abs_max: list[float]
+    channels: int
+
+
+ReducerResult = Union[
+    Moments, MinMax, AbsMax, ZeroFraction, Nonfinite, Norm, Histogram, Quantiles, PerChannel
+]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The reducer results of one tap on one tensor of one pass.
+
+    Attributes:
+        results: Reducer name -> result, e.g. ``results["moments"].mean``.
+        step: The training step, when the host reports one.
+        wall_time: Seconds since the epoch when the pass ran.
+        unsampled: True when only the always-on ``nonfinite`` reducer ran.
+    """
+
+    tap: str
+    layer: str
+    point: str
+    output_index: int
+    pass_index: int
+    step: int | None
+    wall_time: float
+    unsampled: bool
+    results: dict[str, ReducerResult] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TapEvent:
+    """Something that happened to a tap, e.g. kind ``"disabled"`` after a reducer error."""
+
+    tap: str
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class BaselineInfo:
+    """The durable tap collecting a drift baseline, and the layers it covers."""
+
+    tap: str
+    layers: list[str]
+
+
+@dataclass(frozen=True)
+class DriftThresholds:
+    """Thresholds above which a drift score counts as drift (defaults as the server's)."""
+
+    psi: float = 0.2
+    js: float = 0.1
+    wasserstein: float = 0.1
+    mean_shift: float = 1.0
+
+
+@dataclass(frozen=True)
+class LayerDrift:
+    """Current drift of one layer against its baseline.
+
+    ``state`` is ``"collecting"`` or ``"ready"``; ``channel_drift_fraction``
+    is None when per-channel stats are not tapped.
+    """
+
+    tap: str
+    layer: str
+    point: str
+    state: str
+    baseline_passes: int
+    window_passes: int
+    psi: float
+    js: float
+    wasserstein: float
+    mean_shift: float
+    thresholds: DriftThresholds
+    drifted: bool
+    channel_drift_fraction: float | None

@@ -1,0 +1,570 @@
+"""The ``layertap`` command line: a thin shell over :class:`layertap.Client`.
+
+``serve`` and ``demo`` hand their arguments to the server package, imported
+only then, so the base install (no torch) runs every other command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.live import Live
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from ._client import DEFAULT_REDUCERS, DEFAULT_TIMEOUT, Client, normalize_target
+from ._errors import InvalidArgument, LayertapError
+from ._types import Summary, TapEvent
+from ._version import __version__
+
+__all__ = ["build_parser", "main", "parse_args", "sparkline"]
+
+PROG = "layertap"
+#: Captures at least this large get a progress bar.
+PROGRESS_MIN_BYTES = 8 << 20
+SPARK_CHARS = "▁▂▃▄▅▆▇█"
+SPARK_WIDTH = 30
+#: Subcommands whose arguments belong to the server package.
+_PASSTHROUGH = ("serve", "demo")
+_DEMOS = {"drift": "layertap.server.drift_demo"}
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _host(text: str) -> str:
+    try:
+        return normalize_target(text)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(exc.details) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
+def _reducer_list(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of reducers")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Builds the argument parser (``serve`` and ``demo`` only document themselves here)."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Tap any layer of a served PyTorch model over gRPC."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("host", type=_host, metavar="HOST", help="host:port, or a port on 127.0.0.1")
+        p.add_argument(
+            "--timeout",
+            type=_positive_float,
+            default=DEFAULT_TIMEOUT,
+            help=f"deadline of each call in seconds (default {DEFAULT_TIMEOUT:g})",
+        )
+        return p
+
+    p = command("layers", "List the model's modules with types, parameters and last shapes.")
+    p.set_defaults(func=_cmd_layers)
+
+    p = command("capture", "Capture the tensors at one or more layers into .npy/.npz.")
+    p.add_argument("layers", nargs="+", metavar="LAYER", help="exact module name(s)")
+    p.add_argument("-o", "--output", required=True, type=Path, help="output .npy or .npz file")
+    p.add_argument("--input", type=Path, help="run this .npy (or multi-argument .npz) input instead of waiting for live traffic")
+    p.add_argument("--n", type=_positive_int, default=1, help="live passes to capture (default 1)")
+    p.add_argument("--point", choices=("output", "input"), default="output")
+    p.add_argument("--max-batch", type=_positive_int, help="keep at most this many batch rows")
+    p.add_argument("--dtype", choices=("float16", "bfloat16"), help="downcast floating tensors on the server")
+    p.set_defaults(func=_cmd_capture)
+
+    p = command("watch", "Live table of summaries from a stream tap (Ctrl-C to stop).")
+    p.add_argument("selector", metavar="SELECTOR", help="module name, glob ('layer*') or re:regex")
+    p.add_argument(
+        "--reducers",
+        type=_reducer_list,
+        default=list(DEFAULT_REDUCERS),
+        help=f"comma-separated reducers (default {','.join(DEFAULT_REDUCERS)})",
+    )
+    p.add_argument("--every", type=_positive_int, help="summarize every N-th pass")
+    p.add_argument("--point", default="output", help="output, input, grad_output, grad_input, param_grad")
+    p.add_argument("--queue-size", type=_positive_int, help="server-side queue length")
+    p.add_argument("--count", type=_positive_int, help="stop after this many summaries")
+    p.add_argument("--duration", type=_positive_float, help="stop after this many seconds")
+    p.set_defaults(func=_cmd_watch)
+
+    p = command("baseline", "Freeze a drift baseline from the next N live passes.")
+    p.add_argument("selector", metavar="SELECTOR")
+    p.add_argument("--passes", type=_positive_int, default=100, help="passes in the baseline (default 100)")
+    p.add_argument("--window", type=_positive_int, default=50, help="sliding window compared with it (default 50)")
+    p.add_argument("--point", default="output")
+    for metric in ("psi", "js", "wasserstein", "mean-shift"):
+        p.add_argument(f"--{metric}", type=_positive_float, help=f"{metric} threshold")
+    p.set_defaults(func=_cmd_baseline)
+
+    p = command("drift", "Show current drift scores against the baselines.")
+    p.add_argument("selector", nargs="?", default="", metavar="SELECTOR", help="filter layers")
+    p.set_defaults(func=_cmd_drift)
+
+    p = command("taps", "List durable and stream taps with their counters.")
+    p.set_defaults(func=_cmd_taps)
+
+    p = command("stats", "Show the server's counters (hooks, passes, captures, subscribers).")
+    p.set_defaults(func=_cmd_stats)
+
+    p = sub.add_parser(
+        "serve",
+        help="Run a layertap server (needs layertap[server]); see 'layertap serve --help'.",
+        add_help=False,
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p = sub.add_parser(
+        "demo",
+        help="Run a demo against a server, e.g. 'layertap demo drift' (needs layertap[server]).",
+        add_help=False,
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses a command line; ``serve`` and ``demo`` keep their arguments verbatim.
+
+    Raises:
+        SystemExit: On a usage error (argparse prints it) or ``--help``.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in _PASSTHROUGH:
+        # argparse would try to parse the server's own options.
+        if args[0] == "serve":
+            return argparse.Namespace(command="serve", rest=args[1:], func=_cmd_serve)
+        return argparse.Namespace(
+            command="demo",
+            demo=args[1] if len(args) > 1 else None,
+            rest=args[2:],
+            func=_cmd_demo,
+        )
+    return build_parser().parse_args(args)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}"
+
+
+def _shape(shapes: Sequence[tuple[int, ...]]) -> str:
+    return ", ".join("(" + ", ".join(str(d) for d in s) + ")" for s in shapes) or "-"
+
+
+def sparkline(values: Sequence[float], width: int = SPARK_WIDTH) -> str:
+    """Renders the last ``width`` values as unicode block characters.
+
+    Non-finite values show as spaces; a flat series sits mid-height.
+    """
+    tail = list(values)[-width:]
+    finite = [v for v in tail if math.isfinite(v)]
+    if not finite:
+        return " " * len(tail)
+    lo, hi = min(finite), max(finite)
+    top = len(SPARK_CHARS) - 1
+    out = []
+    for v in tail:
+        if not math.isfinite(v):
+            out.append(" ")
+        elif hi == lo:
+            out.append(SPARK_CHARS[top // 2])
+        else:
+            out.append(SPARK_CHARS[round((v - lo) / (hi - lo) * top)])
+    return "".join(out)
+
+
+def _load_input(path: Path) -> list[np.ndarray[Any, Any]]:
+    loaded = np.load(path, allow_pickle=False)
+    if isinstance(loaded, np.lib.npyio.NpzFile):
+        with loaded:
+            return [loaded[key] for key in loaded.files]
+    return [np.asarray(loaded)]
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, np.ndarray[Any, Any]]) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _flatten(item, f"{prefix}/{key}" if prefix else str(key), out)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _flatten(item, f"{prefix}/{index}", out)
+    else:
+        out[prefix] = np.asarray(value)
+
+
+class _CaptureProgress:
+    """Progress callback that shows a bar once a capture turns out to be large."""
+
+    def __init__(self, console: Console) -> None:
+        self._console = console
+        self._progress: Progress | None = None
+        self._task: Any = None
+
+    def __call__(self, received: int, total: int) -> None:
+        if self._progress is None:
+            if total < PROGRESS_MIN_BYTES:
+                return
+            self._progress = Progress(
+                TextColumn("capture"),
+                BarColumn(),
+                DownloadColumn(binary_units=True),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=self._console,
+                transient=True,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("capture", total=total)
+        self._progress.update(self._task, completed=received, total=total)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _client(args: argparse.Namespace) -> Client:
+    return Client(args.host, timeout=args.timeout)
+
+
+def _cmd_layers(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        layers = client.layers()
+    table = Table(title=f"{len(layers)} layers at {args.host}")
+    for column in ("name", "type", "params", "input shapes", "output shapes"):
+        table.add_column(column, justify="right" if column == "params" else "left")
+    for layer in layers:
+        table.add_row(
+            layer.name or "(root)",
+            layer.type,
+            f"{layer.parameter_count:,}",
+            _shape(layer.input_shapes),
+            _shape(layer.output_shapes),
+        )
+    Console().print(table)
+    return 0
+
+
+def _cmd_capture(args: argparse.Namespace) -> int:
+    stderr = Console(stderr=True)
+    inputs = _load_input(args.input) if args.input is not None else None
+    progress = _CaptureProgress(stderr)
+    try:
+        with _client(args) as client:
+            result = client.capture(
+                list(args.layers),
+                input=tuple(inputs) if inputs is not None else None,
+                n=args.n,
+                point=args.point,
+                max_batch=args.max_batch,
+                dtype=args.dtype,
+                timeout=args.timeout,
+                progress=progress,
+            )
+    finally:
+        progress.close()
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    if args.n == 1:
+        _flatten(result, "", arrays)
+    else:
+        for index, per_pass in enumerate(result):
+            _flatten(per_pass, f"pass{index}", arrays)
+    out: Path = args.output
+    if len(arrays) == 1 and out.suffix != ".npz":
+        ((name, array),) = arrays.items()
+        if out.suffix != ".npy":
+            out = out.with_name(out.name + ".npy")
+        np.save(out, array)
+    else:
+        if out.suffix != ".npz":
+            out = out.with_suffix(".npz")
+            stderr.print(f"{len(arrays)} tensors: writing {out} instead of a single .npy")
+        np.savez(out, **arrays)  # type: ignore[arg-type]
+    for name, array in arrays.items():
+        stderr.print(f"{name}: {array.dtype} {tuple(array.shape)}")
+    print(out)
+    return 0
+
+
+@dataclass
+class _Row:
+    summary: Summary
+    means: deque[float] = field(default_factory=lambda: deque(maxlen=SPARK_WIDTH))
+    nan: int = 0
+    inf: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def _watch_table(
+    title: str,
+    rows: dict[tuple[str, int], _Row],
+    dropped: int,
+    events: Sequence[TapEvent],
+    spark_width: int = SPARK_WIDTH,
+) -> Table:
+    table = Table(title=title, caption=_watch_caption(dropped, events))
+    for column in ("layer", "pass", "mean", "std", "min", "max", "nan", "inf"):
+        table.add_column(column, justify="left" if column == "layer" else "right", no_wrap=True)
+    table.add_column(f"mean (last {spark_width})", no_wrap=True)
+    for (layer, index), row in sorted(rows.items()):
+        name = layer if index == 0 else f"{layer}[{index}]"
+        table.add_row(
+            name,
+            str(row.summary.pass_index),
+            _fmt(row.stats.get("mean")),
+            _fmt(row.stats.get("std")),
+            _fmt(row.stats.get("min")),
+            _fmt(row.stats.get("max")),
+            f"[bold red]{row.nan}[/]" if row.nan else "0",
+            f"[bold red]{row.inf}[/]" if row.inf else "0",
+            sparkline(row.means, spark_width),
+        )
+    return table
+
+
+def _watch_caption(dropped: int, events: Sequence[TapEvent]) -> str:
+    parts = [f"dropped {dropped}"]
+    if events:
+        last = events[-1]
+        parts.append(f"[yellow]{last.kind}[/] {last.tap}: {last.message}")
+    return " · ".join(parts)
+
+
+def _update_row(rows: dict[tuple[str, int], _Row], s: Summary) -> None:
+    row = rows.setdefault((s.layer, s.output_index), _Row(summary=s))
+    row.summary = s
+    nonfinite = s.results.get("nonfinite")
+    if nonfinite is not None:
+        row.nan += getattr(nonfinite, "nan_count", 0)
+        row.inf += getattr(nonfinite, "inf_count", 0)
+    if s.unsampled:
+        return  # Only the always-on NaN counter ran on this pass.
+    moments = s.results.get("moments")
+    if moments is not None:
+        row.stats["mean"] = getattr(moments, "mean")
+        row.stats["std"] = getattr(moments, "std")
+        row.means.append(row.stats["mean"])
+    minmax = s.results.get("minmax")
+    if minmax is not None:
+        row.stats["min"] = getattr(minmax, "min")
+        row.stats["max"] = getattr(minmax, "max")
+
+
+def _cmd_watch(args: argparse.Namespace) -> int:
+    rows: dict[tuple[str, int], _Row] = {}
+    title = f"{args.selector} @ {args.host} ({','.join(args.reducers)})"
+    deadline = None if args.duration is None else time.monotonic() + args.duration
+    seen = 0
+    # Keep layer names readable on narrow terminals: shorten the sparkline first.
+    spark_width = SPARK_WIDTH if Console().width >= 100 else 12
+    with _client(args) as client, client.watch(
+        args.selector,
+        reducers=args.reducers,
+        every=args.every,
+        point=args.point,
+        queue_size=args.queue_size,
+        timeout=args.duration,
+    ) as stream:
+        with Live(_watch_table(title, rows, 0, (), spark_width), refresh_per_second=4) as live:
+            try:
+                for batch in stream.batches():
+                    for summary in batch:
+                        _update_row(rows, summary)
+                    seen += len(batch)
+                    live.update(
+                        _watch_table(title, rows, stream.dropped, stream.events, spark_width)
+                    )
+                    if args.count is not None and seen >= args.count:
+                        break
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
+            except LayertapError as exc:
+                if exc.code != "DEADLINE_EXCEEDED" or args.duration is None:
+                    raise  # Reaching --duration is the normal end.
+            except KeyboardInterrupt:
+                pass
+    return 0
+
+
+def _cmd_baseline(args: argparse.Namespace) -> int:
+    thresholds = {
+        key: value
+        for key, value in (
+            ("psi", args.psi),
+            ("js", args.js),
+            ("wasserstein", args.wasserstein),
+            ("mean_shift", args.mean_shift),
+        )
+        if value is not None
+    }
+    with _client(args) as client:
+        info = client.set_baseline(
+            args.selector,
+            passes=args.passes,
+            window=args.window,
+            point=args.point,
+            thresholds=thresholds or None,
+        )
+    print(f"baseline tap {info.tap}: collecting {args.passes} passes over {len(info.layers)} layer(s)")
+    for layer in info.layers:
+        print(f"  {layer}")
+    return 0
+
+
+def _cmd_drift(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        rows = client.drift(args.selector)
+    table = Table(title=f"drift at {args.host}")
+    for column in ("layer", "state", "baseline", "window", "psi", "js", "w1/σ", "shift σ", "channels", "drifted"):
+        table.add_column(column, justify="left" if column in ("layer", "state") else "right")
+
+    def score(value: float, threshold: float) -> str:
+        return f"[bold red]{value:.3f}[/]" if threshold > 0 and value > threshold else f"{value:.3f}"
+
+    for d in rows:
+        t = d.thresholds
+        table.add_row(
+            d.layer,
+            d.state,
+            str(d.baseline_passes),
+            str(d.window_passes),
+            score(d.psi, t.psi),
+            score(d.js, t.js),
+            score(d.wasserstein, t.wasserstein),
+            score(d.mean_shift, t.mean_shift),
+            "-" if d.channel_drift_fraction is None else f"{d.channel_drift_fraction:.0%}",
+            "[bold red]yes[/]" if d.drifted else "no",
+        )
+    Console().print(table)
+    return 0
+
+
+def _cmd_taps(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        taps = client.taps()
+    table = Table(title=f"{len(taps)} taps at {args.host}")
+    for column in ("id", "name", "kind", "selector", "point", "layers", "hits", "drops", "errors", "expires"):
+        table.add_column(column, justify="right" if column in ("layers", "hits", "drops", "errors") else "left")
+    for tap in taps:
+        status = f"[red]{tap.errors}[/]" if tap.errors else "0"
+        table.add_row(
+            tap.id,
+            tap.spec.name,
+            tap.kind + (" [red](disabled)[/]" if tap.disabled else ""),
+            tap.spec.selector,
+            tap.spec.point,
+            str(len(tap.layers)),
+            str(tap.hits),
+            str(tap.drops),
+            status,
+            "never" if tap.expires_at is None else tap.expires_at.isoformat(timespec="seconds"),
+        )
+    Console().print(table)
+    return 0
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        stats = client.stats()
+    table = Table(title=f"server stats at {args.host}", show_header=False)
+    for key, value in vars(stats).items():
+        table.add_row(key, str(value))
+    Console().print(table)
+    return 0
+
+
+def _server_entry(module: str, what: str) -> Callable[[list[str]], Any] | None:
+    try:
+        entry: Callable[[list[str]], Any] = getattr(importlib.import_module(module), "main")
+    except ImportError as exc:
+        print(
+            f"{PROG}: {what} needs the server extra: pip install 'layertap[server]' ({exc})",
+            file=sys.stderr,
+        )
+        return None
+    return entry
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    serve_main = _server_entry("layertap.server.main", "serve")
+    if serve_main is None:
+        return 1
+    return int(serve_main(list(args.rest)) or 0)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    module = _DEMOS.get(args.demo or "")
+    if module is None:
+        print(f"{PROG}: demo: choose one of: {', '.join(_DEMOS)}", file=sys.stderr)
+        return 2
+    demo_main = _server_entry(module, f"demo {args.demo}")
+    if demo_main is None:
+        return 1
+    return int(demo_main(list(args.rest)) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the CLI; returns the exit code (errors: one line on stderr, code 1)."""
+    args = parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (LayertapError, OSError, ValueError) as exc:
+        message = " ".join(str(exc).split())
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
