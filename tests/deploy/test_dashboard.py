@@ -1,0 +1,85 @@
+"""The Grafana dashboard and the compose stack, checked statically (no Docker engine here)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from dashboard_util import DASHBOARD, dashboard_exprs, dashboard_targets, dashboard_variables, load_dashboard
+
+DEPLOY = DASHBOARD.parents[1]
+VALUES = {"model": "demo", "layer": "layer3"}
+
+
+def test_dashboard_has_the_required_panels_and_variables() -> None:
+    d = load_dashboard()
+    assert d["uid"] == "layertap-drift"
+    assert dashboard_variables() == ["model", "layer"]
+    panels = {(p["type"], p["title"]) for p in d["panels"]}
+    types = {t for t, _ in panels}
+    assert {"stat", "status-history", "heatmap", "timeseries"} <= types
+    titles = " | ".join(t for _, t in panels).lower()
+    for word in ("layers drifting", "mean ± std", "activation values", "nan / inf", "hook overhead",
+                 "inference latency", "stream drops", "staleness"):
+        assert word in titles, word
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_every_target_is_non_empty_and_without_fallbacks() -> None:
+    targets = dashboard_targets()
+    assert len(targets) >= 10
+    for title, expr in targets:
+        assert expr.strip(), title
+        assert "orvector(" not in expr.replace(" ", ""), title  # no fallbacks that hide missing series
+    exprs = dashboard_exprs(values=VALUES)
+    assert not any("$" in e for e in exprs)
+    latency = [e for e in exprs if "layertap_inference_duration_seconds_bucket" in e]
+    assert any("histogram_quantile(0.5," in e for e in latency) and any("histogram_quantile(0.99," in e for e in latency)
+
+
+def test_activation_queries_keep_the_layer_label() -> None:
+    # The e2e test checks results carry `layer`; no aggregation may drop it.
+    for expr in dashboard_exprs(values=VALUES):
+        if "layertap_activation_" in expr and " by (" in expr:
+            for clause in expr.split(" by (")[1:]:
+                assert "layer" in clause.split(")")[0], expr
+
+
+def test_exprs_are_valid_promql(tmp_path: Path) -> None:
+    exe = shutil.which("promtool")
+    if exe is None:
+        pytest.skip("promtool not on PATH")
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:expr_{i}", "expr": e} for i, e in enumerate(dashboard_exprs(values=VALUES))
+    ]}]}
+    path = tmp_path / "dashboard_rules.yml"
+    path.write_text(yaml.safe_dump(rules))
+    res = subprocess.run([exe, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_compose_stack_is_consistent() -> None:
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    svc = compose["services"]
+    assert set(svc) == {"layertap", "prometheus", "grafana"}
+    cmd = svc["layertap"]["command"]
+    assert cmd[:2] == ["layertap", "serve"] and cmd[cmd.index("--host") + 1] == "0.0.0.0"
+    assert cmd[cmd.index("--metrics-port") + 1] == "9466"
+    assert (DEPLOY / svc["layertap"]["build"]["context"]).resolve() == DEPLOY.parent  # the repo root
+    for service in ("prometheus", "grafana"):
+        for vol in svc[service]["volumes"]:
+            src = vol.split(":")[0]
+            if src.startswith("./"):
+                assert (DEPLOY / src).exists(), vol
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    assert prom["scrape_configs"][0]["static_configs"][0]["targets"] == ["layertap:9466"]
+    ds = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    uid = ds["datasources"][0]["uid"]
+    assert all(p["datasource"]["uid"] == uid for p in load_dashboard()["panels"])
+    prov = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "layertap.yml").read_text())
+    mounted = [v for v in svc["grafana"]["volumes"] if "layertap-drift.json" in v][0]
+    assert mounted.split(":")[1].startswith(prov["providers"][0]["options"]["path"])
