@@ -11,11 +11,20 @@ from typing import Any
 
 import grpc
 import torch
+from prometheus_client import CollectorRegistry
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from layertap.server.broker import Broker
 from layertap.server.config import ServerConfig
+from layertap.server.drift_monitor import DriftMonitor
+from layertap.server.metrics import (
+    ActivationCollector,
+    ServerMetrics,
+    SnapshotStore,
+    start_metrics_server,
+    stop_metrics_server,
+)
 from layertap.server.errors import LayertapServerError
 from layertap.server.tap_config import load_tap_config
 from layertap.server.taps import TapEngine
@@ -105,7 +114,15 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     host.warm_up()
     broker = Broker(default_queue_size=config.subscriber_queue, max_subscribers=config.max_subscribers)
     taps = TapEngine(host, broker, max_taps=config.max_taps)
-    state = ServerState(config=config, host=host, version=server_version(), taps=taps, broker=broker)
+    metrics = snapshots = None
+    if config.metrics_port is not None:
+        metrics, snapshots = _wire_metrics(host, taps, broker, config)
+    drift = DriftMonitor(taps, store=snapshots, baseline_dir=config.baseline_dir,
+                         default_window=config.drift_window,
+                         on_load_error=(lambda _e: metrics.baseline_load_errors.inc()) if metrics else None)
+    state = ServerState(config=config, host=host, version=server_version(), taps=taps, broker=broker,
+                        drift=drift, metrics=metrics, snapshots=snapshots)
+    drift.load()
     if config.tap_config:
         for i, spec in enumerate(load_tap_config(config.tap_config)):
             try:
@@ -113,6 +130,31 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
             except LayertapServerError as exc:
                 raise ModelLoadError(f"--taps {config.tap_config}: {exc}") from None
     return state
+
+
+def _wire_metrics(host: ModelHost, taps: TapEngine, broker: Broker,
+                  config: ServerConfig) -> tuple[ServerMetrics, SnapshotStore]:
+    """Prometheus: health metrics fed where events happen, activations at scrape time."""
+    registry = CollectorRegistry(auto_describe=True)
+    metrics = ServerMetrics(registry, host.loaded.name, version=server_version())
+    store = SnapshotStore()
+    registry.register(ActivationCollector(store.snapshot, host.loaded.name, max_layers=config.max_export_layers))
+    metrics.taps.set_function(lambda: len(taps.list()))
+    metrics.subscribers.set_function(lambda: broker.subscriber_count)
+    taps.hook_observer = metrics.observe_hooks
+    taps.on_error.append(lambda _tap: metrics.reducer_errors.inc())
+    broker.on_publish = lambda dropped: (metrics.stream_messages.inc(), dropped and metrics.stream_dropped.inc(dropped))
+
+    def export(_ctx: object, summaries: list[pb.Summary]) -> None:
+        durable = taps.is_durable()
+        for s in summaries:
+            if durable.get(s.tap):  # only durable taps: keeps the `tap` label bounded
+                store.update_from_summary(s.tap, s)
+
+    taps.sinks.append(export)
+    taps.on_removed.append(lambda tap: store.remove_tap(tap.id))
+    metrics.registry = registry  # type: ignore[attr-defined]
+    return metrics, store
 
 
 def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> LayertapServer:
@@ -152,11 +194,28 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Lay
         raise
     cell.set(state)
     running = LayertapServer(server, state, port, health_servicer)
+    running._closers.append(state.taps.close)
+    if state.metrics is not None:
+        mserver, mport = start_metrics_server(state.metrics.registry, config.host, config.metrics_port or 0)  # type: ignore[attr-defined]
+        running.metrics_port = mport
+        running._closers.append(lambda: stop_metrics_server(mserver))
+        log.info("metrics on http://%s:%d/metrics", config.host, mport)
+    reaper = threading.Thread(target=_reap, args=(state, running._stopped), name="layertap-ttl", daemon=True)
+    reaper.start()
     for name in ("", *SERVICE_NAMES):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving %s (%s) on %s:%d, device=%s dtype=%s", state.host.loaded.name,
              state.host.loaded.source, config.host, port, state.host.device, config.dtype)
     return running
+
+
+def _reap(state: ServerState, stopped: threading.Event) -> None:
+    """Expire durable taps on time, traffic or not."""
+    while not stopped.wait(1.0):
+        try:
+            state.taps.expire()
+        except Exception:  # noqa: BLE001 - keep reaping
+            log.exception("tap expiry failed")
 
 
 def install_signal_handlers(server: LayertapServer) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from layertap.v1 import telemetry_pb2 as pb
@@ -79,6 +79,8 @@ class Broker:
         self._subs: list[Subscription] = []
         self.dropped_total = 0
         self.messages_total = 0
+        #: Called after each message is queued, with how many it pushed out (0 or 1).
+        self.on_publish: Callable[[int], object] | None = None
 
     @property
     def subscriber_count(self) -> int:
@@ -122,6 +124,8 @@ class Broker:
             with self._lock:
                 self.messages_total += 1
                 self.dropped_total += dropped
+            if self.on_publish is not None:
+                self.on_publish(dropped)
 
     def close(self) -> None:
         with self._lock:

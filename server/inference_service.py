@@ -8,7 +8,7 @@ import grpc
 import torch
 
 from layertap.server.dtypes import flatten_outputs, tensor_from_proto, tensor_to_proto, wire_dtype
-from layertap.server.errors import InvalidSpec, LimitExceeded, grpc_errors
+from layertap.server.errors import InvalidSpec, LimitExceeded, grpc_errors, status_for
 from layertap.server.state import ServerState, StateCell
 from layertap.v1 import inference_pb2 as ipb
 from layertap.v1 import inference_pb2_grpc
@@ -43,21 +43,20 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
     def Infer(self, request: ipb.InferRequest, context: grpc.ServicerContext) -> ipb.InferResponse:
         metrics = self.state.metrics
         start = time.perf_counter()
-        status = "error"
+        status = "OK"
         try:
             if not request.inputs:
                 raise InvalidSpec("inputs", "send at least one input tensor (see GetModelMetadata)")
             tensors = decode_inputs(list(request.inputs), self.state)
             out, ctx = self.state.host.run(tensors)
             outputs = [tensor_to_proto(t, name) for name, t in flatten_outputs(out)]
-            status = "ok"
             return ipb.InferResponse(outputs=outputs, pass_index=ctx.index)
-        except InvalidSpec:
-            status = "invalid"
+        except Exception as exc:
+            status = status_for(exc)[0].name
             raise
         finally:
             if metrics is not None:
-                metrics.observe_inference(status, time.perf_counter() - start)
+                metrics.record_inference(status, time.perf_counter() - start)
 
     @grpc_errors
     def GetModelMetadata(self, request: ipb.GetModelMetadataRequest, context: grpc.ServicerContext) -> ipb.GetModelMetadataResponse:

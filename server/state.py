@@ -11,7 +11,8 @@ from layertap.server.model_host import ModelHost
 
 if TYPE_CHECKING:
     from layertap.server.broker import Broker
-    from layertap.server.metrics import ServerMetrics
+    from layertap.server.drift_monitor import DriftMonitor
+    from layertap.server.metrics import ServerMetrics, SnapshotStore
     from layertap.server.taps import TapEngine
 
 
@@ -22,7 +23,9 @@ class ServerState:
     version: str
     taps: TapEngine
     broker: Broker
+    drift: DriftMonitor
     metrics: ServerMetrics | None = None
+    snapshots: SnapshotStore | None = None
     captures: CaptureSlots = field(init=False)
     capture_limits: CaptureLimits = field(init=False)
     extras: dict[str, Any] = field(default_factory=dict)
@@ -38,7 +41,7 @@ class ServerState:
     def count_capture(self, code: str, nbytes: int) -> None:
         """Record a finished capture in the metrics, when metrics are on."""
         if self.metrics is not None:
-            self.metrics.observe_capture(code, nbytes)
+            self.metrics.record_capture(code, nbytes)
 
     def stats(self) -> Any:
         """The GetServerStats response."""

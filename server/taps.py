@@ -63,6 +63,9 @@ class Tap:
     last_error: str = ""
     disabled: bool = False
     handles: list[HookHandle] = field(default_factory=list)
+    #: Per-layer reducer plans that override ``plan`` (drift baselines freeze
+    #: histogram edges per layer).
+    layer_plans: dict[str, ReducerPlan] = field(default_factory=dict)
     _pass: int = -1
     _sampled: bool = False
 
@@ -111,6 +114,10 @@ class TapEngine:
         self._events: list[pb.TapEvent] = []
         self.reducer_errors = 0
         self.sinks: list[Sink] = []
+        #: Called with each tap that is deleted, expires or ends.
+        self.on_removed: list[Callable[[Tap], None]] = []
+        #: Called (on the model thread) with each tap a reducer error disables.
+        self.on_error: list[Callable[[Tap], None]] = []
         self.hook_observer: Callable[[float], None] | None = None
         self.collector = Collector(maxsize=collector_queue)
         host.add_observer(self)
@@ -169,9 +176,21 @@ class TapEngine:
         if tap is None:
             raise NotFound(f"no tap {tap_id!r}; list taps with ListTaps / client.taps()")
         self._unhook(tap)
+        for callback in list(self.on_removed):
+            callback(tap)
         self._events.append(pb.TapEvent(tap=tap_id, kind=reason, message=f"tap {reason}"))
         log.info("tap %s %s", tap_id, reason)
         return tap
+
+    def set_layer_reducers(self, tap_id: str, layer: str, reducers: list[pb.ReducerSpec]) -> None:
+        """Give one layer of a tap its own reducers (e.g. frozen histogram edges)."""
+        tap = self.get(tap_id)
+        try:
+            plan = ReducerPlan(build_reducers(reducers, f"{tap_id}.{layer}.reducers"))
+        except SpecError as exc:
+            raise InvalidSpec(exc.field, str(exc)) from None
+        with self.host.pass_lock():  # between passes: a pass never mixes plans
+            tap.layer_plans[layer] = plan
 
     def get(self, tap_id: str) -> Tap:
         with self._lock:
@@ -213,7 +232,7 @@ class TapEngine:
         if tap._pass != ctx.index:
             tap._pass = ctx.index
             tap._sampled = tap.sampler.sample()
-        plan = tap.plan if tap._sampled else tap.always
+        plan = tap.layer_plans.get(layer, tap.plan) if tap._sampled else tap.always
         if plan is None:
             return
         if self._buffer is None:
@@ -235,6 +254,8 @@ class TapEngine:
         tap.disabled = True
         tap.last_error = f"{layer}: {type(exc).__name__}: {exc}"
         self.reducer_errors += 1
+        for callback in list(self.on_error):
+            callback(tap)
         # Its pieces already in this pass are partial; _publish skips disabled taps.
         self._unhook(tap)
         self._events.append(pb.TapEvent(tap=tap.id, kind="disabled", message=tap.last_error))

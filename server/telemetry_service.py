@@ -126,6 +126,15 @@ class TelemetryService(TapMethods, telemetry_pb2_grpc.TelemetryServiceServicer):
         return pb.ListLayersResponse(layers=layers, active_hooks=host.hooks.active)
 
     @grpc_errors
+    def SetBaseline(self, request: pb.SetBaselineRequest, context: grpc.ServicerContext) -> pb.SetBaselineResponse:
+        tap, layers = self.state.drift.set_baseline(request)
+        return pb.SetBaselineResponse(tap=tap, layers=layers)
+
+    @grpc_errors
+    def GetDrift(self, request: pb.GetDriftRequest, context: grpc.ServicerContext) -> pb.GetDriftResponse:
+        return pb.GetDriftResponse(layers=self.state.drift.drift(request.selector))
+
+    @grpc_errors
     def GetServerStats(self, request: pb.GetServerStatsRequest, context: grpc.ServicerContext) -> pb.GetServerStatsResponse:
         return self.state.stats()
 

@@ -1168,6 +1168,8 @@ class SetBaselineRequest(_message.Message):
     POINT_FIELD_NUMBER: _builtins.int
     WINDOW_FIELD_NUMBER: _builtins.int
     THRESHOLDS_FIELD_NUMBER: _builtins.int
+    SAMPLING_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
     selector: _builtins.str
     passes: _builtins.int
     """Live passes to freeze (default 100)."""
@@ -1175,9 +1177,15 @@ class SetBaselineRequest(_message.Message):
     """POINT_OUTPUT by default."""
     window: _builtins.int
     """Sliding window of current passes compared with the baseline (default 50)."""
+    name: _builtins.str
+    """Name of the baseline's durable tap (default: derived from the selector)."""
     @_builtins.property
     def thresholds(self) -> Global___DriftThresholds:
         """Zero fields take the defaults (0.2, 0.1, 0.1, 1.0)."""
+
+    @_builtins.property
+    def sampling(self) -> Global___Sampling:
+        """Which live passes feed the baseline and the drift window (default: all)."""
 
     def __init__(
         self,
@@ -1187,10 +1195,12 @@ class SetBaselineRequest(_message.Message):
         point: Global___Point.ValueType = ...,
         window: _builtins.int = ...,
         thresholds: Global___DriftThresholds | None = ...,
+        sampling: Global___Sampling | None = ...,
+        name: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["thresholds", b"thresholds"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "thresholds", b"thresholds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["passes", b"passes", "point", b"point", "selector", b"selector", "thresholds", b"thresholds", "window", b"window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "passes", b"passes", "point", b"point", "sampling", b"sampling", "selector", b"selector", "thresholds", b"thresholds", "window", b"window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

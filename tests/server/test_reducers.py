@@ -153,11 +153,15 @@ def test_norm_alongside_moments_uses_same_sums(case: str) -> None:
     assert abs(norm.norm.l2 - ref) <= SUM_RTOL * max(ref, _scale(_np(x)))
 
 
+@pytest.mark.parametrize("shared_sort", [False, True], ids=["bucketize", "sorted"])
 @pytest.mark.parametrize("case", CASES)
-def test_histogram_unsampled_counts_exact(case: str) -> None:
+def test_histogram_unsampled_counts_exact(case: str, shared_sort: bool) -> None:
+    # Alone on CPU a histogram bucketizes its sample; next to quantiles of the
+    # same sample size it searches the shared sorted sample (the CUDA path).
     x = CASES[case]()
     a = _np(x)
-    (default_hist, edge_hist) = run(x, [hist_spec(), hist_spec(EDGES)])
+    extra = [quant_spec()] if shared_sort else []
+    (default_hist, edge_hist) = run(x, [hist_spec(), hist_spec(EDGES)] + extra)[:2]
     v = a[~np.isnan(a)]  # NaN is never binned; +-inf go to the open end bins
     for h in (default_hist.histogram, edge_hist.histogram):
         edges = np.array(h.edges)
@@ -243,9 +247,11 @@ def test_zero_fraction_counts_negative_zero() -> None:
     assert zf.zero_fraction.fraction == 0.5 and zf.zero_fraction.count == 4
 
 
-def test_sampled_histogram_sums_to_sample_size() -> None:
+@pytest.mark.parametrize("shared_sort", [False, True], ids=["bucketize", "sorted"])
+def test_sampled_histogram_sums_to_sample_size(shared_sort: bool) -> None:
     x = torch.randn(40, 5000, generator=_gen()) * 2
-    (h,) = run(x, [hist_spec(EDGES, sample_size=1000)])
+    extra = [quant_spec(None, 1000)] if shared_sort else []
+    h = run(x, [hist_spec(EDGES, sample_size=1000)] + extra)[0]
     h = h.histogram
     assert sum(h.counts) == h.sample_size == 1000
     assert h.population == x.numel()
@@ -258,9 +264,11 @@ def test_sampled_histogram_sums_to_sample_size() -> None:
     assert np.all(np.abs(cdf - ref) <= eps)
 
 
-def test_sampled_histogram_excludes_nan_from_sample_size() -> None:
+@pytest.mark.parametrize("shared_sort", [False, True], ids=["bucketize", "sorted"])
+def test_sampled_histogram_excludes_nan_from_sample_size(shared_sort: bool) -> None:
     x = _with_nonfinite(30_000)
-    (h,) = run(x, [hist_spec(EDGES, sample_size=2000)])
+    extra = [quant_spec(None, 2000)] if shared_sort else []
+    h = run(x, [hist_spec(EDGES, sample_size=2000)] + extra)[0]
     h = h.histogram
     assert sum(h.counts) == h.sample_size
     # ~1/7 of the elements are NaN; the binned count is what is left of 2000.
@@ -327,8 +335,33 @@ def test_reducers_share_one_upcast_and_one_finite_mask() -> None:
         plan.run(x)
     full = [op for op, n in rec.calls if n == x.numel()]
     assert full.count(torch.ops.aten._to_copy) == 1  # x -> float64, once
-    # isfinite runs once, whether it reaches dispatch whole or as abs/ne/eq.
-    assert sum(op in (torch.ops.aten.isfinite, torch.ops.aten.ne) for op in full) == 1
+    # The finite mask (|x| < inf) is built once and shared.
+    assert full.count(torch.ops.aten.lt) == 1
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(5, 6, 7, generator=_gen()),
+        lambda: torch.randn(2, 6, 5, 7, generator=_gen()).to(memory_format=torch.channels_last),
+        lambda: torch.randn(30, 20, generator=_gen()).t(),
+        lambda: torch.randn(4, 9, 8, generator=_gen())[::2, 1:, ::3],
+        lambda: torch.randn(3, 1, 5, generator=_gen()).expand(3, 4, 5),
+        lambda: torch.randn(10, 10, generator=_gen())[2:5, 3],
+    ],
+    ids=["contiguous", "channels_last", "transposed", "sliced", "expanded", "column"],
+)
+def test_sample_gather_reads_the_right_elements(make: Callable[[], torch.Tensor]) -> None:
+    x = make()
+    idx = torch.randint(0, x.numel(), (500,), generator=_gen())
+    flat = R._flat_view(x)
+    if flat is None:
+        # Non-dense: indices are unravelled in logical (row-major) order.
+        assert torch.equal(R._gather_flat(x, idx), x.reshape(-1)[idx])
+    else:
+        # Dense: a memory-order view, which must hold exactly x's elements.
+        assert sorted(flat.tolist()) == sorted(x.reshape(-1).tolist())
+        assert torch.equal(R._gather_flat(x, idx), flat[idx])
 
 
 def test_sampling_leaves_global_rng_alone() -> None:

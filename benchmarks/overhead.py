@@ -1,0 +1,156 @@
+"""Hook overhead: step time with taps vs an unhooked baseline, side by side.
+
+In process, no gRPC. Variants run interleaved (base, a, base, b, ...) for
+``--repeats`` rounds; each measurement is the median of ``--steps`` timed
+forward passes. The ratio of a round is variant / the base run next to it;
+the script prints the median ratio and its spread (min..max) over rounds.
+
+Variants:
+  a  seed-style hooks: ``.item()`` per statistic (mean, std, min, max, zeros, nan, inf)
+  b  layertap taps: moments, minmax, zero_fraction, nonfinite on every block-level module
+  c  b + histogram + quantiles
+  d  b with every=10 (nonfinite still on every pass)
+  r:<name>  one reducer alone (``--reducers`` adds these rows)
+
+CPU default: the demo model, batch 32. GPU: ``--model resnet50 --dtype bfloat16
+--batch 64 --device cuda --channels-last`` taps the 22 block-level modules
+(16 Bottlenecks, layer1-4, avgpool, fc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from layertap.server.broker import Broker
+from layertap.server.model_host import ModelHost
+from layertap.server.model_sources import load_model
+from layertap.server.tap_config import reducer_spec
+from layertap.server.taps import TapEngine
+from layertap.v1 import telemetry_pb2 as pb
+
+BASIC = ["moments", "minmax", "zero_fraction", "nonfinite"]
+ALL = ["moments", "minmax", "abs_max", "zero_fraction", "nonfinite", "norm", "histogram", "quantiles", "per_channel"]
+
+
+def block_level(model: nn.Module) -> list[str]:
+    """The 'block-level' modules: residual blocks, layer1..4, avgpool, fc."""
+    names = []
+    for name, _ in model.named_children():
+        if name.startswith("layer"):
+            names.append(name)
+            names += [f"{name}.{child}" for child, _ in getattr(model, name).named_children()]
+        elif name in ("avgpool", "fc"):
+            names.append(name)
+    return names
+
+
+def seed_style_hooks(model: nn.Module, layers: list[str]) -> Callable[[], None]:
+    """The tutorial approach: one host sync per statistic."""
+    sink: list[float] = []
+
+    def hook(_m: nn.Module, _a: object, out: torch.Tensor) -> None:
+        x = out.float()
+        sink.extend([x.mean().item(), x.std().item(), x.min().item(), x.max().item(),
+                     (x == 0).float().mean().item(), torch.isnan(x).sum().item(), torch.isinf(x).sum().item()])
+
+    handles = [model.get_submodule(n).register_forward_hook(hook) for n in layers]
+    return lambda: [h.remove() for h in handles] and None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--channels-last", action="store_true")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--reducers", action="store_true", help="also time each reducer alone")
+    args = ap.parse_args()
+
+    dtype = getattr(torch, args.dtype)
+    loaded = load_model(args.model)
+    host = ModelHost(loaded, device=args.device, dtype=dtype)
+    if args.channels_last:
+        host.module = host.module.to(memory_format=torch.channels_last)
+    broker = Broker(default_queue_size=4)
+    engine = TapEngine(host, broker, max_taps=1000)
+    sub = broker.subscribe(None, queue_size=4)  # a live subscriber (drops are fine)
+    layers = block_level(host.module)
+    shape = [args.batch if d == -1 else d for d in host.inputs[0].shape]
+    x = torch.randn(shape, device=args.device, dtype=dtype)
+    if args.channels_last and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    cuda = host.device.type == "cuda"
+
+    def step_time() -> float:
+        times = []
+        for _ in range(args.steps):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with host.pass_context(), torch.inference_mode():
+                host.module(x)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        engine.flush(30)
+        while sub.get(timeout=0) is not None:
+            pass
+        return statistics.median(times)
+
+    def taps(reducers: list[str], every: int = 0) -> Callable[[], None]:
+        ids = []
+        for layer in layers:
+            t = engine.create(pb.TapSpec(selector=layer, reducers=[reducer_spec(r, "r") for r in reducers],
+                                         sampling=pb.Sampling(every_n=every)), forever=True)
+            ids.append(t.id)
+        return lambda: [engine.delete(i) for i in ids] and None
+
+    variants: dict[str, Callable[[], Callable[[], None]]] = {
+        "a seed .item() hooks": lambda: seed_style_hooks(host.module, layers),
+        "b taps: moments,minmax,zero_fraction,nonfinite": lambda: taps(BASIC),
+        "c b + histogram + quantiles": lambda: taps(BASIC + ["histogram", "quantiles"]),
+        "d b with every=10": lambda: taps(BASIC, every=10),
+    }
+    if args.reducers:
+        for r in ALL:
+            variants[f"r {r} alone"] = lambda r=r: taps([r])
+
+    for _ in range(3):  # warm up
+        step_time()
+    ratios: dict[str, list[float]] = {k: [] for k in variants}
+    base_times: list[float] = []
+    for _ in range(args.repeats):
+        for name, install in variants.items():
+            base = step_time()
+            remove = install()
+            try:
+                t = step_time()
+            finally:
+                remove()
+            base_times.append(base)
+            ratios[name].append(t / base)
+    assert host.hooks.active == 0
+
+    dev = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()
+    print(f"model={args.model} device={args.device} ({dev}) dtype={args.dtype} batch={args.batch} "
+          f"channels_last={args.channels_last} taps={len(layers)} torch={torch.__version__}")
+    print(f"base step median {statistics.median(base_times) * 1e3:.2f} ms; "
+          f"{args.repeats} interleaved rounds x {args.steps} steps")
+    print(f"{'variant':52s} {'median':>7s}  spread")
+    for name, rs in ratios.items():
+        print(f"{name:52s} {statistics.median(rs):6.2f}x  [{min(rs):.2f}..{max(rs):.2f}]")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

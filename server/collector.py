@@ -1,0 +1,350 @@
+"""The asynchronous device-to-host path for a pass's reducer outputs.
+
+During a forward pass each tap adds its reducer slots (1-D float64 device
+tensors) to a :class:`PassBuffer`. At the end of the pass :meth:`PassBuffer.finish`
+concatenates them into one device buffer per device and, on CUDA, starts ONE
+non-blocking copy into pinned host memory and records an event: the model
+thread never waits. A :class:`Collector` thread waits for the event and hands
+the host values to a callback (decode, broker, metrics) off the model thread.
+
+    buf = PassBuffer()
+    buf.add(("tap1", "layer1"), plan.run(x))
+    collector.submit(buf.finish(), on_values)   # on_values({key: np.ndarray})
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["Collector", "PassBuffer", "PendingPass", "PinnedPool", "ValuesCallback"]
+
+_log = logging.getLogger(__name__)
+
+#: Receives each key's float64 host values for one pass.
+ValuesCallback = Callable[[dict[Hashable, np.ndarray]], None]
+
+
+class PinnedPool:
+    """Reusable host buffers (pinned when CUDA is available) for the copies.
+
+    A buffer goes back to the pool with the event of the copy into it and is
+    handed out again only once that event has completed, so a dropped pass
+    whose copy is still in flight never has its memory reused early. Capacities
+    are rounded up to powers of two so passes of similar size share buffers.
+
+    Args:
+        max_free: Free buffers kept; more are released to the allocator.
+        pin: Pin the buffers; defaults to ``torch.cuda.is_available()``.
+    """
+
+    def __init__(self, max_free: int = 8, pin: bool | None = None) -> None:
+        self.max_free = max_free
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._free: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._lock = threading.Lock()
+        self.allocations = 0
+
+    def acquire(self, n: int) -> torch.Tensor:
+        """Returns a free float64 host buffer of exactly ``n`` elements (a view)."""
+        with self._lock:
+            for i, (buf, event) in enumerate(self._free):
+                if buf.numel() >= n and (event is None or event.query()):
+                    del self._free[i]
+                    return buf[:n]
+        capacity = 1 << max(n - 1, 0).bit_length()
+        self.allocations += 1
+        return torch.empty(capacity, dtype=torch.float64, pin_memory=self.pin)[:n]
+
+    def release(self, buf: torch.Tensor, event: torch.cuda.Event | None = None) -> None:
+        """Returns a buffer from :meth:`acquire`; ``event`` guards its last copy."""
+        base = buf._base if buf._base is not None else buf
+        with self._lock:
+            if len(self._free) < self.max_free:
+                self._free.append((base, event))
+
+
+_DEFAULT_POOL: PinnedPool | None = None
+_DEFAULT_POOL_LOCK = threading.Lock()
+
+
+def _default_pool() -> PinnedPool:
+    global _DEFAULT_POOL
+    with _DEFAULT_POOL_LOCK:
+        if _DEFAULT_POOL is None:
+            _DEFAULT_POOL = PinnedPool()
+        return _DEFAULT_POOL
+
+
+@dataclass
+class _Segment:
+    """One device's share of a pass: where its values land in the host array."""
+
+    start: int
+    device_values: torch.Tensor  # kept alive until the copy completes
+    host: torch.Tensor | None  # pinned buffer (CUDA) or None (values already on host)
+    event: torch.cuda.Event | None
+
+
+class PendingPass:
+    """A pass's values on their way to the host.
+
+    Attributes:
+        slices: Each key's slice of the array returned by :meth:`wait`.
+    """
+
+    def __init__(self, segments: list[_Segment], slices: dict[Hashable, slice], size: int,
+                 pool: PinnedPool | None) -> None:
+        self.slices = slices
+        self._segments = segments
+        self._size = size
+        self._pool = pool
+        self._values: np.ndarray | None = None
+        self._discarded = False
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._size
+
+    def ready(self) -> bool:
+        """Whether :meth:`wait` would return without blocking."""
+        return all(s.event is None or s.event.query() for s in self._segments)
+
+    def wait(self) -> np.ndarray:
+        """Blocks until the copies land; returns all values as one float64 array.
+
+        The array is a private copy, so the pinned buffers go straight back to
+        the pool. Safe to call more than once.
+
+        Raises:
+            RuntimeError: If the pass was discarded before it was read.
+        """
+        with self._lock:
+            if self._values is None:
+                if self._discarded:
+                    raise RuntimeError("this pass was discarded; its values are gone")
+                out = np.empty(self._size, dtype=np.float64)
+                for seg in self._segments:
+                    if seg.event is not None:
+                        seg.event.synchronize()
+                    src = seg.host if seg.host is not None else seg.device_values
+                    out[seg.start : seg.start + src.numel()] = src.numpy()
+                self._values = out
+                self._release()
+            return self._values
+
+    def values_by_key(self) -> dict[Hashable, np.ndarray]:
+        """Waits, then splits the values by key (views into one array)."""
+        values = self.wait()
+        return {key: values[sl] for key, sl in self.slices.items()}
+
+    def discard(self) -> None:
+        """Gives the host buffers back unread (a dropped pass); never blocks."""
+        with self._lock:
+            if self._values is None:
+                self._discarded = True
+            self._release()
+
+    def _release(self) -> None:
+        for seg in self._segments:
+            if seg.host is not None and self._pool is not None:
+                # The event keeps the pool from reusing memory a copy may still write.
+                self._pool.release(seg.host, seg.event)
+            seg.host = None
+            seg.device_values = seg.device_values[:0]
+
+
+class PassBuffer:
+    """Collects one pass's reducer outputs for a single device-to-host transfer.
+
+    Args:
+        pool: Host buffer pool shared across passes (one per server).
+    """
+
+    def __init__(self, pool: PinnedPool | None = None) -> None:
+        self._pool = pool if pool is not None else _default_pool()
+        self._pieces: dict[Hashable, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    def add(self, key: Hashable, values: torch.Tensor) -> None:
+        """Adds a key's 1-D float64 values (on any device).
+
+        Raises:
+            ValueError: If the key was already added or the tensor is not 1-D float64.
+        """
+        if key in self._pieces:
+            raise ValueError(f"key {key!r} was already added to this pass")
+        if values.dtype != torch.float64 or values.dim() != 1:
+            raise ValueError(f"expected a 1-D float64 tensor, got {values.dtype} of shape {list(values.shape)}")
+        self._pieces[key] = values
+
+    def finish(self) -> PendingPass:
+        """Starts the transfer and returns the pending pass; the buffer is emptied.
+
+        Never blocks on the device: on CUDA the copy is ``non_blocking`` into
+        pinned memory, followed by an event on the current stream.
+        """
+        pieces, self._pieces = self._pieces, {}
+        by_device: dict[torch.device, list[tuple[Hashable, torch.Tensor]]] = {}
+        for key, t in pieces.items():
+            by_device.setdefault(t.device, []).append((key, t))
+        slices: dict[Hashable, slice] = {}
+        segments: list[_Segment] = []
+        start = 0
+        for device, items in by_device.items():
+            seg_start = start
+            for key, t in items:
+                slices[key] = slice(start, start + t.numel())
+                start += t.numel()
+            flat = torch.cat([t for _, t in items]) if len(items) > 1 else items[0][1]
+            host: torch.Tensor | None = None
+            event: torch.cuda.Event | None = None
+            if device.type == "cuda":
+                host = self._pool.acquire(flat.numel())
+                host.copy_(flat, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+            elif device.type != "cpu":
+                # Other accelerators: a plain copy (may sync; no event API assumed).
+                flat = flat.to("cpu")
+            segments.append(_Segment(seg_start, flat, host, event))
+        return PendingPass(segments, slices, start, self._pool)
+
+
+@dataclass
+class _Job:
+    pending: PendingPass
+    callback: ValuesCallback
+    seq: int
+
+
+class Collector:
+    """A daemon thread that turns pending passes into callbacks, in order.
+
+    The queue is bounded and never blocks the model thread: when full, the
+    oldest pending pass is dropped and counted. Callback errors are logged and
+    counted, never raised into the submitter.
+
+    Args:
+        maxsize: Pending passes held at most.
+        name: Thread name.
+    """
+
+    def __init__(self, maxsize: int = 256, name: str = "layertap-collector") -> None:
+        if maxsize < 1:
+            raise ValueError("maxsize must be at least 1")
+        self.maxsize = maxsize
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._submitted = 0
+        self._busy_seq: int | None = None  # job the thread is running
+        self._closed = False
+        self.processed = 0
+        self.dropped = 0
+        self.errors = 0
+        self.last_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> Collector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def pending(self) -> int:
+        """Passes queued and not yet taken by the thread."""
+        with self._cond:
+            return len(self._queue)
+
+    def submit(self, pending: PendingPass, callback: ValuesCallback) -> bool:
+        """Queues a pass; ``callback`` later gets its values by key on the collector thread.
+
+        Returns:
+            False when an older pass had to be dropped to make room.
+
+        Raises:
+            RuntimeError: After :meth:`close`.
+        """
+        dropped: _Job | None = None
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("collector is closed")
+            if len(self._queue) >= self.maxsize:
+                dropped = self._queue.popleft()
+                self.dropped += 1
+            self._submitted += 1
+            self._queue.append(_Job(pending, callback, self._submitted))
+            self._cond.notify_all()
+        if dropped is not None:
+            dropped.pending.discard()
+        return dropped is None
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until every pass submitted so far was handled (or dropped).
+
+        Returns:
+            True if done, False on timeout.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            target = self._submitted
+            while not self._handled(target):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                if not self._thread.is_alive():
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    def _handled(self, seq: int) -> bool:
+        # FIFO: every job up to `seq` is handled once none is queued or running.
+        queued = bool(self._queue) and self._queue[0].seq <= seq
+        running = self._busy_seq is not None and self._busy_seq <= seq
+        return not queued and not running
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stops accepting passes, drains the queue and joins the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return  # closed and drained
+                job = self._queue.popleft()
+                self._busy_seq = job.seq
+            error: str | None = None
+            try:
+                job.callback(job.pending.values_by_key())
+            except Exception as exc:  # the model thread must never see these
+                _log.exception("collector callback failed")
+                error = f"{type(exc).__name__}: {exc}"
+            with self._cond:
+                if error is None:
+                    self.processed += 1
+                else:
+                    self.errors += 1
+                    self.last_error = error
+                self._busy_seq = None
+                self._cond.notify_all()

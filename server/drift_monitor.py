@@ -1,0 +1,281 @@
+"""Live drift: baselines frozen from live passes, scored against a sliding window.
+
+``SetBaseline`` creates (or replaces) one durable tap over the selected layers.
+While a layer's baseline collects, the tap reports moments, min/max, a dense
+set of quantiles (percentiles of a bounded sample) and per-channel means; the
+percentiles of each pass stand for that pass's distribution in a weighted
+reservoir (:class:`~layertap.server.baseline.BaselineBuilder`). After N passes
+the layer's baseline freezes: histogram edges at its quantiles, saved to
+``--baseline-dir``, and the tap's reducers for that layer switch to a
+histogram over those frozen edges, so every later pass adds exact counts to
+the sliding window that drift is scored on. Everything arrives as ordinary
+``Summary`` messages on the collector thread; nothing here runs in a hook.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from layertap.server.baseline import Baseline, BaselineBuilder, load_baselines, save_baseline
+from layertap.server.drift import DriftScore, DriftThresholds, SlidingWindow
+from layertap.server.errors import InvalidSpec
+from layertap.server.hooks import POINT_BY_NAME, POINT_NAMES
+from layertap.server.metrics import SnapshotStore
+from layertap.server.model_host import PassContext
+from layertap.server.selectors import select_layers
+from layertap.server.taps import Tap, TapEngine
+from layertap.v1 import telemetry_pb2 as pb
+
+log = logging.getLogger("layertap.server")
+
+#: Percentiles reported per pass while a baseline collects.
+COLLECT_PROBABILITIES = tuple(round(i / 100, 2) for i in range(1, 100))
+DEFAULT_PASSES = 100
+MAX_PASSES = 100_000
+
+
+def _reducers(*, per_channel: bool, edges: np.ndarray | None) -> list[pb.ReducerSpec]:
+    specs = [pb.ReducerSpec(kind=pb.REDUCER_KIND_MOMENTS), pb.ReducerSpec(kind=pb.REDUCER_KIND_MINMAX),
+             pb.ReducerSpec(kind=pb.REDUCER_KIND_NONFINITE)]
+    if edges is None:
+        specs.append(pb.ReducerSpec(kind=pb.REDUCER_KIND_QUANTILES,
+                                    quantiles=pb.QuantileParams(probabilities=COLLECT_PROBABILITIES)))
+    else:
+        specs.append(pb.ReducerSpec(kind=pb.REDUCER_KIND_HISTOGRAM,
+                                    histogram=pb.HistogramParams(edges=[float(e) for e in edges])))
+    if per_channel:
+        specs.append(pb.ReducerSpec(kind=pb.REDUCER_KIND_PER_CHANNEL, per_channel=pb.PerChannelParams(dim=1)))
+    return specs
+
+
+@dataclass
+class _Layer:
+    tap: str
+    layer: str
+    point: str
+    passes: int
+    window_len: int
+    thresholds: DriftThresholds
+    builder: BaselineBuilder | None = None
+    baseline: Baseline | None = None
+    window: SlidingWindow | None = None
+    score: DriftScore | None = None
+
+
+def _results(summary: pb.Summary) -> dict[str, pb.ReducerResult]:
+    return {r.WhichOneof("value"): r for r in summary.results}
+
+
+class DriftMonitor:
+    """Owns baseline taps, their builders and windows; a sink of the tap engine."""
+
+    def __init__(self, engine: TapEngine, *, store: SnapshotStore | None = None,
+                 baseline_dir: str | None = None, default_window: int = 50,
+                 on_load_error: Callable[[str], None] | None = None) -> None:
+        self.engine = engine
+        self.store = store
+        self.baseline_dir = baseline_dir
+        self.default_window = default_window
+        self._on_load_error = on_load_error
+        self._lock = threading.Lock()
+        self._layers: dict[tuple[str, str], _Layer] = {}
+        engine.sinks.append(self._sink)
+        engine.on_removed.append(self._tap_removed)
+
+    # -- requests ------------------------------------------------------------
+    def set_baseline(self, req: pb.SetBaselineRequest) -> tuple[str, list[str]]:
+        """Create (or replace) the baseline tap; returns its id and layers."""
+        host = self.engine.host
+        layers = select_layers(req.selector, host.layer_names)
+        passes = req.passes or DEFAULT_PASSES
+        if passes > MAX_PASSES:
+            raise InvalidSpec("passes", f"at most {MAX_PASSES}, got {passes}")
+        window = req.window or self.default_window
+        if window > MAX_PASSES:
+            raise InvalidSpec("window", f"at most {MAX_PASSES}, got {window}")
+        for name in ("psi", "js", "wasserstein", "mean_shift"):
+            v = getattr(req.thresholds, name)
+            if v < 0 or not math.isfinite(v):
+                raise InvalidSpec(f"thresholds.{name}", f"must be a finite value >= 0 (0 = default), got {v}")
+        point = req.point or pb.POINT_OUTPUT
+        if point not in POINT_NAMES:
+            raise InvalidSpec("point", f"unknown point {req.point}")
+        tap_id = req.name or "baseline-" + hashlib.sha1(f"{req.selector}|{point}".encode()).hexdigest()[:8]
+        thresholds = DriftThresholds.from_message(req.thresholds)
+        per_channel = all(self._channels(layer) is not None for layer in layers)
+        spec = pb.TapSpec(name=tap_id, selector=req.selector, point=point, sampling=req.sampling,
+                          reducers=_reducers(per_channel=per_channel, edges=None))
+        try:
+            self.engine.delete(tap_id, reason="replaced")
+        except Exception:  # noqa: BLE001 - nothing to replace
+            pass
+        with self._lock:
+            for layer in layers:
+                self._layers[(tap_id, layer)] = _Layer(
+                    tap_id, layer, POINT_NAMES[point], passes, window, thresholds,
+                    builder=BaselineBuilder(tap_id, layer, POINT_NAMES[point], passes=passes))
+        self.engine.create(spec, forever=True)
+        for layer in layers:
+            self._export(self._layers[(tap_id, layer)])
+        log.info("baseline %s collecting %d passes over %d layer(s)", tap_id, passes, len(layers))
+        return tap_id, layers
+
+    def drift(self, selector: str = "") -> list[pb.LayerDrift]:
+        """Current scores, one entry per baselined layer."""
+        with self._lock:
+            entries = list(self._layers.values())
+        if selector:
+            keep = set(select_layers(selector, sorted({e.layer for e in entries})))
+            entries = [e for e in entries if e.layer in keep]
+        out = []
+        for e in entries:
+            t = e.thresholds
+            msg = pb.LayerDrift(
+                tap=e.tap, layer=e.layer, point=POINT_BY_NAME[e.point],
+                state=pb.BASELINE_STATE_READY if e.baseline is not None else pb.BASELINE_STATE_COLLECTING,
+                baseline_passes=e.baseline.passes if e.baseline else (e.builder.passes if e.builder else 0),
+                thresholds=pb.DriftThresholds(psi=t.psi, js=t.js, wasserstein=t.wasserstein, mean_shift=t.mean_shift),
+                channel_drift_fraction=-1.0,
+            )
+            if e.score is not None:
+                s = e.score
+                msg.window_passes = s.window_passes
+                msg.psi, msg.js, msg.wasserstein, msg.mean_shift = s.psi, s.js, s.wasserstein, s.mean_shift
+                msg.drifted = s.drifted
+                if s.channel_drift_fraction is not None:
+                    msg.channel_drift_fraction = s.channel_drift_fraction
+            out.append(msg)
+        return out
+
+    # -- start-up ------------------------------------------------------------
+    def load(self) -> int:
+        """Reload saved baselines and recreate their taps; returns how many."""
+        if not self.baseline_dir:
+            return 0
+        known = {name: self._channels(name) for name in self.engine.host.layer_names}
+        baselines, errors = load_baselines(self.baseline_dir, known)
+        for err in errors:
+            log.error("baseline refused: %s", err)
+            if self._on_load_error is not None:
+                self._on_load_error(err)
+        by_tap: dict[tuple[str, str], list[Baseline]] = {}
+        for b in baselines:
+            by_tap.setdefault((b.tap, b.point), []).append(b)
+        loaded = 0
+        for (tap_id, point), group in by_tap.items():
+            selector = "re:" + "|".join(re.escape(b.layer) for b in group)
+            per_channel = all(b.channel_mean is not None for b in group)
+            spec = pb.TapSpec(name=tap_id, selector=selector, point=POINT_BY_NAME[point],
+                              reducers=_reducers(per_channel=per_channel, edges=None))
+            with self._lock:
+                for b in group:
+                    self._layers[(tap_id, b.layer)] = _Layer(tap_id, b.layer, point, b.passes, b.window, b.thresholds)
+            try:
+                self.engine.create(spec, forever=True)
+            except Exception as exc:  # noqa: BLE001 - one bad group must not stop start-up
+                msg = f"{tap_id}: cannot recreate its tap: {exc}"
+                log.error("baseline refused: %s", msg)
+                if self._on_load_error is not None:
+                    self._on_load_error(msg)
+                with self._lock:
+                    for b in group:
+                        self._layers.pop((tap_id, b.layer), None)
+                continue
+            for b in group:
+                self._install(self._layers[(tap_id, b.layer)], b)
+                loaded += 1
+        if loaded:
+            log.info("reloaded %d baseline(s) from %s", loaded, self.baseline_dir)
+        return loaded
+
+    # -- collector thread ----------------------------------------------------
+    def _sink(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
+        for s in summaries:
+            if s.output_index != 0 or s.unsampled:
+                continue
+            with self._lock:
+                entry = self._layers.get((s.tap, s.layer))
+            if entry is None:
+                continue
+            res = _results(s)
+            if "moments" not in res:
+                continue
+            if entry.baseline is None and entry.builder is not None:
+                self._collect(entry, res)
+            elif entry.baseline is not None and entry.window is not None:
+                self._observe(entry, res)
+
+    def _collect(self, entry: _Layer, res: dict[str, pb.ReducerResult]) -> None:
+        if "quantiles" not in res:
+            return
+        m, q = res["moments"].moments, res["quantiles"].quantiles
+        mm = res["minmax"].minmax if "minmax" in res else None
+        pc = res["per_channel"].per_channel if "per_channel" in res else None
+        builder = entry.builder
+        assert builder is not None
+        values = np.asarray(q.values, dtype=np.float64)
+        if m.count == 0 or not np.isfinite(values).all():
+            return
+        builder.feed(values, m.count, m.mean, m.std, mm.min if mm else math.nan, mm.max if mm else math.nan,
+                     population=m.count,
+                     channel_mean=np.asarray(pc.mean) if pc and pc.channels == len(pc.mean) else None,
+                     channel_std=np.asarray(pc.std) if pc and pc.channels == len(pc.std) else None)
+        if builder.done:
+            baseline = builder.freeze(window=entry.window_len, thresholds=entry.thresholds)
+            if self.baseline_dir:
+                try:
+                    save_baseline(self.baseline_dir, baseline)
+                except OSError as exc:
+                    log.error("cannot save baseline %s/%s: %s", entry.tap, entry.layer, exc)
+            self._install(entry, baseline)
+            log.info("baseline %s/%s frozen after %d passes", entry.tap, entry.layer, baseline.passes)
+
+    def _install(self, entry: _Layer, baseline: Baseline) -> None:
+        entry.baseline = baseline
+        entry.builder = None
+        entry.window = SlidingWindow.for_baseline(baseline, entry.window_len)
+        self.engine.set_layer_reducers(entry.tap, entry.layer, _reducers(
+            per_channel=baseline.channel_mean is not None, edges=baseline.edges))
+        self._export(entry)
+
+    def _observe(self, entry: _Layer, res: dict[str, pb.ReducerResult]) -> None:
+        baseline, window = entry.baseline, entry.window
+        assert baseline is not None and window is not None
+        hist = res["histogram"].histogram if "histogram" in res else None
+        if hist is None or len(hist.edges) != len(baseline.edges):
+            return  # a pass computed before the edges froze
+        m = res["moments"].moments
+        mm = res["minmax"].minmax if "minmax" in res else None
+        pc = res["per_channel"].per_channel if "per_channel" in res else None
+        chan = None
+        if pc is not None and baseline.channel_mean is not None and len(pc.mean) == len(baseline.channel_mean):
+            chan = np.asarray(pc.mean, dtype=np.float64)
+        window.add(np.asarray(hist.counts, dtype=np.int64), m.count, m.mean, m.std,
+                   mm.min if mm else math.nan, mm.max if mm else math.nan, channel_mean=chan)
+        entry.score = window.score(baseline, entry.thresholds)
+        self._export(entry)
+
+    def _export(self, entry: _Layer) -> None:
+        if self.store is not None:
+            self.store.set_drift(entry.tap, entry.layer, entry.point, entry.score, entry.thresholds)
+
+    def _tap_removed(self, tap: Tap) -> None:
+        if tap.kind != pb.TAP_KIND_DURABLE:
+            return
+        with self._lock:
+            for key in [k for k in self._layers if k[0] == tap.id]:
+                del self._layers[key]
+
+    def _channels(self, layer: str) -> int | None:
+        shapes = self.engine.host.layer_shapes.get(layer)
+        if shapes is None or not shapes.outputs or len(shapes.outputs[0]) < 2:
+            return None
+        return int(shapes.outputs[0][1])

@@ -1,0 +1,256 @@
+"""PassBuffer / PendingPass / Collector / PinnedPool on CPU."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
+
+import numpy as np
+import pytest
+import torch
+
+from layertap.server import reducers as R
+from layertap.server.collector import Collector, PassBuffer, PendingPass, PinnedPool
+
+F64 = torch.float64
+
+
+def pending_of(**pieces: list[float]) -> PendingPass:
+    buf = PassBuffer()
+    for key, values in pieces.items():
+        buf.add(key, torch.tensor(values, dtype=F64))
+    return buf.finish()
+
+
+@pytest.fixture
+def collector():
+    c = Collector(maxsize=4)
+    yield c
+    c.close()
+
+
+class Gate:
+    """A callback that blocks until opened, to hold the collector thread."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.opened = threading.Event()
+        self.seen: list[dict[Hashable, np.ndarray]] = []
+
+    def __call__(self, values: dict[Hashable, np.ndarray]) -> None:
+        self.started.set()
+        assert self.opened.wait(10)
+        self.seen.append(values)
+
+
+# -------------------------------------------------------------- PassBuffer
+
+
+def test_values_and_slices_by_key() -> None:
+    buf = PassBuffer()
+    buf.add("a", torch.tensor([1.0, 2.0], dtype=F64))
+    buf.add(("tap", 3), torch.tensor([3.0], dtype=F64))
+    buf.add("empty", torch.zeros(0, dtype=F64))
+    assert len(buf) == 3
+    pending = buf.finish()
+    assert len(buf) == 0  # ready for the next pass
+    np.testing.assert_array_equal(pending.wait(), [1.0, 2.0, 3.0])
+    assert pending.slices == {"a": slice(0, 2), ("tap", 3): slice(2, 3), "empty": slice(3, 3)}
+    by_key = pending.values_by_key()
+    np.testing.assert_array_equal(by_key[("tap", 3)], [3.0])
+    assert by_key["empty"].shape == (0,)
+    assert pending.ready()
+    assert pending.wait() is pending.wait()  # idempotent
+
+
+def test_wait_returns_a_private_copy() -> None:
+    t = torch.tensor([1.0, 2.0], dtype=F64)
+    buf = PassBuffer()
+    buf.add("a", t)
+    values = buf.finish().wait()
+    t.fill_(9.0)  # the device buffer is reused by the next pass
+    np.testing.assert_array_equal(values, [1.0, 2.0])
+
+
+def test_single_piece_and_empty_pass() -> None:
+    np.testing.assert_array_equal(pending_of(a=[5.0]).wait(), [5.0])
+    empty = PassBuffer().finish()
+    assert empty.wait().shape == (0,) and empty.values_by_key() == {}
+
+
+def test_add_rejects_duplicates_and_bad_tensors() -> None:
+    buf = PassBuffer()
+    buf.add("a", torch.zeros(2, dtype=F64))
+    with pytest.raises(ValueError, match="already"):
+        buf.add("a", torch.zeros(2, dtype=F64))
+    with pytest.raises(ValueError, match="float64"):
+        buf.add("b", torch.zeros(2))
+    with pytest.raises(ValueError, match="1-D"):
+        buf.add("c", torch.zeros(2, 2, dtype=F64))
+
+
+def test_discarded_pass_cannot_be_read() -> None:
+    pending = pending_of(a=[1.0])
+    pending.discard()
+    with pytest.raises(RuntimeError, match="discarded"):
+        pending.wait()
+
+
+def test_reducer_outputs_round_trip() -> None:
+    plan = R.ReducerPlan(R.build_reducers(R.parse_reducer_names("moments,histogram,quantiles,per_channel")))
+    xs = [torch.randn(2, 4, 5, 5), torch.randn(3, 7)]
+    buf = PassBuffer()
+    for i, x in enumerate(xs):
+        buf.add(i, plan.run(x))
+    values = buf.finish().values_by_key()
+    for i, x in enumerate(xs):
+        assert plan.decode(values[i], x.shape) == plan.decode(plan.run(x).numpy(), x.shape)
+
+
+# --------------------------------------------------------------- Collector
+
+
+def test_callbacks_get_values_in_order(collector: Collector) -> None:
+    seen: list[tuple[int, float]] = []
+    threads: set[str] = set()
+
+    def cb(i: int):
+        def record(values: dict[Hashable, np.ndarray]) -> None:
+            threads.add(threading.current_thread().name)
+            seen.append((i, float(values["v"][0])))
+        return record
+
+    for i in range(40):  # more than maxsize: the thread keeps up or drops
+        collector.submit(pending_of(v=[float(i)]), cb(i))
+        if i % 3 == 0:
+            assert collector.flush(5)
+    assert collector.flush(5)
+    assert [i for i, _ in seen] == sorted(i for i, _ in seen)  # FIFO
+    assert all(i == v for i, v in seen)
+    assert len(seen) + collector.dropped == 40 and collector.processed == len(seen)
+    assert threads == {"layertap-collector"}  # never on the submitting thread
+
+
+def test_flush_waits_and_times_out(collector: Collector) -> None:
+    gate = Gate()
+    collector.submit(pending_of(v=[1.0]), gate)
+    assert gate.started.wait(5)
+    assert collector.flush(0.05) is False  # the running job is not done
+    gate.opened.set()
+    assert collector.flush(5) is True
+    assert len(gate.seen) == 1 and collector.processed == 1
+
+
+def test_callback_errors_are_counted_not_raised(collector: Collector, caplog) -> None:
+    def boom(values: dict[Hashable, np.ndarray]) -> None:
+        raise KeyError("no such tap")
+
+    ok: list[int] = []
+    collector.submit(pending_of(v=[1.0]), boom)
+    collector.submit(pending_of(v=[2.0]), lambda values: ok.append(1))
+    assert collector.flush(5)
+    assert collector.errors == 1 and collector.processed == 1 and ok == [1]
+    assert "no such tap" in (collector.last_error or "")
+    assert "collector callback failed" in caplog.text
+
+
+def test_full_queue_drops_the_oldest(collector: Collector) -> None:
+    gate = Gate()
+    got: list[float] = []
+    collector.submit(pending_of(v=[-1.0]), gate)
+    assert gate.started.wait(5)  # job 0 is running, the queue is empty
+    accepted = [
+        collector.submit(pending_of(v=[float(i)]), lambda values: got.append(float(values["v"][0])))
+        for i in range(7)
+    ]
+    # maxsize 4: passes 0, 1, 2 were pushed out by 4, 5, 6; never blocked.
+    assert accepted == [True] * 4 + [False] * 3
+    assert collector.dropped == 3 and collector.pending() == 4
+    gate.opened.set()
+    assert collector.flush(5)
+    assert got == [3.0, 4.0, 5.0, 6.0]
+
+
+def test_flush_is_not_fooled_by_later_drops() -> None:
+    # A job still running must keep flush waiting even if newer jobs get dropped.
+    c = Collector(maxsize=1)
+    try:
+        gate = Gate()
+        c.submit(pending_of(v=[0.0]), gate)
+        assert gate.started.wait(5)
+        result: list[bool] = []
+        waiter = threading.Thread(target=lambda: result.append(c.flush(5)))
+        waiter.start()
+        for i in range(3):
+            c.submit(pending_of(v=[float(i)]), lambda values: None)
+        waiter.join(0.1)
+        assert waiter.is_alive()  # still waiting on job 0
+        gate.opened.set()
+        waiter.join(5)
+        assert result == [True]
+    finally:
+        c.close()
+
+
+def test_close_drains_then_rejects() -> None:
+    c = Collector(maxsize=100)
+    got: list[float] = []
+    for i in range(20):
+        c.submit(pending_of(v=[float(i)]), lambda values: got.append(float(values["v"][0])))
+    c.close()
+    assert got == [float(i) for i in range(20)]
+    assert c.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        c.submit(pending_of(v=[1.0]), lambda values: None)
+
+
+def test_context_manager_closes() -> None:
+    with Collector() as c:
+        c.submit(pending_of(v=[1.0]), lambda values: None)
+    assert c.closed and c.processed == 1
+
+
+def test_maxsize_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        Collector(maxsize=0)
+
+
+# -------------------------------------------------------------- PinnedPool
+
+
+class FakeEvent:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_pool_reuses_released_buffers() -> None:
+    pool = PinnedPool(pin=False)
+    a = pool.acquire(10)
+    assert a.numel() == 10 and a.dtype == F64
+    pool.release(a)
+    b = pool.acquire(12)  # capacity was rounded up to 16
+    assert b.data_ptr() == a.data_ptr() and b.numel() == 12
+    c = pool.acquire(100)
+    assert c.data_ptr() != a.data_ptr()
+    assert pool.allocations == 2
+
+
+def test_pool_waits_for_the_copy_event_before_reuse() -> None:
+    pool = PinnedPool(pin=False)
+    a = pool.acquire(8)
+    event = FakeEvent(done=False)
+    pool.release(a, event)  # type: ignore[arg-type]
+    assert pool.acquire(8).data_ptr() != a.data_ptr()  # copy may still be writing
+    event.done = True
+    assert pool.acquire(8).data_ptr() == a.data_ptr()
+
+
+def test_pool_keeps_at_most_max_free() -> None:
+    pool = PinnedPool(max_free=2, pin=False)
+    bufs = [pool.acquire(4) for _ in range(4)]
+    for b in bufs:
+        pool.release(b)
+    assert len(pool._free) == 2
