@@ -24,12 +24,21 @@ def generate(out_dir: Path) -> list[Path]:
     from grpc_tools import protoc
 
     well_known = Path(grpc_tools.__file__).parent / "_proto"
+    plugins = []
+    for name in ("protoc-gen-mypy", "protoc-gen-mypy_grpc"):
+        # mypy-protobuf's plugins sit beside this interpreter, which need not be on PATH.
+        exe = Path(sys.executable).parent / name
+        found = str(exe) if exe.exists() else shutil.which(name)
+        if found is None:
+            raise RuntimeError(f"{name} not found: pip install mypy-protobuf")
+        plugins.append(f"--plugin={name}={found}")
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PACKAGE_DIR.glob("*.proto"))
     with tempfile.TemporaryDirectory() as tmp:
         args = [
             "grpc_tools.protoc",
             f"-I{PROTO_ROOT}",
             f"-I{well_known}",
+            *plugins,
             f"--python_out={tmp}",
             f"--grpc_python_out={tmp}",
             f"--mypy_out={tmp}",

@@ -98,6 +98,20 @@ def _load_torchvision(name: str) -> nn.Module | None:
     return model
 
 
+def _export_signature(program: torch.export.ExportedProgram) -> list[InputSpec]:
+    """User inputs of an exported program; dynamic dims (SymInts) become -1."""
+    user = set(program.graph_signature.user_inputs)
+    specs = []
+    for node in program.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" and node.name in user else None
+        if isinstance(val, torch.Tensor):
+            shape = tuple(d if isinstance(d, int) else -1 for d in val.shape)
+            specs.append(InputSpec(node.name, val.dtype, shape))
+    if len(specs) == 1:
+        specs[0] = InputSpec("input", specs[0].dtype, specs[0].shape)
+    return specs
+
+
 def _load_export(path: Path, input_shape: str | None, input_dtype: str) -> LoadedModel:
     try:
         program = torch.export.load(str(path))
@@ -109,14 +123,9 @@ def _load_export(path: Path, input_shape: str | None, input_dtype: str) -> Loade
     if input_shape is not None:
         inputs = _declared_inputs(input_shape, input_dtype, "a torch.export program")
     else:
-        args = getattr(program, "example_inputs", None)
-        flat = list(args[0]) if args else []
-        if not flat or not all(isinstance(a, torch.Tensor) for a in flat):
-            raise ModelLoadError(f"{path}: no example inputs stored; pass --input-shape")
-        inputs = [
-            InputSpec(f"input{i}" if len(flat) > 1 else "input", a.dtype, (-1, *a.shape[1:]))
-            for i, a in enumerate(flat)
-        ]
+        inputs = _export_signature(program)
+        if not inputs:
+            raise ModelLoadError(f"{path}: cannot read the program's input signature; pass --input-shape")
     return LoadedModel(module, path.stem, "export", inputs)
 
 
