@@ -9,7 +9,7 @@ import torch
 
 from layertap.server.dtypes import flatten_outputs, tensor_from_proto, tensor_to_proto, wire_dtype
 from layertap.server.errors import InvalidSpec, LimitExceeded, grpc_errors, status_for
-from layertap.server.state import ServerState, StateCell
+from layertap.server.state import ServerState, StateBacked
 from layertap.v1 import inference_pb2 as ipb
 from layertap.v1 import inference_pb2_grpc
 from layertap.v1 import tensor_pb2
@@ -29,15 +29,8 @@ def decode_inputs(inputs: list[tensor_pb2.Tensor], state: ServerState, field: st
     return tensors
 
 
-class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
+class InferenceService(StateBacked, inference_pb2_grpc.InferenceServiceServicer):
     """Runs the hosted model."""
-
-    def __init__(self, cell: StateCell) -> None:
-        self._cell = cell
-
-    @property
-    def state(self) -> ServerState:
-        return self._cell.get()
 
     @grpc_errors
     def Infer(self, request: ipb.InferRequest, context: grpc.ServicerContext) -> ipb.InferResponse:

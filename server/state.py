@@ -73,3 +73,14 @@ class StateCell:
 
             raise Unavailable("the model is still loading; watch grpc.health.v1 for SERVING")
         return self._state
+
+
+class StateBacked:
+    """Base of the servicers: the shared state, once the model is loaded."""
+
+    def __init__(self, cell: StateCell) -> None:
+        self._cell = cell
+
+    @property
+    def state(self) -> ServerState:
+        return self._cell.get()

@@ -12,7 +12,7 @@ import grpc
 from layertap.server.capture import CaptureSession, CaptureTooLarge, describe, encode_pass, parse_options
 from layertap.server.errors import InvalidSpec, grpc_errors
 from layertap.server.inference_service import decode_inputs
-from layertap.server.state import ServerState, StateCell
+from layertap.server.state import ServerState, StateBacked
 from layertap.v1 import tensor_pb2
 from layertap.v1 import telemetry_pb2 as pb
 from layertap.v1 import telemetry_pb2_grpc
@@ -98,15 +98,8 @@ class TapMethods:
 
 
 
-class TelemetryService(TapMethods, telemetry_pb2_grpc.TelemetryServiceServicer):
+class TelemetryService(StateBacked, TapMethods, telemetry_pb2_grpc.TelemetryServiceServicer):
     """Looks inside the hosted model."""
-
-    def __init__(self, cell: StateCell) -> None:
-        self._cell = cell
-
-    @property
-    def state(self) -> ServerState:
-        return self._cell.get()
 
     @grpc_errors
     def ListLayers(self, request: pb.ListLayersRequest, context: grpc.ServicerContext) -> pb.ListLayersResponse:
