@@ -430,6 +430,8 @@ class Client:
             array. ``n > 1``: a list with one such entry per pass. Where the
             layer's value is a tuple/list (or a multi-argument input), a list
             ordered by position replaces the array; a dict output gives a dict.
+            A module that runs more than once per pass (a shared ReLU, say)
+            gives a list with one such value per call, in call order.
 
             numpy has no bfloat16: a bf16 tensor arrives as float32 (exact: its
             bits widen into the high half), or as ``torch.bfloat16`` with
@@ -697,6 +699,13 @@ class Client:
 
 
 def _layer_value(tensors: list[_convert.CapturedTensor]) -> Any:
+    calls = sorted({t.call_index for t in tensors})
+    if len(calls) > 1:  # the module ran more than once in the pass: one entry per call
+        return [_call_value([t for t in tensors if t.call_index == c]) for c in calls]
+    return _call_value(tensors)
+
+
+def _call_value(tensors: list[_convert.CapturedTensor]) -> Any:
     if len(tensors) == 1 and not tensors[0].is_container:
         return tensors[0].value
     ordered = sorted(tensors, key=lambda t: t.output_index)

@@ -421,6 +421,7 @@ class CapturedTensor:
     pass_ordinal: int
     active: bool
     dtype: str
+    call_index: int = 0
     value: TensorValue = None
 
 
@@ -498,6 +499,7 @@ class CaptureAssembler:
             pass_ordinal=h.pass_ordinal,
             active=h.active,
             dtype=dtype_name(h.dtype),
+            call_index=h.call_index,
         )
         pending = _Pending(
             tensor=tensor,
@@ -756,6 +758,7 @@ def summary_from_proto(s: telemetry_pb2.Summary) -> Summary:
         step=s.step if s.has_step else None,
         wall_time=wall,
         unsampled=s.unsampled,
+        call_index=s.call_index,
         results=results,
     )
 

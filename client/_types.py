@@ -234,6 +234,7 @@ class Summary:
         step: The training step, when the host reports one.
         wall_time: Seconds since the epoch when the pass ran.
         unsampled: True when only the always-on ``nonfinite`` reducer ran.
+        call_index: 0 for the module's first call in the pass, 1 for a second...
     """
 
     tap: str
@@ -245,6 +246,7 @@ class Summary:
     wall_time: float
     unsampled: bool
     results: dict[str, ReducerResult] = field(default_factory=dict)
+    call_index: int = 0
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,7 @@ def _wire_metrics(host: ModelHost, taps: TapEngine, broker: Broker,
 
     taps.sinks.append(export)
     taps.on_removed.append(lambda tap: store.remove_tap(tap.id))
+    taps.on_created.append(lambda tap: store.add_tap(tap.id))
     metrics.registry = registry  # type: ignore[attr-defined]
     return metrics, store
 
@@ -196,7 +197,11 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Lay
     running = LayertapServer(server, state, port, health_servicer)
     running._closers.append(state.taps.close)
     if state.metrics is not None:
-        mserver, mport = start_metrics_server(state.metrics.registry, config.host, config.metrics_port or 0)  # type: ignore[attr-defined]
+        try:
+            mserver, mport = start_metrics_server(state.metrics.registry, config.host, config.metrics_port or 0)  # type: ignore[attr-defined]
+        except OSError:
+            running.stop(0)  # no half-started server left behind
+            raise
         running.metrics_port = mport
         running._closers.append(lambda: stop_metrics_server(mserver))
         log.info("metrics on http://%s:%d/metrics", config.host, mport)

@@ -127,6 +127,19 @@ class Broker:
             if self.on_publish is not None:
                 self.on_publish(dropped)
 
+    def tap_gone(self, tap_id: str) -> None:
+        """A tap was deleted or expired: end the streams that followed only taps now gone.
+
+        Their queued messages (the tap's last event included) are still delivered.
+        """
+        with self._lock:
+            subs = list(self._subs)
+        for sub in subs:
+            if sub.tap_ids is not None and tap_id in sub.tap_ids:
+                sub.tap_ids.discard(tap_id)
+                if not sub.tap_ids:
+                    sub.close()
+
     def close(self) -> None:
         with self._lock:
             subs, self._subs = self._subs, []

@@ -41,6 +41,7 @@ class CaptureLimits:
 @dataclass
 class CapturedTensor:
     layer: str
+    call_index: int
     output_index: int
     output_key: str
     output_count: int
@@ -53,6 +54,7 @@ class CapturedPass:
     ctx: PassContext
     ordinal: int
     tensors: list[CapturedTensor] = field(default_factory=list)
+    calls: dict[str, int] = field(default_factory=dict)
     nbytes: int = 0
     too_large: str | None = None
 
@@ -120,7 +122,10 @@ class CaptureSession:
             self.host.add_observer(self)
 
     def close(self) -> None:
-        """Remove every hook; safe to call more than once, from any thread."""
+        """Remove every hook; safe to call more than once, from any thread.
+
+        Never takes the model lock, so gRPC's callback thread never waits for a pass.
+        """
         if self._closed:
             return
         self._closed = True
@@ -148,6 +153,8 @@ class CaptureSession:
         if self._pending is None or self._pending.ctx is not ctx:
             self._pending = CapturedPass(ctx, self._taken)
         rec = self._pending
+        call = rec.calls.get(layer, 0)
+        rec.calls[layer] = call + 1
         if rec.too_large:
             return
         items = flatten_tensors(value)
@@ -179,11 +186,15 @@ class CaptureSession:
                 src = src[: self.opts.max_batch]
             # clone() so later in-place ops in the model cannot change what we send.
             copy = src.to(dtype=dtype, copy=True) if dtype != src.dtype else src.clone()
-            rec.tensors.append(CapturedTensor(layer, i, key if isinstance(value, dict) else "",
+            rec.tensors.append(CapturedTensor(layer, call, i, key if isinstance(value, dict) else "",
                                               len(planned), is_container, copy))
 
     def pass_finished(self, ctx: PassContext) -> None:
-        if not self._wants(ctx):
+        if self._closed or not self._wants(ctx):
+            return
+        if ctx.failed:
+            # The forward raised: a passive capture waits for the next good pass.
+            self._pending = None
             return
         rec = self._pending if self._pending is not None and self._pending.ctx is ctx else CapturedPass(ctx, self._taken)
         self._pending = None
@@ -202,7 +213,7 @@ def encode_pass(rec: CapturedPass, opts: CaptureOptions, tensor_ids: Iterator[in
     """Headers and <=1 MiB chunks for every tensor of a pass, in request order."""
     rank = {name: i for i, name in enumerate(opts.layers)}
     point = opts.point
-    order = sorted(rec.tensors, key=lambda c: (rank[c.layer], c.output_index))
+    order = sorted(rec.tensors, key=lambda c: (rank[c.layer], c.call_index, c.output_index))
     for cap in order:
         host_t = cap.tensor.to("cpu").contiguous()
         nbytes = host_t.numel() * host_t.element_size()
@@ -215,7 +226,7 @@ def encode_pass(rec: CapturedPass, opts: CaptureOptions, tensor_ids: Iterator[in
             output_key=cap.output_key, output_count=cap.output_count, dtype=wire_dtype(host_t.dtype),
             shape=list(host_t.shape), pass_index=rec.ctx.index, pass_ordinal=rec.ordinal,
             total_bytes=nbytes, num_chunks=nchunks, active=rec.ctx.active,
-            is_container=cap.is_container,
+            is_container=cap.is_container, call_index=cap.call_index,
         ))
         for i in range(nchunks):
             off = i * CHUNK_BYTES

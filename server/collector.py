@@ -225,6 +225,7 @@ class _Job:
     pending: PendingPass
     callback: ValuesCallback
     seq: int
+    on_drop: Callable[[], None] | None = None
 
 
 class Collector:
@@ -270,8 +271,12 @@ class Collector:
         with self._cond:
             return len(self._queue)
 
-    def submit(self, pending: PendingPass, callback: ValuesCallback) -> bool:
+    def submit(self, pending: PendingPass, callback: ValuesCallback,
+               on_drop: Callable[[], None] | None = None) -> bool:
         """Queues a pass; ``callback`` later gets its values by key on the collector thread.
+
+        ``on_drop`` is called (on the submitting thread) if this pass is later
+        pushed out of a full queue before the thread takes it.
 
         Returns:
             False when an older pass had to be dropped to make room.
@@ -287,10 +292,15 @@ class Collector:
                 dropped = self._queue.popleft()
                 self.dropped += 1
             self._submitted += 1
-            self._queue.append(_Job(pending, callback, self._submitted))
+            self._queue.append(_Job(pending, callback, self._submitted, on_drop))
             self._cond.notify_all()
         if dropped is not None:
             dropped.pending.discard()
+            if dropped.on_drop is not None:
+                try:
+                    dropped.on_drop()
+                except Exception:  # noqa: BLE001 - accounting must not fail the model thread
+                    _log.exception("collector on_drop callback failed")
         return dropped is None
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -26,7 +26,7 @@ import numpy as np
 
 from layertap.server.baseline import Baseline, BaselineBuilder, load_baselines, save_baseline
 from layertap.server.drift import DriftScore, DriftThresholds, SlidingWindow
-from layertap.server.errors import InvalidSpec
+from layertap.server.errors import AlreadyExists, InvalidSpec
 from layertap.server.hooks import POINT_BY_NAME, POINT_NAMES
 from layertap.server.metrics import SnapshotStore
 from layertap.server.model_host import PassContext
@@ -87,6 +87,8 @@ class DriftMonitor:
         self._on_load_error = on_load_error
         self._lock = threading.Lock()
         self._layers: dict[tuple[str, str], _Layer] = {}
+        #: Taps this monitor created (the only ones SetBaseline may replace).
+        self._own: set[str] = set()
         engine.sinks.append(self._sink)
         engine.on_removed.append(self._tap_removed)
 
@@ -113,18 +115,26 @@ class DriftMonitor:
         per_channel = all(self._channels(layer) is not None for layer in layers)
         spec = pb.TapSpec(name=tap_id, selector=req.selector, point=point, sampling=req.sampling,
                           reducers=_reducers(per_channel=per_channel, edges=None))
-        try:
+        existing = {t.id for t in self.engine.list()}
+        if tap_id in existing:
+            if tap_id not in self._own:
+                raise AlreadyExists(f"name: a tap named {tap_id!r} exists and is not a baseline; pick another name")
             self.engine.delete(tap_id, reason="replaced")
-        except Exception:  # noqa: BLE001 - nothing to replace
-            pass
+        entries = {layer: _Layer(tap_id, layer, POINT_NAMES[point], passes, window, thresholds,
+                                 builder=BaselineBuilder(tap_id, layer, POINT_NAMES[point], passes=passes))
+                   for layer in layers}
         with self._lock:
-            for layer in layers:
-                self._layers[(tap_id, layer)] = _Layer(
-                    tap_id, layer, POINT_NAMES[point], passes, window, thresholds,
-                    builder=BaselineBuilder(tap_id, layer, POINT_NAMES[point], passes=passes))
-        self.engine.create(spec, forever=True)
-        for layer in layers:
-            self._export(self._layers[(tap_id, layer)])
+            self._layers.update({(tap_id, layer): e for layer, e in entries.items()})
+        try:
+            self.engine.create(spec, forever=True)
+        except Exception:
+            with self._lock:
+                for layer in layers:
+                    self._layers.pop((tap_id, layer), None)
+            raise
+        self._own.add(tap_id)
+        for entry in entries.values():
+            self._export(entry)
         log.info("baseline %s collecting %d passes over %d layer(s)", tap_id, passes, len(layers))
         return tap_id, layers
 
@@ -180,6 +190,7 @@ class DriftMonitor:
                     self._layers[(tap_id, b.layer)] = _Layer(tap_id, b.layer, point, b.passes, b.window, b.thresholds)
             try:
                 self.engine.create(spec, forever=True)
+                self._own.add(tap_id)
             except Exception as exc:  # noqa: BLE001 - one bad group must not stop start-up
                 msg = f"{tap_id}: cannot recreate its tap: {exc}"
                 log.error("baseline refused: %s", msg)
@@ -199,7 +210,7 @@ class DriftMonitor:
     # -- collector thread ----------------------------------------------------
     def _sink(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
         for s in summaries:
-            if s.output_index != 0 or s.unsampled:
+            if s.output_index != 0 or s.call_index != 0 or s.unsampled:
                 continue
             with self._lock:
                 entry = self._layers.get((s.tap, s.layer))
@@ -271,6 +282,7 @@ class DriftMonitor:
         if tap.kind != pb.TAP_KIND_DURABLE:
             return
         with self._lock:
+            self._own.discard(tap.id)
             for key in [k for k in self._layers if k[0] == tap.id]:
                 del self._layers[key]
 

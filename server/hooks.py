@@ -74,10 +74,14 @@ class HookRegistry:
         """Install ``callback`` at ``layer``/``point``; the caller owns removal."""
         module = self._modules[layer]
         current = self._current_pass
+        handle = HookHandle(layer, point, [], self)
 
         def fire(value: Any) -> None:
+            # A handle removed mid-pass (from another thread) goes quiet at
+            # once; torch copies its hook dicts before iterating, so the
+            # removal itself is safe without holding the model lock.
             ctx = current()
-            if ctx is not None:
+            if ctx is not None and not handle._removed:
                 callback(ctx, value)
 
         handles: list[RemovableHandle] = []
@@ -99,7 +103,7 @@ class HookRegistry:
                     )
         else:
             raise ValueError(f"unknown point {point}")
-        handle = HookHandle(layer, point, handles, self)
+        handle._handles = handles
         with self._lock:
             self._live.update(id(h) for h in handles)
         return handle

@@ -300,17 +300,21 @@ class SnapshotStore:
         self._lock = threading.Lock()
         self._layers: dict[tuple[str, str, str], _LayerState] = {}
         self._clock = clock
+        # Removed taps: a summary still in flight must not resurrect their series.
+        self._gone: set[str] = set()
 
     def update_from_summary(self, tap_id: str, summary: Any) -> None:
         """Fold one ``layertap.v1.Summary`` into the store.
 
-        Only ``output_index`` 0 feeds the gauges (labels have no output
-        index); non-finite counts of every output of the layer add up, so a
-        NaN in a secondary output still raises the alert.
+        Only ``output_index`` 0 of a module's first call in the pass feeds
+        the gauges (labels have neither); non-finite counts of every output
+        and call add up, so a NaN anywhere in the layer still raises the alert.
         """
         key = (tap_id or summary.tap, summary.layer, point_name(summary.point))
+        if key[0] in self._gone:
+            return
         ts = summary.wall_time.seconds + summary.wall_time.nanos * 1e-9 if summary.HasField("wall_time") else self._clock()
-        primary = summary.output_index == 0
+        primary = summary.output_index == 0 and getattr(summary, "call_index", 0) == 0
         with self._lock:
             st = self._layers.get(key)
             if st is None:
@@ -363,6 +367,8 @@ class SnapshotStore:
             channel_fraction: Overrides ``score.channel_drift_fraction``.
         """
         with self._lock:
+            if tap in self._gone:
+                return
             st = self._layers.setdefault((tap, layer, point), _LayerState())
             st.drift = score
             st.thresholds = thresholds
@@ -371,8 +377,14 @@ class SnapshotStore:
     def remove_tap(self, tap_id: str) -> None:
         """Forget every layer of a deleted or expired tap (its series vanish)."""
         with self._lock:
+            self._gone.add(tap_id)
             for k in [k for k in self._layers if k[0] == tap_id]:
                 del self._layers[k]
+
+    def add_tap(self, tap_id: str) -> None:
+        """A tap (possibly reusing a removed tap's name) may export again."""
+        with self._lock:
+            self._gone.discard(tap_id)
 
     def __len__(self) -> int:
         with self._lock:

@@ -34,6 +34,8 @@ class PassContext:
     active_owner: object | None = None
     step: int | None = None
     wall_time: float = field(default_factory=time.time)
+    #: Set when the forward (or backward) raised: observers drop the pass.
+    failed: bool = False
 
     @property
     def active(self) -> bool:
@@ -91,7 +93,10 @@ class ModelHost:
         self._lock = threading.RLock()
         self._counter = itertools.count()
         self._current: PassContext | None = None
-        self._observers: list[PassObserver] = []
+        # Copy-on-write under its own small lock: observers can leave from
+        # any thread (even gRPC's callback thread) without the model lock.
+        self._observers: tuple[PassObserver, ...] = ()
+        self._observers_lock = threading.Lock()
         self.passes = 0
         self.hooks = HookRegistry(self.module, lambda: self._current)
         self._modules = dict(self.module.named_modules()) if loaded.hooks_supported else {"": self.module}
@@ -113,13 +118,13 @@ class ModelHost:
         return sum(p.numel() for p in self.module.parameters())
 
     def add_observer(self, observer: PassObserver) -> None:
-        with self._lock:
-            self._observers.append(observer)
+        with self._observers_lock:
+            self._observers = (*self._observers, observer)
 
     def remove_observer(self, observer: PassObserver) -> None:
-        with self._lock:
-            if observer in self._observers:
-                self._observers.remove(observer)
+        """Never waits for a running pass."""
+        with self._observers_lock:
+            self._observers = tuple(o for o in self._observers if o is not observer)
 
     def pass_lock(self) -> threading.RLock:
         """The lock that serialises passes; hold it to change hooks between passes."""
@@ -153,12 +158,15 @@ class ModelHost:
             probe = self._start_probe() if self._probe_armed else None
             try:
                 yield ctx
+            except BaseException:
+                ctx.failed = True
+                raise
             finally:
                 if probe is not None:
                     probe.remove()
                 self._current = None
                 self.passes += 1
-                for obs in list(self._observers):
+                for obs in self._observers:
                     obs.pass_finished(ctx)
 
     def run(self, inputs: Sequence[torch.Tensor], *, active_owner: object | None = None) -> tuple[Any, PassContext]:

@@ -63,6 +63,8 @@ class Tap:
     last_error: str = ""
     disabled: bool = False
     handles: list[HookHandle] = field(default_factory=list)
+    #: Calls of each layer (point) seen in the current pass.
+    calls: dict[str, int] = field(default_factory=dict)
     #: Per-layer reducer plans that override ``plan`` (drift baselines freeze
     #: histogram edges per layer).
     layer_plans: dict[str, ReducerPlan] = field(default_factory=dict)
@@ -89,6 +91,7 @@ class _Piece:
     tap: Tap
     layer: str
     output_index: int
+    call_index: int
     shape: tuple[int, ...]
     plan: ReducerPlan
     sampled: bool
@@ -111,11 +114,12 @@ class TapEngine:
         self._buffer: PassBuffer | None = None
         self._pieces: list[_Piece] = []
         self._hook_seconds = 0.0
-        self._events: list[pb.TapEvent] = []
         self.reducer_errors = 0
         self.sinks: list[Sink] = []
         #: Called with each tap that is deleted, expires or ends.
         self.on_removed: list[Callable[[Tap], None]] = []
+        #: Called with each new tap.
+        self.on_created: list[Callable[[Tap], None]] = []
         #: Called (on the model thread) with each tap a reducer error disables.
         self.on_error: list[Callable[[Tap], None]] = []
         self.hook_observer: Callable[[float], None] | None = None
@@ -148,7 +152,9 @@ class TapEngine:
             raise InvalidSpec("ttl", f"must be positive, got {ttl}s")
         sampler = Sampler(spec.sampling, clock=self.clock, rng=self._rng, field=f"{field_prefix}.sampling")
         plan = ReducerPlan(reducers)
-        with self._lock:
+        # Lock order everywhere: the model lock, then the engine lock. Hooks go
+        # in between passes, so a tap never sees half a pass.
+        with self.host.pass_lock(), self._lock:
             if len(self._taps) >= self.max_taps:
                 raise LimitExceeded(f"{len(self._taps)} taps exist, the server limit is {self.max_taps}")
             tap_id = spec.name or f"tap-{secrets.token_hex(4)}"
@@ -162,11 +168,12 @@ class TapEngine:
                 life = DEFAULT_TTL_SECONDS if ttl is None else ttl
                 tap.expires_at = self.clock() + life
                 tap.expires_wall = self.wall() + life
-            with self.host.pass_lock():
-                for layer in layers:
-                    tap.handles.append(self.host.hooks.add(
-                        layer, point, lambda ctx, v, _t=tap, _l=layer: self._on_hook(_t, _l, ctx, v)))
+            for layer in layers:
+                tap.handles.append(self.host.hooks.add(
+                    layer, point, lambda ctx, v, _t=tap, _l=layer: self._on_hook(_t, _l, ctx, v)))
             self._taps[tap_id] = tap
+        for callback in list(self.on_created):
+            callback(tap)
         log.info("tap %s created: kind=%s layers=%d point=%s", tap_id, pb.TapKind.Name(kind), len(layers), POINT_NAMES[point])
         return tap
 
@@ -178,9 +185,14 @@ class TapEngine:
         self._unhook(tap)
         for callback in list(self.on_removed):
             callback(tap)
-        self._events.append(pb.TapEvent(tap=tap_id, kind=reason, message=f"tap {reason}"))
+        self._announce(tap, reason, f"tap {reason}")
+        self.broker.tap_gone(tap_id)
         log.info("tap %s %s", tap_id, reason)
         return tap
+
+    def _announce(self, tap: Tap, kind: str, message: str) -> None:
+        """Tell the tap's subscribers now (the broker never blocks)."""
+        self.broker.publish([], {tap.id: tap.durable}, [pb.TapEvent(tap=tap.id, kind=kind, message=message)])
 
     def set_layer_reducers(self, tap_id: str, layer: str, reducers: list[pb.ReducerSpec]) -> None:
         """Give one layer of a tap its own reducers (e.g. frozen histogram edges)."""
@@ -232,6 +244,9 @@ class TapEngine:
         if tap._pass != ctx.index:
             tap._pass = ctx.index
             tap._sampled = tap.sampler.sample()
+            tap.calls.clear()
+        call = tap.calls.get(layer, 0)
+        tap.calls[layer] = call + 1
         plan = tap.layer_plans.get(layer, tap.plan) if tap._sampled else tap.always
         if plan is None:
             return
@@ -243,7 +258,7 @@ class TapEngine:
             for i, (_key, tensor) in enumerate(flatten_tensors(value)):
                 vec = plan.run(tensor)
                 self._buffer.add(len(self._pieces), vec)
-                self._pieces.append(_Piece(tap, layer, offset + i, tuple(tensor.shape), plan, tap._sampled))
+                self._pieces.append(_Piece(tap, layer, offset + i, call, tuple(tensor.shape), plan, tap._sampled))
         except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
             self._fail(tap, layer, exc)
         finally:
@@ -258,29 +273,28 @@ class TapEngine:
             callback(tap)
         # Its pieces already in this pass are partial; _publish skips disabled taps.
         self._unhook(tap)
-        self._events.append(pb.TapEvent(tap=tap.id, kind="disabled", message=tap.last_error))
+        self._announce(tap, "disabled", tap.last_error)
         log.warning("tap %s disabled after a reducer error: %s", tap.id, tap.last_error)
 
     def pass_finished(self, ctx: PassContext) -> None:
         """Ship the pass's results to the collector (one D2H copy)."""
-        buffer, pieces, events = self._buffer, self._pieces, self._events
-        self._buffer, self._pieces, self._events = None, [], []
+        buffer, pieces = self._buffer, self._pieces
+        self._buffer, self._pieces = None, []
         hook_seconds, self._hook_seconds = self._hook_seconds, 0.0
         if hook_seconds and self.hook_observer is not None:
             self.hook_observer(hook_seconds)
-        if buffer is None or not pieces:
-            if events:
-                self.broker.publish([], self.is_durable(), events)
-            return
-        pending = buffer.finish()
-        ok = self.collector.submit(pending, lambda values: self._publish(ctx, pieces, values, events))
-        if not ok:
-            for p in pieces:
-                p.tap.drops += 1
+        if buffer is None or not pieces or ctx.failed:
+            return  # a pass whose forward raised publishes nothing
+        taps = list({id(p.tap): p.tap for p in pieces}.values())
+
+        def dropped() -> None:
+            for tap in taps:
+                tap.drops += 1
+
+        self.collector.submit(buffer.finish(), lambda values: self._publish(ctx, pieces, values), dropped)
 
     # -- collector thread ----------------------------------------------------
-    def _publish(self, ctx: PassContext, pieces: list[_Piece], values: dict[int, np.ndarray],
-                 events: list[pb.TapEvent]) -> None:
+    def _publish(self, ctx: PassContext, pieces: list[_Piece], values: dict[int, np.ndarray]) -> None:
         wall = _timestamp(ctx.wall_time)
         summaries = []
         seen: set[str] = set()
@@ -290,7 +304,7 @@ class TapEngine:
             summary = pb.Summary(
                 tap=p.tap.id, layer=p.layer, point=p.tap.spec.point, output_index=p.output_index,
                 pass_index=ctx.index, wall_time=wall, results=p.plan.decode(values[i], p.shape),
-                unsampled=not p.sampled,
+                unsampled=not p.sampled, call_index=p.call_index,
             )
             if ctx.step is not None:
                 summary.step = ctx.step
@@ -299,7 +313,7 @@ class TapEngine:
             if p.sampled and p.tap.id not in seen:
                 seen.add(p.tap.id)
                 p.tap.hits += 1
-        self.broker.publish(summaries, self.is_durable(), events)
+        self.broker.publish(summaries, self.is_durable())
         for sink in list(self.sinks):
             try:
                 sink(ctx, summaries)

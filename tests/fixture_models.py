@@ -6,8 +6,13 @@ real ``package.module:factory`` references.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from layertap.server.model_sources import LoadedModel
 
 
 class Identity(nn.Module):
@@ -75,3 +80,54 @@ class Perturbable(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer4(torch.relu(self.layer3(torch.relu(self.layer2(torch.relu(self.layer1(x)))))))
+
+    @torch.no_grad()
+    def perturb_layer3(self, scale: float = 3.0, shift: float = 1.0) -> None:
+        """Scale ``layer3``'s weights and shift its bias in place.
+
+        ``layer3`` and everything after it drift; ``layer1`` and ``layer2`` do
+        not. Hold the host's ``pass_lock()`` so no pass sees half an update.
+        """
+        self.layer3.weight.mul_(scale)
+        self.layer3.bias.add_(shift)
+
+
+#: Input signature of :class:`Perturbable` (batch free).
+PERTURBABLE_INPUT_SHAPE: tuple[int, ...] = (-1, 16)
+
+
+def perturbable() -> nn.Module:
+    """``fixture_models:perturbable`` for ``layertap serve --input-shape -1,16``."""
+    return Perturbable()
+
+
+def perturbable_loaded(name: str = "perturbable") -> LoadedModel:
+    """A ``LoadedModel`` of a fresh :class:`Perturbable` for in-process servers."""
+    from layertap.server.model_sources import InputSpec, LoadedModel
+
+    return LoadedModel(Perturbable(), name, "factory", [InputSpec("input", torch.float32, PERTURBABLE_INPUT_SHAPE)])
+
+
+class RowSum(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(dim=1)
+
+
+class Pooled(nn.Module):
+    """``lin`` has (batch, 16) outputs, ``total`` one value per row: no channels to score."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(16, 16)
+        self.total = RowSum()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.total(self.lin(x))
+
+
+def pooled_loaded(name: str = "pooled") -> LoadedModel:
+    """A ``LoadedModel`` of :class:`Pooled`, input ``(-1, 16)``."""
+    from layertap.server.model_sources import InputSpec, LoadedModel
+
+    return LoadedModel(Pooled(), name, "factory", [InputSpec("input", torch.float32, PERTURBABLE_INPUT_SHAPE)])

@@ -246,6 +246,7 @@ class CaptureHeader(_message.Message):
     NUM_CHUNKS_FIELD_NUMBER: _builtins.int
     ACTIVE_FIELD_NUMBER: _builtins.int
     IS_CONTAINER_FIELD_NUMBER: _builtins.int
+    CALL_INDEX_FIELD_NUMBER: _builtins.int
     tensor_id: _builtins.int
     layer: _builtins.str
     point: Global___Point.ValueType
@@ -265,6 +266,10 @@ class CaptureHeader(_message.Message):
     """True when the pass ran the client's own input."""
     is_container: _builtins.bool
     """Whether the structure at this point was a container (tuple/list/dict)."""
+    call_index: _builtins.int
+    """0 for the module's first call in the pass, 1 for the second... (a module
+    such as a shared ReLU can run more than once per forward pass).
+    """
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -284,10 +289,11 @@ class CaptureHeader(_message.Message):
         num_chunks: _builtins.int = ...,
         active: _builtins.bool = ...,
         is_container: _builtins.bool = ...,
+        call_index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "dtype", b"dtype", "is_container", b"is_container", "layer", b"layer", "num_chunks", b"num_chunks", "output_count", b"output_count", "output_index", b"output_index", "output_key", b"output_key", "pass_index", b"pass_index", "pass_ordinal", b"pass_ordinal", "point", b"point", "shape", b"shape", "tensor_id", b"tensor_id", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "call_index", b"call_index", "dtype", b"dtype", "is_container", b"is_container", "layer", b"layer", "num_chunks", b"num_chunks", "output_count", b"output_count", "output_index", b"output_index", "output_key", b"output_key", "pass_index", b"pass_index", "pass_ordinal", b"pass_ordinal", "point", b"point", "shape", b"shape", "tensor_id", b"tensor_id", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1003,6 +1009,7 @@ class Summary(_message.Message):
     WALL_TIME_FIELD_NUMBER: _builtins.int
     RESULTS_FIELD_NUMBER: _builtins.int
     UNSAMPLED_FIELD_NUMBER: _builtins.int
+    CALL_INDEX_FIELD_NUMBER: _builtins.int
     tap: _builtins.str
     layer: _builtins.str
     point: Global___Point.ValueType
@@ -1013,6 +1020,8 @@ class Summary(_message.Message):
     has_step: _builtins.bool
     unsampled: _builtins.bool
     """True when only the always-on reducers (nonfinite) ran on this pass."""
+    call_index: _builtins.int
+    """0 for the module's first call in the pass, 1 for the second..."""
     @_builtins.property
     def wall_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -1030,10 +1039,11 @@ class Summary(_message.Message):
         wall_time: _timestamp_pb2.Timestamp | None = ...,
         results: _abc.Iterable[Global___ReducerResult] | None = ...,
         unsampled: _builtins.bool = ...,
+        call_index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["wall_time", b"wall_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_step", b"has_step", "layer", b"layer", "output_index", b"output_index", "pass_index", b"pass_index", "point", b"point", "results", b"results", "step", b"step", "tap", b"tap", "unsampled", b"unsampled", "wall_time", b"wall_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_index", b"call_index", "has_step", b"has_step", "layer", b"layer", "output_index", b"output_index", "pass_index", b"pass_index", "point", b"point", "results", b"results", "step", b"step", "tap", b"tap", "unsampled", b"unsampled", "wall_time", b"wall_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -303,5 +303,20 @@ def test_parallel_captures_and_infers_are_all_correct(demo_server):
         t.start()
     for t in threads:
         t.join(120)
+    assert not any(t.is_alive() for t in threads), "a client thread hung"
     assert not errors, errors[0]
     assert wait_for(lambda: demo_server.state.host.hooks.active == 0)
+
+
+def test_module_called_twice_per_pass_gives_one_entry_per_call(client):
+    x = batch(2)
+    model = build_demo_model(0)
+    seen: list = []
+    h = model.layer1[0].relu.register_forward_hook(lambda _m, _a, o: seen.append(o.detach().clone().numpy()))
+    with torch.inference_mode():
+        model(torch.from_numpy(x))
+    h.remove()
+    got = client.capture("layer1.0.relu", input=x)
+    assert isinstance(got, list) and len(got) == 2
+    for g, want in zip(got, seen):
+        np.testing.assert_array_equal(g, want)

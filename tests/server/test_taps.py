@@ -237,12 +237,19 @@ ALL_REDUCERS = ["moments", "minmax", "abs_max", "zero_fraction", "nonfinite", "n
 
 
 def test_tapped_forward_with_every_reducer_never_syncs(rig):
-    host, _broker, engine, _ = rig
-    engine.create(spec("**", *ALL_REDUCERS))  # every module
+    host, broker, engine, _ = rig
+    tap = engine.create(spec("**", *ALL_REDUCERS))  # every module
+    sub = broker.subscribe([tap.id])
     x = torch.randn(2, 3, 32, 32)
     host.validate_inputs([x])
     with NoSyncMode(), host.pass_context(), torch.inference_mode():
         host.module(x)
+    # A SyncError inside a hook is caught like any reducer error (inference
+    # must not fail), so prove none happened: no error, and every call summarized.
+    engine.flush(5)
+    assert engine.reducer_errors == 0 and not tap.disabled, tap.last_error
+    calls = sum(1 for _ in drain(sub))
+    assert calls >= len(tap.layers)
     with pytest.raises(SyncError), NoSyncMode():
         torch.ones(3).sum().item()
 
@@ -266,3 +273,75 @@ def test_tap_config_yaml(tmp_path, rig):
     bad.write_text("taps:\n  - selector: fc\n    reducers: [momentz]\n")
     with pytest.raises(InvalidSpec, match=r"taps\[0\]\.reducers\[0\].*momentz"):
         load_tap_config(bad)
+
+
+def test_collector_overflow_counts_one_drop_per_tap_per_lost_pass():
+    import threading
+
+    host = ModelHost(load_model("demo"))
+    engine = TapEngine(host, Broker(), collector_queue=1)
+    gate = threading.Event()
+    entered = threading.Event()
+
+    def slow_sink(_ctx, _summaries):
+        entered.set()
+        gate.wait(10)
+
+    engine.sinks.append(slow_sink)
+    tap = engine.create(spec("layer*", "moments"))  # 4 layers, one tap
+    try:
+        run(host, 1)
+        assert entered.wait(5)  # pass 0 is in the sink, blocked
+        run(host, 3)  # pass 1 queued, then pushed out by 2, which is pushed out by 3
+        assert tap.drops == 2
+        gate.set()
+        engine.flush(5)
+        assert tap.hits == 2  # passes 0 and 3
+    finally:
+        gate.set()
+        engine.close()
+
+
+def test_module_called_twice_per_pass_gets_call_indices(rig):
+    host, broker, engine, _ = rig
+    tap = engine.create(spec("layer1.0.relu", "moments"))
+    sub = broker.subscribe([tap.id])
+    seen = []
+    h = host.modules["layer1.0.relu"].register_forward_hook(
+        lambda _m, _a, o: seen.append(o.detach().double().numpy().copy()))
+    run(host, 1)
+    h.remove()
+    engine.flush(5)
+    got = sorted(drain(sub), key=lambda s: s.call_index)
+    assert [s.call_index for s in got] == [0, 1] and len(seen) == 2
+    for s, ref in zip(got, seen):
+        np.testing.assert_allclose(s.results[0].moments.mean, ref.mean(), rtol=1e-9)
+
+
+def test_failed_forward_publishes_nothing(rig):
+    host, broker, engine, _ = rig
+    tap = engine.create(spec("layer1", "moments"))
+    sub = broker.subscribe([tap.id])
+    with pytest.raises(RuntimeError, match="boom"):
+        with host.pass_context(), torch.inference_mode():
+            host.module(torch.zeros(1, 3, 32, 32))
+            raise RuntimeError("boom")
+    engine.flush(5)
+    assert drain(sub) == []
+    run(host, 1)
+    engine.flush(5)
+    assert len(drain(sub)) == 1
+
+
+def test_expiry_tells_subscribers_at_once_and_ends_their_streams(rig):
+    host, broker, engine, clock = rig
+    engine.create(spec("fc", "moments", name="t1"), ttl=5)
+    everyone = broker.subscribe(None)  # all durable taps
+    only = broker.subscribe(["t1"])
+    clock.now += 6
+    assert engine.expire() == ["t1"]
+    for sub in (everyone, only):
+        batch = sub.get(timeout=0)
+        assert batch is not None and [(e.tap, e.kind) for e in batch.events] == [("t1", "expired")]
+    assert only.closed and only.get(timeout=0) is None
+    assert not everyone.closed

@@ -1,0 +1,97 @@
+"""Slow and failing passes: no deadlock, no stalled server, no miscounted pass."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import layertap
+from layertap.server.model_sources import InputSpec, LoadedModel
+
+from e2e_util import wait_for
+
+
+class Moody(torch.nn.Module):
+    """Batch 3 takes 1.5 s; batch 5 raises; anything else is quick."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 3:
+            time.sleep(1.5)
+        if x.shape[0] == 5:
+            raise ValueError("batch of 5 refused")
+        return self.lin(x)
+
+
+@pytest.fixture
+def moody(make_server):
+    torch.manual_seed(0)
+    model = Moody()
+    srv = make_server(LoadedModel(model, "moody", "factory", [InputSpec("input", torch.float32, (-1, 4))]))
+    with layertap.Client(f"127.0.0.1:{srv.port}") as client:
+        yield srv, client, model
+
+
+def x(n: int) -> np.ndarray:
+    return np.random.default_rng(n).standard_normal((n, 4)).astype(np.float32)
+
+
+def test_create_tap_during_a_slow_pass_does_not_deadlock(moody):
+    srv, client, _ = moody
+    tap = client.create_tap("lin", reducers=["moments"], ttl=60)
+    client.delete_tap(tap.id)  # leaves an event to announce
+    slow = threading.Thread(target=client.infer, args=(x(3),))
+    slow.start()
+    time.sleep(0.3)  # the slow pass holds the model lock now
+    start = time.monotonic()
+    created = client.create_tap("lin", reducers=["moments"], ttl=60, timeout=10)
+    slow.join(10)
+    assert not slow.is_alive()
+    assert created.id in {t.id for t in client.taps(timeout=5)}
+    assert time.monotonic() - start < 5
+    assert client.stats(timeout=5).active_hooks == 1
+
+
+def test_cancelling_a_capture_mid_pass_does_not_stall_other_rpcs(moody):
+    srv, client, _ = moody
+    from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
+    import grpc
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    stub = telemetry_pb2_grpc.TelemetryServiceStub(channel)
+    call = stub.Capture(telemetry_pb2.CaptureRequest(layers=["lin"], passes=2), timeout=30)
+    assert wait_for(lambda: client.stats().active_hooks == 1)
+    slow = threading.Thread(target=client.infer, args=(x(3),))
+    slow.start()
+    time.sleep(0.3)  # mid-pass
+    call.cancel()
+    t0 = time.monotonic()
+    client.stats(timeout=5)
+    assert time.monotonic() - t0 < 0.5  # not held up until the pass ends
+    slow.join(10)
+    assert wait_for(lambda: client.stats().active_hooks == 0)
+    channel.close()
+
+
+def test_passive_capture_skips_a_pass_whose_forward_failed(moody):
+    srv, client, model = moody
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(client.capture("lin", timeout=30)))
+    t.start()
+    assert wait_for(lambda: client.stats().active_hooks == 1)
+    with pytest.raises(layertap.LayertapError):
+        client.infer(x(5))
+    good = x(2)
+    client.infer(good)
+    t.join(30)
+    assert not t.is_alive()
+    with torch.inference_mode():
+        want = model.lin(torch.from_numpy(good)).numpy()
+    np.testing.assert_array_equal(out[0], want)

@@ -1,0 +1,269 @@
+"""Drift baselines end to end: the real client, a real server, real passes.
+
+Passes are driven synchronously and the tap pipeline is flushed before each
+read, so every count below is exact rather than "eventually".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import layertap
+from fixture_models import Perturbable, perturbable_loaded, pooled_loaded
+from layertap import InvalidArgument, LayerDrift, LayerNotFound
+from layertap.server.baseline import BaselineBuilder, baseline_to_dict, save_baseline
+from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
+
+LAYERS = ["layer1", "layer2", "layer3", "layer4"]
+SCORES = ("psi", "js", "wasserstein", "mean_shift")
+
+
+class Driver:
+    """Feeds N(shift, 1) batches through Infer and waits until their summaries are processed."""
+
+    def __init__(self, srv, client: layertap.Client, batch: int = 256, seed: int = 0) -> None:  # type: ignore[no-untyped-def]
+        self.srv, self.client, self.batch = srv, client, batch
+        self.rng = np.random.default_rng(seed)
+
+    def feed(self, passes: int, shift: float = 0.0) -> None:
+        for _ in range(passes):
+            self.client.infer((self.rng.standard_normal((self.batch, 16)) + shift).astype(np.float32))
+        assert self.srv.state.taps.flush(10), "tap pipeline did not drain"
+
+
+def by_layer(drift: list[LayerDrift]) -> dict[str, LayerDrift]:
+    return {d.layer: d for d in drift}
+
+
+def assert_under_thresholds(d: LayerDrift) -> None:
+    for m in SCORES:
+        score, limit = getattr(d, m), getattr(d.thresholds, m)
+        assert math.isfinite(score) and score < limit, f"{d.layer} {m} = {score} >= {limit}"
+    assert not d.drifted
+
+
+def scrape(port: int) -> dict[str, float]:
+    """``/metrics`` over HTTP, parsed with prometheus-client's parser: ``{sample name: value}``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+# ------------------------------------------------------------------ (a) live drift
+
+
+def test_baseline_collects_scores_small_then_flags_shifted_inputs(make_server) -> None:
+    srv = make_server(perturbable_loaded(), drift_window=50)
+    with layertap.Client(f"127.0.0.1:{srv.port}") as client:
+        drive = Driver(srv, client)
+        info = client.set_baseline("layer*", passes=20, window=10)
+        assert info.layers == LAYERS and info.tap.startswith("baseline-")
+        assert [t.id for t in client.taps()] == [info.tap]
+
+        drive.feed(5)
+        collecting = by_layer(client.drift())
+        assert set(collecting) == set(LAYERS)
+        assert all(d.state == "collecting" and d.baseline_passes == 5 and d.window_passes == 0
+                   for d in collecting.values()), collecting
+
+        drive.feed(15)
+        ready = by_layer(client.drift())
+        assert all(d.state == "ready" and d.baseline_passes == 20 and d.window_passes == 0
+                   for d in ready.values()), ready
+
+        drive.feed(10)
+        scored = by_layer(client.drift())
+        for d in scored.values():
+            assert d.tap == info.tap and d.point == "output"
+            assert d.window_passes == 10  # the requested window, not the server's default of 50
+            assert (d.thresholds.psi, d.thresholds.js, d.thresholds.wasserstein, d.thresholds.mean_shift) == (
+                0.2, 0.1, 0.1, 1.0)
+            assert_under_thresholds(d)
+            assert d.psi < 0.05 and d.mean_shift < 0.2, d
+            # Outputs are (batch, 16): per-channel means are tapped and scored.
+            assert d.channel_drift_fraction == 0.0
+
+        drive.feed(10, shift=3.0)  # N(3, 1) inputs: the whole window is shifted
+        shifted = by_layer(client.drift())
+        for d in shifted.values():
+            assert d.state == "ready" and d.window_passes == 10
+            assert d.drifted, d
+        l1 = shifted["layer1"]
+        assert all(getattr(l1, m) > getattr(l1.thresholds, m) for m in ("psi", "js", "wasserstein")), l1
+        # Channels move both ways, so the layer-wide mean may barely move (about
+        # 0.9 sigma here); the per-channel fraction is what catches that.
+        assert l1.channel_drift_fraction is not None and l1.channel_drift_fraction > 0.5, l1
+
+        drive.feed(10)  # back in distribution: the window slides past the shift
+        assert not any(d.drifted for d in client.drift())
+        assert client.drift("layer3")[0].layer == "layer3" and len(client.drift("layer3")) == 1
+
+
+def test_channel_fraction_only_where_channels_exist(make_server) -> None:
+    srv = make_server(pooled_loaded())
+    with layertap.Client(f"127.0.0.1:{srv.port}") as client:
+        drive = Driver(srv, client)
+        client.set_baseline("lin", passes=10, window=5)
+        client.set_baseline("total", passes=10, window=5)  # (batch,) outputs: no channel dim
+        drive.feed(10)
+        drive.feed(5, shift=3.0)
+        d = by_layer(client.drift())
+        assert d["lin"].drifted and d["total"].drifted
+        assert d["lin"].channel_drift_fraction is not None and d["lin"].channel_drift_fraction > 0
+        assert d["total"].channel_drift_fraction is None
+
+
+# ------------------------------------------------------------------ (b) restart
+
+
+def test_baseline_survives_restart_and_scoring_resumes(make_server, tmp_path: Path) -> None:
+    bdir = tmp_path / "baselines"
+    thresholds = {"psi": 0.3, "js": 0.15, "wasserstein": 0.2, "mean_shift": 1.5}
+    first = make_server(perturbable_loaded(), baseline_dir=str(bdir), drift_window=50)
+    with layertap.Client(f"127.0.0.1:{first.port}") as client:
+        info = client.set_baseline("layer*", passes=20, window=8, thresholds=thresholds)
+        Driver(first, client).feed(20)
+        before = by_layer(client.drift())
+        assert all(d.state == "ready" for d in before.values())
+    files = sorted(bdir.glob("*.json"))
+    assert len(files) == 4
+    saved = {p.name: p.read_bytes() for p in files}
+    assert {json.loads(b)["layer"] for b in saved.values()} == set(LAYERS)
+    first.stop(0)
+
+    second = make_server(perturbable_loaded(), baseline_dir=str(bdir), drift_window=50)
+    model = second.state.host.module
+    assert isinstance(model, Perturbable)
+    with layertap.Client(f"127.0.0.1:{second.port}") as client:
+        after = by_layer(client.drift())
+        assert set(after) == set(LAYERS)
+        for layer, d in after.items():
+            assert d.state == "ready" and d.tap == info.tap  # no pass has run on this server yet
+            assert d.baseline_passes == 20 and d.window_passes == 0
+            assert d.thresholds == before[layer].thresholds
+            assert d.thresholds.psi == 0.3 and d.thresholds.mean_shift == 1.5
+        assert [t.id for t in client.taps()] == [info.tap]  # its durable tap is back
+
+        drive = Driver(second, client, seed=7)
+        drive.feed(8)
+        resumed = by_layer(client.drift())
+        for d in resumed.values():
+            assert d.baseline_passes == 20  # no new baseline passes were taken
+            assert d.window_passes == 8  # the window saved with the baseline, not the server's 50
+            assert_under_thresholds(d)
+
+        with second.state.host.pass_lock():
+            model.perturb_layer3()
+        drive.feed(8)
+        drifted = by_layer(client.drift())
+        assert drifted["layer3"].drifted and drifted["layer4"].drifted
+        assert_under_thresholds(drifted["layer1"])
+        # Reloading and scoring never rewrote the saved baselines.
+        assert {p.name: p.read_bytes() for p in sorted(bdir.glob("*.json"))} == saved
+
+        # A reloaded baseline is still this server's to replace.
+        again = client.set_baseline("layer*", passes=5, window=5)
+        assert again.tap == info.tap
+        assert all(d.state == "collecting" and d.baseline_passes == 0 for d in client.drift())
+
+
+# ------------------------------------------------------------------ (c) bad files
+
+
+def _baseline_file(bdir: Path, tap: str, layer: str, channels: int, seed: int) -> Path:
+    """A real baseline, frozen by the server's own builder from N(0, 1) data."""
+    rng = np.random.default_rng(seed)
+    b = BaselineBuilder(tap, layer, passes=3, seed=seed)
+    for _ in range(3):
+        x = rng.standard_normal((64, channels))
+        b.feed(x.ravel(), x.size, float(x.mean()), float(x.std()), float(x.min()), float(x.max()),
+               channel_mean=x.mean(axis=0), channel_std=x.std(axis=0))
+    return save_baseline(bdir, b.freeze(window=5))
+
+
+def test_corrupt_and_mismatched_baselines_are_refused_cleanly(make_server, tmp_path: Path, caplog) -> None:
+    bdir = tmp_path / "baselines"
+    good = _baseline_file(bdir, "baseline-good", "layer2", channels=16, seed=1)
+    unknown = _baseline_file(bdir, "baseline-old", "encoder.block9", channels=16, seed=2)
+    wrong_channels = _baseline_file(bdir, "baseline-narrow", "layer1", channels=3, seed=3)
+    corrupt = bdir / "baseline-torn.json"
+    corrupt.write_text('{"schema": "layertap.baseline", "version": 1, "tap": ', encoding="utf-8")
+    not_a_baseline = bdir / "notes.json"
+    not_a_baseline.write_text(json.dumps({"hello": "world"}), encoding="utf-8")
+    # Sanity: the "wrong" files are well-formed baselines but for another model.
+    assert json.loads(wrong_channels.read_text())["layer"] == "layer1"
+
+    with caplog.at_level(logging.ERROR, logger="layertap.server"):
+        srv = make_server(perturbable_loaded(), metrics_port=0, baseline_dir=str(bdir))
+    refused = [r.getMessage() for r in caplog.records if "baseline refused" in r.getMessage()]
+    assert len(refused) == 4, refused
+
+    def line_for(path: Path) -> str:
+        hits = [m for m in refused if str(path) in m]
+        assert len(hits) == 1, (path, refused)
+        return hits[0]
+
+    assert "corrupt JSON" in line_for(corrupt)
+    assert "unknown layer 'encoder.block9'" in line_for(unknown)
+    assert "layer 'layer1' has 16 channels but the baseline 3" in line_for(wrong_channels)
+    assert "schema" in line_for(not_a_baseline)
+    assert not any(str(good) in m for m in refused)
+
+    metrics = scrape(srv.metrics_port)
+    assert metrics["layertap_baseline_load_errors_total"] == 4.0
+
+    with layertap.Client(f"127.0.0.1:{srv.port}") as client:
+        # The server serves, and the one good baseline is live.
+        client.infer(np.zeros((2, 16), np.float32))
+        d = client.drift()
+        assert [(x.tap, x.layer, x.state) for x in d] == [("baseline-good", "layer2", "ready")]
+        assert [t.id for t in client.taps()] == ["baseline-good"]
+    # Refused files are left in place for the operator to inspect.
+    assert corrupt.exists() and unknown.exists() and wrong_channels.exists()
+
+
+# ------------------------------------------------------------------ (d) bad requests
+
+
+def test_bad_set_baseline_requests(make_server) -> None:
+    srv = make_server(perturbable_loaded())
+    with layertap.Client(f"127.0.0.1:{srv.port}") as client:
+        with pytest.raises(LayerNotFound) as nf:
+            client.set_baseline("layer5", passes=5)
+        assert "layer5" in str(nf.value) and "layer1" in str(nf.value)  # close names suggested
+        with pytest.raises(LayerNotFound, match="matches no layer"):
+            client.set_baseline("head*", passes=5)
+        with pytest.raises(InvalidArgument, match=r"selector: bad regex"):
+            client.set_baseline("re:layer(", passes=5)
+        with pytest.raises(InvalidArgument, match=r"thresholds\.psi: must be a finite value >= 0"):
+            client.set_baseline("layer*", passes=5, thresholds={"psi": -0.5})
+        with pytest.raises(InvalidArgument, match=r"thresholds\.js"):
+            client.set_baseline("layer*", passes=5, thresholds={"js": float("nan")})
+        with pytest.raises(InvalidArgument, match=r"^passes: at most 100000"):
+            client.set_baseline("layer*", passes=100_001)
+        with pytest.raises(InvalidArgument, match=r"^window: at most 100000"):
+            client.set_baseline("layer*", passes=5, window=100_001)
+        # Checked before the request is sent.
+        with pytest.raises(InvalidArgument, match="passes and window must be >= 1"):
+            client.set_baseline("layer*", passes=0)
+        with pytest.raises(InvalidArgument, match="unknown drift threshold"):
+            client.set_baseline("layer*", thresholds={"kl": 0.1})
+        # A refused request leaves nothing behind.
+        assert client.taps() == [] and client.drift() == []
+
+    # The server checks the point itself (the client cannot send a bad one).
+    with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+        stub = telemetry_pb2_grpc.TelemetryServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SetBaseline(telemetry_pb2.SetBaselineRequest(selector="layer1", point=99), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("point:")

@@ -1,0 +1,71 @@
+"""DriftMonitor in process: baseline taps, replacement rules, failure rollback."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from layertap.server.broker import Broker
+from layertap.server.drift_monitor import DriftMonitor
+from layertap.server.errors import AlreadyExists, LimitExceeded
+from layertap.server.model_host import ModelHost
+from layertap.server.model_sources import load_model
+from layertap.server.tap_config import reducer_spec
+from layertap.server.taps import TapEngine
+from layertap.v1 import telemetry_pb2 as pb
+
+
+@pytest.fixture
+def rig():
+    host = ModelHost(load_model("demo"))
+    host.warm_up()
+    engine = TapEngine(host, Broker(), max_taps=3)
+    monitor = DriftMonitor(engine, default_window=5)
+    yield host, engine, monitor
+    engine.close()
+
+
+def feed(host: ModelHost, n: int, shift: float = 0.0, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        host.run([torch.randn(4, 3, 32, 32, generator=g) + shift])
+
+
+def test_baseline_freezes_then_scores(rig):
+    host, engine, monitor = rig
+    tap, layers = monitor.set_baseline(pb.SetBaselineRequest(selector="layer*", passes=6, window=5))
+    assert layers == ["layer1", "layer2", "layer3", "layer4"]
+    feed(host, 6)
+    engine.flush(10)
+    assert {d.state for d in monitor.drift()} == {pb.BASELINE_STATE_READY}
+    feed(host, 5, seed=1)
+    engine.flush(10)
+    calm = {d.layer: d for d in monitor.drift()}
+    assert not any(d.drifted for d in calm.values()), calm
+    feed(host, 5, shift=3.0, seed=2)
+    engine.flush(10)
+    shifted = {d.layer: d for d in monitor.drift()}
+    assert shifted["layer1"].drifted and shifted["layer1"].mean_shift > 1.0
+    assert all(0.0 <= d.channel_drift_fraction <= 1.0 for d in shifted.values())
+
+
+def test_set_baseline_never_replaces_a_users_tap(rig):
+    _host, engine, monitor = rig
+    engine.create(pb.TapSpec(name="prod", selector="fc", reducers=[reducer_spec("moments", "r")]))
+    with pytest.raises(AlreadyExists, match="prod"):
+        monitor.set_baseline(pb.SetBaselineRequest(selector="layer1", name="prod"))
+    assert [t.spec.selector for t in engine.list()] == ["fc"]
+    # Its own baseline tap it may replace.
+    monitor.set_baseline(pb.SetBaselineRequest(selector="layer1", name="b1"))
+    monitor.set_baseline(pb.SetBaselineRequest(selector="layer2", name="b1"))
+    assert sorted(d.layer for d in monitor.drift()) == ["layer2"]
+
+
+def test_failed_set_baseline_leaves_no_ghost_layers(rig):
+    _host, engine, monitor = rig
+    for i in range(3):  # max_taps=3
+        engine.create(pb.TapSpec(name=f"t{i}", selector="fc", reducers=[reducer_spec("moments", "r")]))
+    with pytest.raises(LimitExceeded):
+        monitor.set_baseline(pb.SetBaselineRequest(selector="layer*"))
+    assert monitor.drift() == []
