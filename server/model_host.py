@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -22,6 +23,10 @@ from layertap.server.dtypes import dtype_name
 from layertap.server.errors import InvalidSpec
 from layertap.server.hooks import HookRegistry, ParamGrad
 from layertap.server.model_sources import InputSpec, LoadedModel
+
+
+#: Most seconds between two shape recordings while traffic flows.
+PROBE_SECONDS = 1.0
 
 
 @dataclass
@@ -102,6 +107,7 @@ class ModelHost:
         self._modules = dict(self.module.named_modules()) if loaded.hooks_supported else {"": self.module}
         self.layer_shapes: dict[str, LayerShapes] = {}
         self._probe_armed = loaded.hooks_supported
+        self._last_probe = -math.inf
 
     # -- introspection -------------------------------------------------------
     @property
@@ -155,7 +161,11 @@ class ModelHost:
         with self._lock:
             ctx = PassContext(next(self._counter), active_owner=active_owner, step=step)
             self._current = ctx
-            probe = self._start_probe() if self._probe_armed else None
+            # Shapes are recorded on one pass per PROBE_SECONDS (or the next
+            # pass after ListLayers): a one-pass global hook, cheap on average.
+            now = time.monotonic()
+            due = self.loaded.hooks_supported and now - self._last_probe >= PROBE_SECONDS
+            probe = self._start_probe() if (self._probe_armed or due) else None
             try:
                 yield ctx
             except BaseException:
@@ -179,6 +189,7 @@ class ModelHost:
 
     def _start_probe(self) -> torch.utils.hooks.RemovableHandle:
         self._probe_armed = False
+        self._last_probe = time.monotonic()
         names = {id(m): n for n, m in self._modules.items() if n}
         shapes = self.layer_shapes
 
