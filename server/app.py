@@ -139,7 +139,7 @@ def _wire_metrics(host: ModelHost, taps: TapEngine, broker: Broker,
     metrics = ServerMetrics(registry, host.loaded.name, version=server_version())
     store = SnapshotStore()
     registry.register(ActivationCollector(store.snapshot, host.loaded.name, max_layers=config.max_export_layers))
-    metrics.taps.set_function(lambda: len(taps.list()))
+    metrics.taps.set_function(lambda: len(taps.all_taps()))
     metrics.subscribers.set_function(lambda: broker.subscriber_count)
     taps.hook_observer = metrics.observe_hooks
     taps.on_error.append(lambda _tap: metrics.reducer_errors.inc())

@@ -218,7 +218,7 @@ def encode_pass(rec: CapturedPass, opts: CaptureOptions, tensor_ids: Iterator[in
         host_t = cap.tensor.to("cpu").contiguous()
         nbytes = host_t.numel() * host_t.element_size()
         # A byte view of the tensor itself: each chunk is copied once, into its message.
-        data = memoryview(host_t.view(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
+        data = host_t.view(-1).view(torch.uint8).numpy().data if nbytes else memoryview(b"")
         tid = next(tensor_ids)
         nchunks = (nbytes + CHUNK_BYTES - 1) // CHUNK_BYTES
         yield pb.CaptureResponse(header=pb.CaptureHeader(

@@ -115,7 +115,7 @@ class DriftMonitor:
         per_channel = all(self._channels(layer) is not None for layer in layers)
         spec = pb.TapSpec(name=tap_id, selector=req.selector, point=point, sampling=req.sampling,
                           reducers=_reducers(per_channel=per_channel, edges=None))
-        existing = {t.id for t in self.engine.list()}
+        existing = {t.id for t in self.engine.all_taps()}
         if tap_id in existing:
             if tap_id not in self._own:
                 raise AlreadyExists(f"name: a tap named {tap_id!r} exists and is not a baseline; pick another name")

@@ -34,9 +34,9 @@ POINT_BY_NAME: dict[str, int] = {v: k for k, v in POINT_NAMES.items()}
 
 
 class ParamGrad(NamedTuple):
-    """A parameter's accumulated gradient; ``index`` is its position in the module."""
+    """A parameter's accumulated gradient; ``position`` is its place in the module."""
 
-    index: int
+    position: int
     name: str
     grad: torch.Tensor
 

@@ -52,7 +52,7 @@ class ServerState:
             passes=self.host.passes,
             active_captures=self.captures.active,
             subscribers=self.broker.subscriber_count,
-            taps=len(self.taps.list()),
+            taps=len(self.taps.all_taps()),
             reducer_errors=self.taps.reducer_errors,
             stream_dropped=self.broker.dropped_total,
         )

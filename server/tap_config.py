@@ -28,6 +28,7 @@ _PARAM_FIELD = {"histogram": "histogram", "quantiles": "quantiles", "per_channel
 
 def reducer_spec(entry: Any, field: str) -> pb.ReducerSpec:
     """``"moments"`` or ``{"histogram": {"bins": 32}}`` -> ReducerSpec."""
+    params: dict[str, Any]
     if isinstance(entry, str):
         name, params = entry, {}
     elif isinstance(entry, dict) and len(entry) == 1:

@@ -211,7 +211,7 @@ class TapEngine:
             raise NotFound(f"no tap {tap_id!r}; list taps with ListTaps / client.taps()")
         return tap
 
-    def list(self) -> list[Tap]:
+    def all_taps(self) -> list[Tap]:
         with self._lock:
             return list(self._taps.values())
 
@@ -253,7 +253,7 @@ class TapEngine:
         if self._buffer is None:
             self._buffer = PassBuffer()
         # A parameter gradient reports its position among the module's parameters.
-        offset = value.index if isinstance(value, ParamGrad) else 0
+        offset = value.position if isinstance(value, ParamGrad) else 0
         try:
             for i, (_key, tensor) in enumerate(flatten_tensors(value)):
                 vec = plan.run(tensor)
@@ -326,6 +326,6 @@ class TapEngine:
 
     def close(self) -> None:
         self.host.remove_observer(self)
-        for tap in self.list():
+        for tap in self.all_taps():
             self._unhook(tap)
         self.collector.close()

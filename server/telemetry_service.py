@@ -6,6 +6,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
@@ -46,7 +47,7 @@ class TapMethods:
 
     @grpc_errors
     def ListTaps(self, request: pb.ListTapsRequest, context: grpc.ServicerContext) -> pb.ListTapsResponse:
-        return pb.ListTapsResponse(taps=[t.info() for t in self.state.taps.list()])
+        return pb.ListTapsResponse(taps=[t.info() for t in self.state.taps.all_taps()])
 
     @grpc_errors
     def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext) -> Iterator[pb.SubscribeResponse]:
@@ -142,7 +143,7 @@ class TelemetryService(StateBacked, TapMethods, telemetry_pb2_grpc.TelemetryServ
             state.count_capture(_code_of(exc), 0)
             raise
         session = CaptureSession(state.host, opts, max_bytes=state.capture_limits.max_bytes, active=inputs is not None)
-        outcome = {"code": "CANCELLED", "sent": 0}
+        outcome: dict[str, Any] = {"code": "CANCELLED", "sent": 0}
         finished = threading.Event()
 
         def finish() -> None:

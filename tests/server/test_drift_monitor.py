@@ -55,7 +55,7 @@ def test_set_baseline_never_replaces_a_users_tap(rig):
     engine.create(pb.TapSpec(name="prod", selector="fc", reducers=[reducer_spec("moments", "r")]))
     with pytest.raises(AlreadyExists, match="prod"):
         monitor.set_baseline(pb.SetBaselineRequest(selector="layer1", name="prod"))
-    assert [t.spec.selector for t in engine.list()] == ["fc"]
+    assert [t.spec.selector for t in engine.all_taps()] == ["fc"]
     # Its own baseline tap it may replace.
     monitor.set_baseline(pb.SetBaselineRequest(selector="layer1", name="b1"))
     monitor.set_baseline(pb.SetBaselineRequest(selector="layer2", name="b1"))

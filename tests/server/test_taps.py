@@ -128,7 +128,7 @@ def test_ttl_expiry_removes_hooks(rig):
     clock.now += 0.2
     assert engine.expire() == ["short"]
     assert host.hooks.active == 1
-    assert [t.id for t in engine.list()] == ["keep"]
+    assert [t.id for t in engine.all_taps()] == ["keep"]
 
 
 def test_default_ttl_is_ten_minutes(rig):
