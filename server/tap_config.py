@@ -21,9 +21,11 @@ import yaml
 from google.protobuf import json_format
 
 from layertap.server.errors import InvalidSpec
+from layertap.server.reducers import SpecError, parse_reducer_names
 from layertap.v1 import telemetry_pb2 as pb
 
-_PARAM_FIELD = {"histogram": "histogram", "quantiles": "quantiles", "per_channel": "per_channel"}
+#: Reducers whose ReducerSpec field of the same name holds parameters.
+_PARAM_FIELDS = ("histogram", "quantiles", "per_channel")
 
 
 def reducer_spec(entry: Any, field: str) -> pb.ReducerSpec:
@@ -36,14 +38,16 @@ def reducer_spec(entry: Any, field: str) -> pb.ReducerSpec:
         params = params or {}
     else:
         raise InvalidSpec(field, f"expected a reducer name or {{name: params}}, got {entry!r}")
-    kind = f"REDUCER_KIND_{str(name).upper()}"
-    if kind not in pb.ReducerKind.keys() or kind == "REDUCER_KIND_UNSPECIFIED":
-        valid = ", ".join(k.removeprefix("REDUCER_KIND_").lower() for k in pb.ReducerKind.keys()[1:])
-        raise InvalidSpec(field, f"unknown reducer {name!r}; valid: {valid}")
-    spec = pb.ReducerSpec(kind=pb.ReducerKind.Value(kind))
+    try:
+        specs = parse_reducer_names(str(name), field)
+    except SpecError as exc:
+        raise InvalidSpec(field, exc.message) from None
+    if len(specs) != 1:
+        raise InvalidSpec(field, f"expected one reducer name, got {name!r}")
+    (spec,) = specs
     if params:
-        sub = _PARAM_FIELD.get(str(name))
-        if sub is None:
+        sub = str(name).strip().lower()
+        if sub not in _PARAM_FIELDS:
             raise InvalidSpec(field, f"reducer {name!r} takes no parameters")
         try:
             json_format.ParseDict(params, getattr(spec, sub))
