@@ -16,6 +16,7 @@ import grpc
 from . import _convert
 from ._errors import (
     ClientClosed,
+    DeadlineExceeded,
     InvalidArgument,
     NotFound,
     ProtocolError,
@@ -455,14 +456,20 @@ class Client:
         if as_torch:
             _convert._torch()  # Fail before the server does any work.
         assembler = _convert.CaptureAssembler(as_torch=as_torch, progress=progress)
-        with self._translating(layer_hint=True):
-            call = self._telemetry.Capture(req, timeout=self._deadline(timeout))
-            try:
-                for msg in call:
-                    assembler.feed(msg)
-            except BaseException:
-                call.cancel()  # Free the server's capture hooks now, not at the deadline.
-                raise
+        try:
+            with self._translating(layer_hint=True):
+                call = self._telemetry.Capture(req, timeout=self._deadline(timeout))
+                try:
+                    for msg in call:
+                        assembler.feed(msg)
+                except BaseException:
+                    call.cancel()  # Free the server's capture hooks now, not at the deadline.
+                    raise
+        except DeadlineExceeded as exc:
+            if inputs is None:
+                exc.hint = (f"no live Infer traffic reached {', '.join(names)} in time ({n} pass(es) "
+                            "wanted): pass input= for an active capture, or a longer timeout=")
+            raise
         return _shape_capture(assembler.finish(), names, single=isinstance(layers, str), n=n)
 
     # ------------------------------------------------------------------ taps

@@ -55,6 +55,7 @@ class LayertapError(Exception):
         code: The gRPC status code name, e.g. ``"NOT_FOUND"``; for errors
             raised by the client itself, the code it would have had.
         details: The server's (or the client's) message, unchanged.
+        hint: What the client adds about the likely cause, or "".
     """
 
     default_code = "UNKNOWN"
@@ -62,10 +63,12 @@ class LayertapError(Exception):
     def __init__(self, details: str, *, code: str | None = None) -> None:
         self.code: str = code if code is not None else self.default_code
         self.details: str = details
+        self.hint: str = ""
         super().__init__(details)
 
     def __str__(self) -> str:
-        return f"{self.details} [{self.code}]" if self.details else self.code
+        text = "; ".join(part for part in (self.details, self.hint) if part)
+        return f"{text} [{self.code}]" if text else self.code
 
 
 class NotFound(LayertapError):
@@ -202,7 +205,7 @@ def from_status(
         The matching :class:`LayertapError` subclass instance.
     """
     name = code.name
-    if code is grpc.StatusCode.NOT_FOUND and "layer" in details.lower():
+    if code is grpc.StatusCode.NOT_FOUND and _names_a_layer(details):
         return _layer_not_found(details, name, layer_names)
     if (
         code is grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -210,6 +213,12 @@ def from_status(
     ):
         return CaptureTooLarge(details, code=name)
     return _BY_CODE.get(code, LayertapError)(details, code=name)
+
+
+def _names_a_layer(details: str) -> bool:
+    """The server's two unknown-layer forms (not, say, an unknown tap id)."""
+    text = details.lower()
+    return text.startswith("unknown layer") or "matches no layer" in text
 
 
 def from_rpc_error(

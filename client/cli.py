@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import math
 import sys
 import time
@@ -414,9 +415,13 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         queue_size=args.queue_size,
         timeout=args.duration,
     ) as stream:
+        batches = stream.batches()
+        # The server's first message says whether the stream tap was accepted:
+        # an error surfaces here, on its own line, before the live table starts.
+        first = next(batches, [])
         with Live(_watch_table(title, rows, 0, (), spark_width), refresh_per_second=4) as live:
             try:
-                for batch in stream.batches():
+                for batch in itertools.chain([first], batches):
                     for summary in batch:
                         _update_row(rows, summary)
                     seen += len(batch)

@@ -152,7 +152,8 @@ def _wire_metrics(host: ModelHost, taps: TapEngine, broker: Broker,
                 store.update_from_summary(s.tap, s)
 
     taps.sinks.append(export)
-    taps.on_removed.append(lambda tap: store.remove_tap(tap.id))
+    # Only durable taps are exported, so only they need forgetting.
+    taps.on_removed.append(lambda tap, _reason: tap.durable and store.remove_tap(tap.id))
     taps.on_created.append(lambda tap: store.add_tap(tap.id))
     metrics.registry = registry  # type: ignore[attr-defined]
     return metrics, store
@@ -182,9 +183,12 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Lay
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", *SERVICE_NAMES):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    try:
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError:  # newer grpcio raises instead of returning 0
+        port = 0
     if port == 0:
-        raise OSError(f"cannot bind {config.host}:{config.port}")
+        raise OSError(f"--port {config.port}: cannot bind {config.host}:{config.port} (in use?)")
     if config.reflection:
         reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     server.start()
@@ -199,9 +203,9 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Lay
     if state.metrics is not None:
         try:
             mserver, mport = start_metrics_server(state.metrics.registry, config.host, config.metrics_port or 0)  # type: ignore[attr-defined]
-        except OSError:
+        except OSError as exc:
             running.stop(0)  # no half-started server left behind
-            raise
+            raise OSError(f"--metrics-port {config.metrics_port}: cannot bind {config.host}: {exc.strerror or exc}") from None
         running.metrics_port = mport
         running._closers.append(lambda: stop_metrics_server(mserver))
         log.info("metrics on http://%s:%d/metrics", config.host, mport)

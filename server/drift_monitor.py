@@ -21,10 +21,11 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from layertap.server.baseline import Baseline, BaselineBuilder, load_baselines, save_baseline
+from layertap.server.baseline import Baseline, BaselineBuilder, baseline_filename, load_baselines, save_baseline
 from layertap.server.drift import DriftScore, DriftThresholds, SlidingWindow
 from layertap.server.errors import AlreadyExists, InvalidSpec
 from layertap.server.hooks import POINT_BY_NAME, POINT_NAMES
@@ -143,7 +144,7 @@ class DriftMonitor:
         with self._lock:
             entries = list(self._layers.values())
         if selector:
-            keep = set(select_layers(selector, sorted({e.layer for e in entries})))
+            keep = set(select_layers(selector, self.engine.host.layer_names))
             entries = [e for e in entries if e.layer in keep]
         out = []
         for e in entries:
@@ -155,7 +156,10 @@ class DriftMonitor:
                 thresholds=pb.DriftThresholds(psi=t.psi, js=t.js, wasserstein=t.wasserstein, mean_shift=t.mean_shift),
                 channel_drift_fraction=-1.0,
             )
-            if e.score is not None:
+            if e.score is None:
+                # Collecting, or an empty window: no score yet (NaN, never 0.0).
+                msg.psi = msg.js = msg.wasserstein = msg.mean_shift = math.nan
+            else:
                 s = e.score
                 msg.window_passes = s.window_passes
                 msg.psi, msg.js, msg.wasserstein, msg.mean_shift = s.psi, s.js, s.wasserstein, s.mean_shift
@@ -278,13 +282,21 @@ class DriftMonitor:
         if self.store is not None:
             self.store.set_drift(entry.tap, entry.layer, entry.point, entry.score, entry.thresholds)
 
-    def _tap_removed(self, tap: Tap) -> None:
+    def _tap_removed(self, tap: Tap, reason: str) -> None:
         if tap.kind != pb.TAP_KIND_DURABLE:
             return
         with self._lock:
             self._own.discard(tap.id)
-            for key in [k for k in self._layers if k[0] == tap.id]:
-                del self._layers[key]
+            gone = [self._layers.pop(k) for k in [k for k in self._layers if k[0] == tap.id]]
+        # A deleted (or replaced) baseline must not come back at the next start.
+        if self.baseline_dir:
+            for entry in gone:
+                if entry.baseline is not None:
+                    path = Path(self.baseline_dir) / baseline_filename(entry.baseline)
+                    try:
+                        path.unlink(missing_ok=True)
+                    except OSError as exc:
+                        log.error("cannot remove baseline file %s: %s", path, exc)
 
     def _channels(self, layer: str) -> int | None:
         shapes = self.engine.host.layer_shapes.get(layer)

@@ -280,6 +280,12 @@ class _LayerState:
     channel_fraction: float | None = None
 
 
+_MAX_TOMBSTONES = 4096
+#: The only ``quantile`` label values exported: a bounded set, whatever
+#: probabilities a tap computes (a drift baseline collects 99 of them).
+EXPORTED_QUANTILES: frozenset[float] = frozenset({0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99})
+
+
 class SnapshotStore:
     """Thread-safe latest-value store between the tap pipeline and the scrape.
 
@@ -300,8 +306,9 @@ class SnapshotStore:
         self._lock = threading.Lock()
         self._layers: dict[tuple[str, str, str], _LayerState] = {}
         self._clock = clock
-        # Removed taps: a summary still in flight must not resurrect their series.
-        self._gone: set[str] = set()
+        # Removed taps (oldest first, bounded): a summary still in flight must
+        # not resurrect their series.
+        self._gone: dict[str, None] = {}
 
     def update_from_summary(self, tap_id: str, summary: Any) -> None:
         """Fold one ``layertap.v1.Summary`` into the store.
@@ -311,15 +318,28 @@ class SnapshotStore:
         and call add up, so a NaN anywhere in the layer still raises the alert.
         """
         key = (tap_id or summary.tap, summary.layer, point_name(summary.point))
-        if key[0] in self._gone:
-            return
         ts = summary.wall_time.seconds + summary.wall_time.nanos * 1e-9 if summary.HasField("wall_time") else self._clock()
         primary = summary.output_index == 0 and getattr(summary, "call_index", 0) == 0
         with self._lock:
+            if key[0] in self._gone:
+                return
             st = self._layers.get(key)
             if st is None:
                 st = self._layers[key] = _LayerState()
             st.last_update = ts if st.last_update is None else max(st.last_update, ts)
+            if primary and not getattr(summary, "unsampled", False):
+                # A sampled summary carries everything the tap computes now; a
+                # result it no longer carries (reducers changed, e.g. when a
+                # baseline froze) must not linger as a stale series.
+                kinds = {res.WhichOneof("value") for res in summary.results}
+                for kind, fields in self._SCALARS.items():
+                    if kind not in kinds:
+                        for name, _attr in fields:
+                            st.values.pop(name, None)
+                if "quantiles" not in kinds:
+                    st.quantiles = None
+                if "histogram" not in kinds:
+                    st.hist_edges = st.hist_counts = None
             for res in summary.results:
                 kind = res.WhichOneof("value")
                 if kind == "nonfinite":
@@ -334,7 +354,8 @@ class SnapshotStore:
                         st.values[name] = float(getattr(msg, attr))
                 elif kind == "quantiles":
                     q = res.quantiles
-                    st.quantiles = {float(p): float(v) for p, v in zip(q.probabilities, q.values)}
+                    st.quantiles = {float(p): float(v) for p, v in zip(q.probabilities, q.values)
+                                    if round(float(p), 6) in EXPORTED_QUANTILES} or None
                 elif kind == "histogram":
                     h = res.histogram
                     edges = tuple(h.edges)
@@ -377,14 +398,16 @@ class SnapshotStore:
     def remove_tap(self, tap_id: str) -> None:
         """Forget every layer of a deleted or expired tap (its series vanish)."""
         with self._lock:
-            self._gone.add(tap_id)
+            self._gone[tap_id] = None
+            while len(self._gone) > _MAX_TOMBSTONES:
+                del self._gone[next(iter(self._gone))]
             for k in [k for k in self._layers if k[0] == tap_id]:
                 del self._layers[k]
 
     def add_tap(self, tap_id: str) -> None:
         """A tap (possibly reusing a removed tap's name) may export again."""
         with self._lock:
-            self._gone.discard(tap_id)
+            self._gone.pop(tap_id, None)
 
     def __len__(self) -> int:
         with self._lock:

@@ -59,6 +59,12 @@ class LayerShapes:
     outputs: list[tuple[int, ...]]
 
 
+def _castable(got: torch.dtype, want: torch.dtype) -> bool:
+    """float32 inputs are accepted by float16/bfloat16 models: numpy has no
+    bfloat16, so a numpy-only client could not call them otherwise."""
+    return got == torch.float32 and want in (torch.float16, torch.bfloat16)
+
+
 def flatten_tensors(value: Any) -> list[tuple[str, torch.Tensor]]:
     """Tensors in a hook value with their key: ``""`` for a bare tensor,
     ``"0"``, ``"1"``... for tuples/lists, the dict key for dicts."""
@@ -147,8 +153,9 @@ class ModelHost:
             raise InvalidSpec(field_name, f"expected {len(self.inputs)} input tensor(s), got {len(inputs)}")
         for i, (t, spec) in enumerate(zip(inputs, self.inputs)):
             where = f"{field_name}[{i}]"
-            if t.dtype != spec.dtype:
-                raise InvalidSpec(f"{where}.dtype", f"expected {dtype_name(spec.dtype)}, got {dtype_name(t.dtype)}")
+            if t.dtype != spec.dtype and not _castable(t.dtype, spec.dtype):
+                also = " (or float32, cast on the server)" if _castable(torch.float32, spec.dtype) else ""
+                raise InvalidSpec(f"{where}.dtype", f"expected {dtype_name(spec.dtype)}{also}, got {dtype_name(t.dtype)}")
             if t.dim() != len(spec.shape) or any(
                 want != -1 and got != want for got, want in zip(t.shape, spec.shape)
             ):
@@ -182,7 +189,7 @@ class ModelHost:
     def run(self, inputs: Sequence[torch.Tensor], *, active_owner: object | None = None) -> tuple[Any, PassContext]:
         """Validate, move to the device and run one inference pass."""
         self.validate_inputs(inputs)
-        moved = [t.to(self.device, non_blocking=True) for t in inputs]
+        moved = [t.to(self.device, dtype=spec.dtype, non_blocking=True) for t, spec in zip(inputs, self.inputs)]
         with self.pass_context(active_owner=active_owner) as ctx, torch.inference_mode():
             out = self.module(*moved)
         return out, ctx

@@ -116,8 +116,8 @@ class TapEngine:
         self._hook_seconds = 0.0
         self.reducer_errors = 0
         self.sinks: list[Sink] = []
-        #: Called with each tap that is deleted, expires or ends.
-        self.on_removed: list[Callable[[Tap], None]] = []
+        #: Called with each tap that is deleted, expires or ends, and the reason.
+        self.on_removed: list[Callable[[Tap, str], None]] = []
         #: Called with each new tap.
         self.on_created: list[Callable[[Tap], None]] = []
         #: Called (on the model thread) with each tap a reducer error disables.
@@ -184,7 +184,7 @@ class TapEngine:
             raise NotFound(f"no tap {tap_id!r}; list taps with ListTaps / client.taps()")
         self._unhook(tap)
         for callback in list(self.on_removed):
-            callback(tap)
+            callback(tap, reason)
         self._announce(tap, reason, f"tap {reason}")
         self.broker.tap_gone(tap_id)
         log.info("tap %s %s", tap_id, reason)

@@ -81,6 +81,7 @@ def server() -> Iterator[tuple[AbortingHandler, str]]:
 
 CASES = [
     (grpc.StatusCode.NOT_FOUND, "unknown tap 'abc'", NotFound),
+    (grpc.StatusCode.NOT_FOUND, "no tap 'layer4-stats'; list taps with ListTaps", NotFound),
     (grpc.StatusCode.NOT_FOUND, UNKNOWN_LAYER, LayerNotFound),
     (grpc.StatusCode.INVALID_ARGUMENT, "expected 602112 bytes, got 12", InvalidArgument),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent captures (limit 4)", ResourceExhausted),

@@ -95,3 +95,19 @@ def test_cli_errors_are_one_line(serve_process):
     assert "Traceback" not in out.stderr and "layer4" in out.stderr
     out = cli("layers", "127.0.0.1:1", "--timeout", "3")
     assert out.returncode == 1 and "Traceback" not in out.stderr
+
+
+def test_busy_ports_are_one_line_errors(serve_process):
+    srv = serve_process("--no-metrics")
+    out = cli("serve", "--port", str(srv.port), "--no-metrics")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"--port {srv.port}: cannot bind" in out.stderr
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        out = cli("serve", "--port", "0", "--metrics-port", str(busy))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"--metrics-port {busy}: cannot bind" in out.stderr

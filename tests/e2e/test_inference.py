@@ -62,8 +62,13 @@ def test_bfloat16_server(make_server):
         assert torch.equal(out, want)
         act = client.capture("layer4", input=x)
         assert act.dtype == np.float32  # numpy has no bf16: widened exactly
-        with pytest.raises(layertap.InvalidArgument, match="bfloat16"):
-            client.infer(np.zeros((1, 3, 32, 32), np.float32))
+        # numpy-only clients send float32; the server casts it to bf16.
+        x32 = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
+        with torch.inference_mode():
+            want32 = model(torch.from_numpy(x32).to(torch.bfloat16))
+        assert torch.equal(client.infer(x32, as_torch=True), want32)
+        with pytest.raises(layertap.InvalidArgument, match=r"bfloat16 \(or float32"):
+            client.infer(np.zeros((1, 3, 32, 32), np.float64))
 
 
 def test_oversized_request_is_resource_exhausted(make_server):

@@ -69,3 +69,34 @@ def test_failed_set_baseline_leaves_no_ghost_layers(rig):
     with pytest.raises(LimitExceeded):
         monitor.set_baseline(pb.SetBaselineRequest(selector="layer*"))
     assert monitor.drift() == []
+
+
+def test_deleting_a_baseline_removes_its_files(tmp_path):
+    host = ModelHost(load_model("demo"))
+    host.warm_up()
+    engine = TapEngine(host, Broker())
+    monitor = DriftMonitor(engine, baseline_dir=str(tmp_path), default_window=5)
+    try:
+        tap, _ = monitor.set_baseline(pb.SetBaselineRequest(selector="layer1", passes=3))
+        feed(host, 3)
+        engine.flush(10)
+        assert len(list(tmp_path.glob("*.json"))) == 1
+        engine.delete(tap)
+        assert list(tmp_path.glob("*.json")) == []
+    finally:
+        engine.close()
+    host2 = ModelHost(load_model("demo"))
+    engine2 = TapEngine(host2, Broker())
+    try:
+        assert DriftMonitor(engine2, baseline_dir=str(tmp_path)).load() == 0
+    finally:
+        engine2.close()
+
+
+def test_drift_filters_by_model_layers_and_reports_nan_until_scored(rig):
+    host, engine, monitor = rig
+    assert monitor.drift("layer4") == []  # a real layer without a baseline: empty, not an error
+    monitor.set_baseline(pb.SetBaselineRequest(selector="layer*", passes=50))
+    (d,) = monitor.drift("layer4")
+    assert d.state == pb.BASELINE_STATE_COLLECTING
+    assert all(np.isnan(v) for v in (d.psi, d.js, d.wasserstein, d.mean_shift)) and not d.drifted
