@@ -18,6 +18,10 @@ Rules every reducer follows (DESIGN "Reducers"):
   stream is never perturbed.
 * Work is shared: the float64 upcast, the finite mask and the basic statistics
   (:func:`_fused_basic_stats`) are computed once per tensor for every reducer.
+  The torch fallback keeps temporaries few and small: on CPU a fresh large
+  allocation page-faults, and kernels with bool outputs (masks) are several
+  times slower than float ones, so masks and counts are 0/1 floats, and
+  non-finite values are handled with ``nan_to_num`` rather than ``where``.
 
 Semantics (also the contract for decoders and exporters):
 
@@ -206,17 +210,33 @@ class _Workspace:
     """Per-tensor cache so reducers of one plan share the upcast, mask and samples."""
 
     def __init__(self, x: torch.Tensor, generator: torch.Generator,
-                 sorted_sizes: frozenset[int] = frozenset()) -> None:
+                 sorted_sizes: frozenset[int] = frozenset(), share_xd: bool = False) -> None:
         self.x = x
         self.numel = x.numel()
         self.floating = x.is_floating_point()
         self._generator = generator
         self._sorted_sizes = sorted_sizes
+        #: Some reducer besides the basic statistics reads :attr:`xd` (so the
+        #: basic statistics must not shift or clean their upcast in place).
+        self.share_xd = share_xd
+        self._flat: torch.Tensor | None | bool = False
         self._xd: torch.Tensor | None = None
         self._fin: torch.Tensor | None = None
         self._samples: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sorted: dict[int, torch.Tensor] = {}
         self.basic: torch.Tensor | None = None
+
+    @property
+    def flat(self) -> torch.Tensor | None:
+        """:func:`_flat_view` of x (all elements as 1-D, memory order), cached."""
+        if self._flat is False:
+            self._flat = _flat_view(self.x)
+        return self._flat  # type: ignore[return-value]
+
+    @property
+    def has_xd(self) -> bool:
+        """Whether :attr:`xd` was already made (by another reducer)."""
+        return self._xd is not None
 
     @property
     def xd(self) -> torch.Tensor:
@@ -227,12 +247,24 @@ class _Workspace:
 
     @property
     def fin(self) -> torch.Tensor | None:
-        """The finite mask, or None for integer/bool tensors (all finite)."""
+        """The finite mask as 0/1 in x's dtype and layout, or None for integer/bool
+        tensors (all finite).
+
+        |x| < inf is 0 for NaN and +-inf: two elementwise ops where
+        torch.isfinite decomposes into four (abs, ne, eq, mul), written in place
+        into one float buffer because kernels with bool outputs are several
+        times slower than float ones on CPU. Its sums are exact counts with
+        ``dtype=self.count_dtype``.
+        """
         if self._fin is None and self.floating:
-            # |x| < inf is False for NaN and +-inf: two elementwise ops where
-            # torch.isfinite decomposes into four (abs, ne, eq, mul).
-            self._fin = torch.abs(self.x) < math.inf
+            m = torch.abs(self.x)
+            self._fin = torch.lt(m, math.inf, out=m)
         return self._fin
+
+    @property
+    def count_dtype(self) -> torch.dtype | None:
+        """dtype for exact sums of 0/1 indicators in x's float dtype (None: own)."""
+        return None if self.numel <= _EXACT_COUNT_LIMIT.get(self.x.dtype, 0) else _F64
 
     def sorts(self, size: int) -> bool:
         """Whether a sorted sample of ``size`` is (or will be) available cheaply.
@@ -327,22 +359,35 @@ def _shift_of(ws: _Workspace) -> torch.Tensor:
     Sums of ``x - K`` and ``(x - K)**2`` give the variance without the
     catastrophic cancellation of ``E[x**2] - E[x]**2`` when |mean| >> std, in a
     single pass (a two-pass mean-then-deviation scheme would read x twice).
-    Any K within a few std of the mean works, so a few strided elements do.
+    Any K within a few std of the mean works, so a few strided elements do:
+    the median of the finite ones is within about one std of the mean for any
+    distribution, is an actual element (finite, so ``x - K`` cannot overflow
+    a float64 upcast of a narrower dtype), and costs four tiny ops.
     """
     k = min(ws.numel, _SHIFT_SAMPLE)
     step = ws.numel // k
-    flat = _flat_view(ws.x)
+    flat = ws.flat
     if flat is not None:
-        s = flat[:: step][:k]
+        s = flat.as_strided((k,), (step,))
     else:
         idx = torch.arange(k, device=ws.x.device) * step
         s = _gather_flat(ws.x, idx)
-    s = s.to(_F64)
     if not ws.floating:
-        return s.mean()
-    fin = torch.isfinite(s)
-    # clamp: with no finite element K is 0 instead of NaN (0/0).
-    return torch.where(fin, s, 0.0).sum() / fin.sum(dtype=_F64).clamp_min(1.0)
+        return s.to(_F64).mean()
+    # +-inf -> NaN, then the median of the rest; with no finite element, K is 0.
+    s = torch.nan_to_num(s, nan=math.nan, posinf=math.nan, neginf=math.nan)
+    # In x's dtype (exact); float64 ops and the final stack promote it.
+    return torch.nanmedian(s).nan_to_num_(0.0)
+
+
+#: Float dtypes whose sums of 0/1 indicators are exact in their own dtype up to
+#: this many elements (every partial sum is an integer <= numel). Narrower
+#: dtypes, and larger tensors, sum their indicators in float64.
+_EXACT_COUNT_LIMIT = {torch.float32: 1 << 24, torch.float64: 1 << 53}
+
+
+#: A float64 zero per device, the filler of unneeded slots (only ever read).
+_ZERO_CACHE: dict[torch.device, torch.Tensor] = {}
 
 
 def _fused_basic_stats(ws: _Workspace, needs: _StatNeeds) -> torch.Tensor:
@@ -355,49 +400,105 @@ def _fused_basic_stats(ws: _Workspace, needs: _StatNeeds) -> torch.Tensor:
     reading x once in its native dtype, with per-program register accumulators
     and one atomic per program, replaces this whole function (DESIGN measures
     1.1 TB/s, 1.10-1.40x step time, against ~2-2.6x for these torch ops). The
-    torch fallback below takes one pass per statistic but shares the upcast and
-    the finite mask.
+    torch fallback below takes one cheap pass per statistic and keeps its
+    temporaries few and small (fresh allocations page-fault, and kernels with
+    bool outputs are several times slower than float ones on CPU):
+
+    * counts are sums of 0/1 indicators written in x's own float dtype into
+      ONE scratch buffer (``torch.ne(x, x, out=m)`` for NaN, ...);
+    * min/max are exact in the native dtype, over ``nan_to_num`` copies (into
+      the same buffer) that map non-finite values to the neutral +-inf;
+    * the sums use one float64 copy, shifted and with its non-finite values
+      zeroed in place; it also hosts the scratch buffer before the upcast
+      overwrites it, so a float32 tensor costs one temporary of 8 bytes per
+      element in all.
     """
     x = ws.x
-    zero = x.new_zeros((), dtype=_F64)
-    if ws.numel == 0:
+    n = ws.numel
+    if n == 0:
         out = x.new_zeros((_BASIC_WIDTH,), dtype=_F64)
         out[_MIN].fill_(math.inf)  # min > max marks "no finite element"
         out[_MAX].fill_(-math.inf)
         return out
-    fin = ws.fin
+    zero = _ZERO_CACHE.get(x.device)
+    if zero is None:
+        zero = _ZERO_CACHE[x.device] = x.new_zeros((), dtype=_F64)
     stats = [zero] * _BASIC_WIDTH
-    # Counts are int64 sums of masks (exact, and several times faster on CPU
-    # than float64 sums of bools); the final stack converts.
-    if needs.zeros:
-        stats[_ZEROS] = (x == 0).sum()
-    if needs.nan and fin is not None:
-        stats[_NAN] = torch.isnan(x).sum()
-    if needs.count:
-        stats[_COUNT] = fin.sum() if fin is not None else x.new_full((), ws.numel, dtype=_F64)
-    if needs.sums:
-        shift = _shift_of(ws) if needs.shifted else zero
-        y = ws.xd - shift if needs.shifted else ws.xd
-        if fin is not None:
-            y = torch.where(fin, y, 0.0)
-        stats[_S1] = y.sum()
-        # vector_norm reads y once; squaring the norm costs ~2 ulp, far below
-        # the summation error itself.
-        stats[_S2] = torch.linalg.vector_norm(y).square()
-        stats[_SHIFT] = shift
-    if needs.minmax:
-        # min/max are exact in the native dtype: no need for the upcast copy.
-        if fin is not None:
-            stats[_MIN] = torch.where(fin, x, math.inf).amin()
-            stats[_MAX] = torch.where(fin, x, -math.inf).amax()
+    flat = ws.flat
+    v = flat if flat is not None else x  # every statistic ignores element order
+    shift = _shift_of(ws) if needs.shifted else zero
+
+    if not ws.floating:  # integers and bool: all finite, no NaN
+        if needs.zeros:
+            stats[_ZEROS] = (v == 0).sum()
+        if needs.count:
+            stats[_COUNT] = x.new_full((), n, dtype=_F64)
+        if needs.sums:
+            y = ws.xd - shift if needs.shifted else ws.xd
+            stats[_S1] = y.sum()
+            stats[_S2] = torch.linalg.vector_norm(y).square()
+            stats[_SHIFT] = shift
+        if needs.minmax:
+            stats[_MIN], stats[_MAX] = torch.aminmax(v if v.dtype != torch.bool else v.to(torch.uint8))
+        return torch.stack([s.to(_F64) for s in stats])
+
+    dtype = x.dtype
+    # The finite mask is shared (built once) when another reducer reads it.
+    shared = ws.share_xd
+    # A private float64 buffer for the shifted sums, unless another reducer
+    # reads the shared upcast (then x - K allocates) or x is float64 already.
+    buf = v.new_empty(v.shape, dtype=_F64) if needs.sums and not shared and dtype != _F64 else None
+    if needs.zeros or needs.nan or needs.count or needs.minmax:
+        if buf is not None:
+            m = buf.view(-1).view(dtype)[:n].view(v.shape)
         else:
-            stats[_MIN], stats[_MAX] = torch.aminmax(x if x.dtype != torch.bool else x.to(torch.uint8))
-    return torch.stack([s.to(_F64) for s in stats])
+            m = v.new_empty(v.shape)
+        count_dtype = ws.count_dtype
+        if needs.zeros:
+            stats[_ZEROS] = torch.eq(v, 0, out=m).sum(dtype=count_dtype)
+        if needs.nan:
+            stats[_NAN] = torch.ne(v, v, out=m).sum(dtype=count_dtype)
+        if needs.count:
+            fin = ws.fin if shared or dtype == _F64 else None
+            if fin is None:  # the same |x| < inf, in the scratch buffer
+                fin = torch.lt(torch.abs(v, out=m), math.inf, out=m)
+            stats[_COUNT] = fin.sum(dtype=count_dtype)
+        if needs.minmax:
+            # Exact in the native dtype: no need for the upcast.
+            stats[_MIN] = torch.nan_to_num(v, math.inf, math.inf, math.inf, out=m).amin()
+            stats[_MAX] = torch.nan_to_num(v, -math.inf, -math.inf, -math.inf, out=m).amax()
+    if needs.sums:
+        if dtype == _F64:
+            # x - K can overflow for finite float64 x near the range limit:
+            # keep that inf (std -> inf) and zero only x's own non-finite
+            # values (times the 0/1 mask they turn NaN, then 0).
+            fin = ws.fin
+            assert fin is not None  # x is floating
+            y = (x - shift).mul_(fin)
+            y.nan_to_num_(0.0, math.inf, -math.inf)
+        else:
+            # A float64 upcast of a narrower dtype: x - K cannot overflow, so
+            # every non-finite value of y comes from x.
+            if buf is not None:
+                y = buf.copy_(v)
+                if needs.shifted:
+                    y.sub_(shift)
+            else:
+                y = ws.xd - shift
+            y.nan_to_num_(0.0, 0.0, 0.0)
+        stats[_S1] = y.sum()
+        # One fused multiply-add pass (BLAS dot); y is a fresh dense tensor.
+        flat_y = y.view(-1) if y.is_contiguous() else _flat_view(y)
+        stats[_S2] = torch.dot(flat_y, flat_y) if flat_y is not None else y.square().sum()
+        stats[_SHIFT] = shift
+    # stack promotes the native-dtype counts and min/max to float64 (exactly).
+    return torch.stack(stats)
 
 
 def _device_constant(cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]],
-                     values: Sequence[float], device: torch.device) -> torch.Tensor:
-    """A float64 constant on ``device``, created once and cached.
+                     values: Sequence[float], device: torch.device,
+                     dtype: torch.dtype = _F64) -> torch.Tensor:
+    """A constant (float64 by default) on ``device``, created once and cached.
 
     On CUDA the copy goes through pinned memory with ``non_blocking=True``: a
     pageable host-to-device copy would synchronize. The pinned source is kept
@@ -406,7 +507,7 @@ def _device_constant(cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor 
     hit = cache.get(device)
     if hit is not None:
         return hit[0]
-    host = torch.tensor(list(values), dtype=_F64)
+    host = torch.tensor(list(values), dtype=dtype)
     if device.type == "cpu":
         cache[device] = (host, None)
         return host
@@ -435,6 +536,8 @@ class Reducer(abc.ABC):
 
     kind: ClassVar[int]
     needs: ClassVar[_StatNeeds] = _StatNeeds()
+    #: Reads the workspace's shared float64 upcast ``ws.xd``.
+    reads_upcast: ClassVar[bool] = False
 
     def __init__(self, field: str) -> None:
         self.field = field
@@ -503,7 +606,7 @@ class MomentsReducer(_BasicReducer):
     _slots = (_COUNT, _SHIFT + 1)
 
     def decode(self, values: np.ndarray, shape: Sequence[int]) -> pb.ReducerResult:
-        count, s1, s2, shift = (float(v) for v in values)
+        count, s1, s2, shift = values.tolist()
         n = int(count)
         if n == 0:
             return pb.ReducerResult(moments=pb.Moments(count=0, mean=math.nan, std=math.nan))
@@ -571,7 +674,7 @@ class NormReducer(_BasicReducer):
     _slots = (_COUNT, _SHIFT + 1)
 
     def decode(self, values: np.ndarray, shape: Sequence[int]) -> pb.ReducerResult:
-        count, s1, s2, shift = (float(v) for v in values)
+        count, s1, s2, shift = values.tolist()
         # sum(x**2) = sum((x-K)**2) + 2K sum(x-K) + n K**2; K is 0 unless the
         # plan also computes moments.
         sumsq = s2 + 2.0 * shift * s1 + count * shift * shift
@@ -629,7 +732,10 @@ class HistogramReducer(Reducer):
         return counts
 
     def decode(self, values: np.ndarray, shape: Sequence[int]) -> pb.ReducerResult:
-        counts = [int(round(v)) for v in values]
+        # One vectorized rint (half-to-even, like round()): round() on numpy
+        # scalars costs ~1.5 us each, and decoding runs on the collector
+        # thread, which competes with the model thread for the GIL.
+        counts = np.rint(values).astype(np.int64).tolist()
         return pb.ReducerResult(
             histogram=pb.Histogram(
                 edges=self.edges, counts=counts, sample_size=sum(counts), population=_numel(shape)
@@ -698,7 +804,7 @@ class QuantilesReducer(Reducer):
         return pb.ReducerResult(
             quantiles=pb.Quantiles(
                 probabilities=self.probabilities,
-                values=[float(v) for v in values[1:]],
+                values=values[1:].tolist(),
                 sample_size=n,
                 population=population,
                 rank_error=rank_error,
@@ -710,6 +816,7 @@ class PerChannelReducer(Reducer):
     """Mean, std and abs_max of the finite elements of each channel."""
 
     kind = pb.REDUCER_KIND_PER_CHANNEL
+    reads_upcast = True
 
     def __init__(self, field: str, dim: int, max_channels: int) -> None:
         super().__init__(field)
@@ -747,31 +854,41 @@ class PerChannelReducer(Reducer):
         c = self._reported(x.shape)
         if c == 0 or ws.numel == 0:
             return x.new_full((3 * c,), math.nan, dtype=_F64)
-        xd = ws.xd.narrow(axis, 0, c)
+        xc = x.narrow(axis, 0, c)
         fin = ws.fin
+        fin = fin.narrow(axis, 0, c) if fin is not None else None
+        # The float64 channels, non-finite -> NaN so that nansum skips them.
+        # Reuse the shared upcast when another reducer made it (or x is
+        # float64), else upcast privately and clean in place.
+        if ws.has_xd or x.dtype == _F64:
+            xd = ws.xd.narrow(axis, 0, c)
+            z = torch.nan_to_num(xd, math.nan, math.nan, math.nan) if ws.floating else xd.clone()
+        else:
+            z = xc.to(_F64)
+            if ws.floating:
+                z.nan_to_num_(math.nan, math.nan, math.nan)
         if x.dim() == 1:
             # Each element is its own channel; reducing over an empty dim
             # tuple would reduce over everything, so add a unit dim instead.
-            xd = xd.unsqueeze(1)
-            fin = fin.narrow(0, 0, c).unsqueeze(1) if fin is not None else None
+            xc, z = xc.unsqueeze(1), z.unsqueeze(1)
+            fin = fin.unsqueeze(1) if fin is not None else None
             dims: tuple[int, ...] = (1,)
         else:
-            fin = fin.narrow(axis, 0, c) if fin is not None else None
             dims = tuple(d for d in range(x.dim()) if d != axis)
         if fin is None:
-            count = xd.new_full((c,), ws.numel // int(x.shape[axis]))
-            z = xd
+            count = z.new_full((c,), ws.numel // int(x.shape[axis]))
+            # Integers: no NaN, and abs_max is exact from the float64 extremes.
+            absmax = torch.maximum(z.amax(dims), z.amin(dims).neg())
         else:
-            count = fin.sum(dims)
-            z = torch.where(fin, xd, 0.0)
+            count = fin.sum(dims, dtype=ws.count_dtype)
+            # Exact in the native dtype, with non-finite values -> 0.
+            absmax = torch.nan_to_num(xc, 0.0, 0.0, 0.0).abs_().amax(dims)
         # Two passes per channel (mean, then squared deviations) keep the std
         # accurate when |mean| >> std; channels are few, the extra pass small.
-        mean = z.sum(dims) / count  # 0/0 = NaN for channels without finite elements
-        dev = xd - mean.reshape([c if d == axis else 1 for d in range(xd.dim())])
-        if fin is not None:
-            dev = torch.where(fin, dev, 0.0)
-        std = (dev.square().sum(dims) / count).sqrt()
-        absmax = torch.where(count > 0, z.abs().amax(dims), math.nan)
+        mean = z.nansum(dims) / count  # 0/0 = NaN for channels without finite elements
+        z.sub_(mean.reshape([c if d == axis else 1 for d in range(z.dim())])).square_()
+        std = (z.nansum(dims) / count).sqrt()
+        absmax = torch.where(count > 0, absmax, math.nan)
         return torch.cat([mean, std, absmax])
 
     def decode(self, values: np.ndarray, shape: Sequence[int]) -> pb.ReducerResult:
@@ -932,6 +1049,14 @@ class ReducerPlan:
         self._needs = needs
         self._needs_any = needs.any()  # dataclasses.astuple per run costs ~30 us on the hot path
         self._sorted_sizes = frozenset(r.sample_size for r in self.reducers if isinstance(r, QuantilesReducer))
+        self._share_xd = any(r.reads_upcast for r in self.reducers)
+        # Only shape-dependent reducers (per_channel) check anything per tensor.
+        self._checked = tuple(r for r in self.reducers if type(r).check is not Reducer.check)
+        # A plan of basic reducers only is one gather from the basic vector.
+        self._basic_slots: tuple[int, ...] | None = None
+        if self.reducers and all(isinstance(r, _BasicReducer) for r in self.reducers):
+            self._basic_slots = tuple(i for r in self.reducers for i in range(*r._slots))  # type: ignore[attr-defined]
+        self._slot_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __len__(self) -> int:
@@ -977,14 +1102,19 @@ class ReducerPlan:
         """
         if x.layout != torch.strided or x.is_quantized or x.dtype not in _SUPPORTED_DTYPES:
             raise TypeError(f"reducers need a strided real, integer or bool tensor, got {x.dtype} ({x.layout})")
-        for r in self.reducers:
+        for r in self._checked:
             r.check(x.shape)
         if not self.reducers:
             return x.new_zeros((0,), dtype=_F64)
         with torch.no_grad():
-            ws = _Workspace(x.detach(), self._generator(x.device), self._sorted_sizes)
+            ws = _Workspace(x.detach() if x.requires_grad else x, self._generator(x.device),
+                            self._sorted_sizes, self._share_xd)
             if self._needs_any:
                 ws.basic = _fused_basic_stats(ws, self._needs)
+            if self._basic_slots is not None:
+                assert ws.basic is not None
+                slots = _device_constant(self._slot_cache, self._basic_slots, x.device, torch.int64)
+                return ws.basic.index_select(0, slots)
             return torch.cat([r.compute(ws) for r in self.reducers])
 
     def decode(self, values: np.ndarray, shape: Sequence[int]) -> list[pb.ReducerResult]:
