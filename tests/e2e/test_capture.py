@@ -288,16 +288,40 @@ def test_parallel_captures_and_infers_are_all_correct(demo_server):
 
     def inferer(i: int) -> None:
         try:
-            x = batch(2, seed=200 + i)
+            x = infer_inputs[i]
             with torch.inference_mode():
                 want = model(torch.from_numpy(x)).numpy()
             with layertap.Client(addr) as c:
-                for _ in range(5):
+                # Live traffic until every passive capture is served (bounded).
+                for k in range(2000):
                     np.testing.assert_array_equal(c.infer(x), want)
+                    if k >= 5 and passive_left[0] == 0:
+                        break
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
-    threads = [threading.Thread(target=capturer, args=(i,)) for i in range(8)]
+    infer_inputs = [batch(2, seed=200 + i) for i in range(4)]
+    live_refs = [reference(x, ["layer3"])["layer3"] for x in infer_inputs]
+
+    def passive(i: int) -> None:
+        # A passive capture among concurrent Infer calls must return exactly
+        # one of their passes, never a mix.
+        try:
+            with layertap.Client(addr) as c:
+                for _ in range(2):
+                    got = c.capture("layer3", timeout=60)
+                    assert any(np.array_equal(got, ref) for ref in live_refs), "passive capture matched no Infer pass"
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            with passive_lock:
+                passive_left[0] -= 1
+
+    passive_lock = threading.Lock()
+    passive_left = [4]
+    # 8 capturing clients (4 active, 4 passive: the server's limit is 8) and 4 Infer clients.
+    threads = [threading.Thread(target=capturer, args=(i,)) for i in range(4)]
+    threads += [threading.Thread(target=passive, args=(i,)) for i in range(4)]
     threads += [threading.Thread(target=inferer, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
