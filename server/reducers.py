@@ -374,10 +374,19 @@ def _shift_of(ws: _Workspace) -> torch.Tensor:
         s = _gather_flat(ws.x, idx)
     if not ws.floating:
         return s.to(_F64).mean()
-    # +-inf -> NaN, then the median of the rest; with no finite element, K is 0.
-    s = torch.nan_to_num(s, nan=math.nan, posinf=math.nan, neginf=math.nan)
-    # In x's dtype (exact); float64 ops and the final stack promote it.
-    return torch.nanmedian(s).nan_to_num_(0.0)
+    if ws.numel > k:
+        # Plus k random positions: a strided sample alone can land entirely on
+        # a masked (NaN) column, and K = 0 would then cancel catastrophically.
+        rnd = torch.randint(0, ws.numel, (k,), generator=ws._generator, device=ws.x.device)
+        s = torch.cat([s, _gather_flat(ws.x, rnd)])
+    # The median of the finite ones by a sort of <= 128 elements: no
+    # nanmedian, whose CUDA kernel has read a count on the host in some
+    # torch versions. Non-finite values sort last; with none finite, K is 0.
+    fin = torch.abs(s) < math.inf
+    cnt = fin.sum()
+    srt = torch.where(fin, s, math.inf).sort().values
+    mid = ((cnt - 1).clamp_min(0) // 2).reshape(1)
+    return torch.where(cnt > 0, srt.index_select(0, mid).squeeze(0), 0.0).to(_F64)
 
 
 #: Float dtypes whose sums of 0/1 indicators are exact in their own dtype up to
@@ -611,8 +620,11 @@ class MomentsReducer(_BasicReducer):
         if n == 0:
             return pb.ReducerResult(moments=pb.Moments(count=0, mean=math.nan, std=math.nan))
         d = s1 / count
-        var = max(s2 / count - d * d, 0.0)
-        return pb.ReducerResult(moments=pb.Moments(count=n, mean=shift + d, std=math.sqrt(var)))
+        if math.isinf(s2):  # float64 data beyond ~1e154: the square overflowed
+            return pb.ReducerResult(moments=pb.Moments(count=n, mean=shift + d, std=math.inf))
+        var = s2 / count - d * d
+        std = math.sqrt(var) if var > 0 else 0.0  # also maps a NaN var to 0, never NaN
+        return pb.ReducerResult(moments=pb.Moments(count=n, mean=shift + d, std=std))
 
 
 class MinMaxReducer(_BasicReducer):
@@ -678,7 +690,9 @@ class NormReducer(_BasicReducer):
         # sum(x**2) = sum((x-K)**2) + 2K sum(x-K) + n K**2; K is 0 unless the
         # plan also computes moments.
         sumsq = s2 + 2.0 * shift * s1 + count * shift * shift
-        return pb.ReducerResult(norm=pb.Norm(l2=math.sqrt(max(sumsq, 0.0))))
+        if math.isinf(s2) or math.isinf(sumsq):
+            return pb.ReducerResult(norm=pb.Norm(l2=math.inf))  # overflow: inf, as numpy says
+        return pb.ReducerResult(norm=pb.Norm(l2=math.sqrt(sumsq) if sumsq > 0 else 0.0))
 
 
 class HistogramReducer(Reducer):

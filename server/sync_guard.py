@@ -50,6 +50,8 @@ _SYNCING: dict[Any, str] = {
     _aten._unique2: "output shape depends on values",
     _aten.unique_dim: "output shape depends on values",
     _aten.unique_consecutive: "output shape depends on values",
+    _aten.nanmedian: "the CUDA kernel has read a count on the host in some torch versions; sort a sample",
+    _aten.median: "the no-dim CUDA kernel shares nanmedian's code; sort a sample",
 }
 
 # Ops that are fine on a bounded sample and slow or broken on a whole tensor.

@@ -540,3 +540,44 @@ def test_parse_unknown_name_lists_valid_ones() -> None:
     assert "'mean'" in str(err.value)
     for name in R.REDUCER_NAMES:
         assert name in str(err.value)
+
+
+def _results(names: str, x: torch.Tensor) -> dict[str, pb.ReducerResult]:
+    plan = R.ReducerPlan(R.build_reducers(R.parse_reducer_names(names)))
+    out = plan.decode(plan.run(x).numpy(), x.shape)
+    return {r.WhichOneof("value"): r for r in out}
+
+
+def test_moments_survive_a_strided_shift_sample_landing_on_a_nan_column():
+    # Every element the strided shift sample reads is NaN (column 0 of a
+    # (64, 10000) tensor); a shift of 0 would cancel catastrophically.
+    g = torch.Generator().manual_seed(0)
+    x = 1e6 + 1e-6 * torch.randn(64, 10000, generator=g, dtype=torch.float64)
+    x[:, 0] = math.nan
+    ref = x.numpy()[:, 1:]
+    m = _results("moments", x)["moments"].moments
+    assert m.count == ref.size
+    np.testing.assert_allclose(m.std, ref.std(), rtol=1e-6)
+    np.testing.assert_allclose(m.mean, ref.mean(), rtol=1e-12)
+
+
+def test_float64_overflow_reports_inf_not_nan():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 1e200
+    res = _results("moments,norm", x)
+    assert res["moments"].moments.std == math.inf
+    assert res["norm"].norm.l2 == math.inf == np.linalg.norm(x.numpy())
+
+
+def test_plan_never_modifies_the_hooked_tensor():
+    plan = R.ReducerPlan(R.build_reducers(R.parse_reducer_names(
+        "moments,minmax,abs_max,zero_fraction,nonfinite,norm,histogram,quantiles,per_channel")))
+    base = torch.randn(4, 8, 6, 6, generator=torch.Generator().manual_seed(2))
+    base[0, 0, 0, 0] = math.nan
+    base[1, 1, 1, 1] = math.inf
+    for x in (base, base.double(), base.half(), base.bfloat16(), base.to(memory_format=torch.channels_last),
+              base.transpose(1, 3)):
+        before, version = x.clone(), x._version
+        plan.run(x)
+        assert x._version == version
+        assert torch.equal(torch.nan_to_num(x), torch.nan_to_num(before))
+        assert torch.equal(torch.isnan(x), torch.isnan(before))
