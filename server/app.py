@@ -213,6 +213,8 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Lay
     reaper.start()
     for name in ("", *SERVICE_NAMES):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    for note in state.host.loaded.notes:
+        log.warning("%s", note)
     log.info("serving %s (%s) on %s:%d, device=%s dtype=%s", state.host.loaded.name,
              state.host.loaded.source, config.host, port, state.host.device, config.dtype)
     return running

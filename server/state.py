@@ -28,7 +28,6 @@ class ServerState:
     snapshots: SnapshotStore | None = None
     captures: CaptureSlots = field(init=False)
     capture_limits: CaptureLimits = field(init=False)
-    extras: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.capture_limits = CaptureLimits(
@@ -36,7 +35,7 @@ class ServerState:
             max_passes=self.config.max_capture_passes,
             max_concurrent=self.config.max_concurrent_captures,
         )
-        self.captures = CaptureSlots(self.config.max_concurrent_captures)
+        self.captures = CaptureSlots(self.capture_limits.max_concurrent)
 
     def count_capture(self, code: str, nbytes: int) -> None:
         """Record a finished capture in the metrics, when metrics are on."""
