@@ -23,7 +23,7 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import InvalidArgument, LayertapError, ProtocolError
+from ._errors import InvalidArgument, ProtocolError
 from ._types import (
     AbsMax,
     BaselineInfo,

@@ -153,7 +153,7 @@ def test_active_capture_passes_are_not_fed_to_taps(rig):
 def test_throwing_reducer_disables_tap_not_inference(rig):
     host, broker, engine, _ = rig
     bad = engine.create(spec("layer4", "moments", name="ok"))
-    broken = engine.create(pb.TapSpec(name="broken", selector="layer4", reducers=[
+    engine.create(pb.TapSpec(name="broken", selector="layer4", reducers=[
         pb.ReducerSpec(kind=pb.REDUCER_KIND_PER_CHANNEL, per_channel=pb.PerChannelParams(dim=7))]))
     sub = broker.subscribe(["ok", "broken"])
     run(host, 2)  # inference still succeeds
