@@ -185,8 +185,10 @@ def _torch() -> Any:
 
 def _is_torch_tensor(x: object) -> bool:
     # A tensor can only exist if torch was imported, so never import it here.
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
+    # While another thread is importing torch, sys.modules holds a partially
+    # initialised module without `Tensor` yet: treat that as "no torch".
+    tensor_type = getattr(sys.modules.get("torch"), "Tensor", None)
+    return isinstance(tensor_type, type) and isinstance(x, tensor_type)
 
 
 def _element_count(shape: Sequence[int]) -> int:

@@ -486,3 +486,16 @@ def test_tap_context_manager_deletes_tap_even_on_error(telemetry: tuple[Scripted
     assert servicer.deleted == ["tap-1"]
     assert servicer.created[0].ttl.seconds == 30
     assert list(servicer.subscribe_requests[0].tap_ids) == ["tap-1"]
+
+
+def test_numpy_input_while_torch_is_half_imported(monkeypatch):
+    """Another thread importing torch leaves a partial module in sys.modules."""
+    import sys
+    import types
+
+    from layertap import _convert
+
+    partial = types.ModuleType("torch")  # no Tensor attribute yet
+    monkeypatch.setitem(sys.modules, "torch", partial)
+    msg = _convert.encode_tensor(np.zeros((2, 3), np.float32))
+    assert list(msg.shape) == [2, 3]
