@@ -31,7 +31,6 @@ class Subscription:
         self._queue: collections.deque[Batch] = collections.deque()
         self._cond = threading.Condition()
         self.dropped = 0
-        self.delivered = 0
         self.closed = False
 
     def wants(self, tap_id: str, durable: bool) -> bool:
@@ -56,7 +55,6 @@ class Subscription:
                 self._cond.wait(timeout)
             if not self._queue:
                 return None
-            self.delivered += 1
             return self._queue.popleft()
 
     def pending(self) -> int:
@@ -78,7 +76,6 @@ class Broker:
         self._lock = threading.Lock()
         self._subs: list[Subscription] = []
         self.dropped_total = 0
-        self.messages_total = 0
         #: Called after each message is queued, with how many it pushed out (0 or 1).
         self.on_publish: Callable[[int], object] | None = None
 
@@ -122,7 +119,6 @@ class Broker:
                 continue
             dropped = sub.put(Batch(mine, evs))
             with self._lock:
-                self.messages_total += 1
                 self.dropped_total += dropped
             if self.on_publish is not None:
                 self.on_publish(dropped)
