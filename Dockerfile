@@ -23,7 +23,7 @@ ENV PATH=/opt/layertap/bin:$PATH
 RUN pip install --index-url ${TORCH_INDEX} "torch==${TORCH_VERSION}"
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY proto ./proto
 COPY client ./client
 COPY server ./server

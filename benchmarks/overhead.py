@@ -28,11 +28,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from layertap.server.broker import Broker
-from layertap.server.model_host import ModelHost
-from layertap.server.model_sources import load_model
-from layertap.server.tap_config import reducer_spec
-from layertap.server.taps import TapEngine
+from layertap.server.stream.broker import Broker
+from layertap.server.host.model_host import ModelHost
+from layertap.server.host.sources import load_model
+from layertap.server.taps.tap_files import reducer_spec
+from layertap.server.taps.engine import TapEngine
 from layertap.v1 import telemetry_pb2 as pb
 
 BASIC = ["moments", "minmax", "zero_fraction", "nonfinite"]

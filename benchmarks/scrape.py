@@ -26,8 +26,8 @@ import urllib.request
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 
-from layertap.server.drift import DriftScore, DriftThresholds
-from layertap.server.metrics import (
+from layertap.server.drift.scores import DriftScore, DriftThresholds
+from layertap.server.export.metrics import (
     ActivationCollector,
     ServerMetrics,
     SnapshotStore,

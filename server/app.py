@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from layertap.server.broker import Broker
+from layertap.server.stream.broker import Broker
 from layertap.server.config import ServerConfig
-from layertap.server.drift_monitor import DriftMonitor
-from layertap.server.metrics import (
+from layertap.server.drift.monitor import DriftMonitor
+from layertap.server.export.metrics import (
     ActivationCollector,
     ServerMetrics,
     SnapshotStore,
@@ -26,14 +26,14 @@ from layertap.server.metrics import (
     stop_metrics_server,
 )
 from layertap.server.errors import LayertapServerError
-from layertap.server.tap_config import load_tap_config
-from layertap.server.taps import TapEngine
-from layertap.server.dtypes import DTYPE_BY_NAME
-from layertap.server.inference_service import InferenceService
-from layertap.server.model_host import ModelHost
-from layertap.server.model_sources import LoadedModel, ModelLoadError, load_model
-from layertap.server.state import ServerState, StateCell
-from layertap.server.telemetry_service import TelemetryService
+from layertap.server.taps.tap_files import load_tap_config
+from layertap.server.taps.engine import TapEngine
+from layertap.server.codec import DTYPE_BY_NAME
+from layertap.server.rpc.inference import InferenceService
+from layertap.server.host.model_host import ModelHost
+from layertap.server.host.sources import LoadedModel, ModelLoadError, load_model
+from layertap.server.rpc.state import ServerState, StateCell
+from layertap.server.rpc.telemetry import TelemetryService
 from layertap.v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 from layertap.v1 import telemetry_pb2 as pb
 

@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _start_demo_server(args: argparse.Namespace) -> Any:
     from layertap.server.app import start_server
     from layertap.server.config import ServerConfig
-    from layertap.server.model_sources import ModelLoadError
+    from layertap.server.host.sources import ModelLoadError
 
     config = ServerConfig(port=args.port, metrics_port=args.metrics_port, model="demo", seed=args.seed,
                           drift_window=args.window, grace_seconds=1.0)

@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from layertap.server.app import install_signal_handlers, start_server
-    from layertap.server.model_sources import ModelLoadError
+    from layertap.server.host.sources import ModelLoadError
 
     config = config_from_args(args)
     try:

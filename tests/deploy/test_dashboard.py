@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from dashboard_util import DASHBOARD, dashboard_exprs, dashboard_targets, dashboard_variables, load_dashboard
+from support.dashboard import DASHBOARD, dashboard_exprs, dashboard_targets, dashboard_variables, load_dashboard
 
 DEPLOY = DASHBOARD.parents[1]
 VALUES = {"model": "demo", "layer": "layer3"}

@@ -29,7 +29,7 @@ def test_dockerfile_builds_the_server_image():
     assert re.search(r"--index-url \$\{TORCH_INDEX\} \"torch==\$\{TORCH_VERSION\}\"", runs)
     assert 'pip install ".[server]"' in runs
     copied = [rest.split()[0] for w, rest in ins if w == "COPY"]
-    for path in ("pyproject.toml", "proto", "client", "server"):
+    for path in ("pyproject.toml", "setup.py", "proto", "client", "server"):
         assert path in copied and (REPO / path).exists()
     assert ("USER", "layertap") in ins
     entry = json.loads(dict(ins)["ENTRYPOINT"])

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import layertap
-from layertap.server.demo_model import build_demo_model
+from layertap.server.host.demo_model import build_demo_model
 from layertap.v1 import tensor_pb2, telemetry_pb2, telemetry_pb2_grpc
 
-from e2e_util import batch, wait_for  # noqa: E402
+from support.e2e import batch, wait_for  # noqa: E402
 
 
 def reference(x: np.ndarray, layers: list[str], seed: int = 0) -> dict[str, np.ndarray]:
@@ -107,8 +107,8 @@ def test_active_capture_is_not_seen_by_passive_capture(client, demo_server):
 
 
 def test_input_point_and_container_outputs(make_server):
-    from fixture_models import containers
-    from layertap.server.model_sources import LoadedModel, InputSpec
+    from support.models import containers
+    from layertap.server.host.sources import LoadedModel, InputSpec
 
     model = containers()
     srv = make_server(LoadedModel(model, "containers", "factory", [InputSpec("input", torch.float32, (-1, 8))]))
@@ -132,8 +132,8 @@ def test_input_point_and_container_outputs(make_server):
 
 
 def test_64_mib_tensor_is_bit_exact_in_1_mib_chunks(make_server):
-    from fixture_models import identity
-    from layertap.server.model_sources import LoadedModel, InputSpec
+    from support.models import identity
+    from layertap.server.host.sources import LoadedModel, InputSpec
 
     srv = make_server(LoadedModel(identity(), "identity", "factory", [InputSpec("input", torch.float32, (-1, 1024, 1024))]))
     x = np.random.default_rng(7).standard_normal((16, 1024, 1024)).astype(np.float32)  # 64 MiB

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 import layertap
-from layertap.server.demo_model import build_demo_model
+from layertap.server.host.demo_model import build_demo_model
 
-from e2e_util import batch, wait_for
+from support.e2e import batch, wait_for
 
 TESTS = Path(__file__).resolve().parent.parent
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import layertap
-from layertap.server.model_sources import InputSpec, LoadedModel
+from layertap.server.host.sources import InputSpec, LoadedModel
 
-from e2e_util import wait_for
+from support.e2e import wait_for
 
 
 class Moody(torch.nn.Module):

@@ -18,9 +18,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import layertap
-from fixture_models import Perturbable, perturbable_loaded, pooled_loaded
+from support.models import Perturbable, perturbable_loaded, pooled_loaded
 from layertap import InvalidArgument, LayerDrift, LayerNotFound
-from layertap.server.baseline import BaselineBuilder, save_baseline
+from layertap.server.drift.baseline import BaselineBuilder, save_baseline
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 LAYERS = ["layer1", "layer2", "layer3", "layer4"]

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import layertap
-from layertap.server.demo_model import build_demo_model
+from layertap.server.host.demo_model import build_demo_model
 from layertap.v1 import inference_pb2, inference_pb2_grpc, tensor_pb2
 
-from e2e_util import batch
+from support.e2e import batch
 
 
 def test_metadata_lets_a_client_build_an_input(client):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -23,12 +22,10 @@ import numpy as np
 import pytest
 
 import layertap
-from e2e_util import wait_for
-from fixture_models import Perturbable, perturbable_loaded
-from prom_util import ALERTS, JOB, PrometheusServer, prometheus_binary, sample_value
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
-from dashboard_util import dashboard_exprs, dashboard_targets  # noqa: E402
+from support.e2e import wait_for
+from support.models import Perturbable, perturbable_loaded
+from support.dashboard import dashboard_exprs, dashboard_targets
+from support.prom import ALERTS, JOB, PrometheusServer, prometheus_binary, sample_value
 
 pytestmark = pytest.mark.prometheus
 

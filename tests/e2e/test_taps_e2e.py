@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import layertap
-from layertap.server.demo_model import build_demo_model
+from layertap.server.host.demo_model import build_demo_model
 
-from e2e_util import batch, wait_for  # noqa: E402
+from support.e2e import batch, wait_for  # noqa: E402
 
 
 def layer_outputs(x: np.ndarray, names: list[str]) -> dict[str, np.ndarray]:

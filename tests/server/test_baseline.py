@@ -10,9 +10,9 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from layertap.server import baseline as bl
-from layertap.server.baseline import Baseline, BaselineBuilder, load_baselines, save_baseline
-from layertap.server.drift import DriftThresholds
+from layertap.server.drift import baseline as bl
+from layertap.server.drift.baseline import Baseline, BaselineBuilder, load_baselines, save_baseline
+from layertap.server.drift.scores import DriftThresholds
 
 
 def feed_all(b: BaselineBuilder, chunks: list[np.ndarray]) -> None:

@@ -9,8 +9,8 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from layertap.server.baseline import BaselineBuilder
-from layertap.server.drift import (
+from layertap.server.drift.baseline import BaselineBuilder
+from layertap.server.drift.scores import (
     DriftThresholds,
     SlidingWindow,
     channel_drift_fraction,

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from layertap.server.broker import Broker
-from layertap.server.drift_monitor import DriftMonitor
+from layertap.server.stream.broker import Broker
+from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.errors import AlreadyExists, LimitExceeded
-from layertap.server.model_host import ModelHost
-from layertap.server.model_sources import load_model
-from layertap.server.tap_config import reducer_spec
-from layertap.server.taps import TapEngine
+from layertap.server.host.model_host import ModelHost
+from layertap.server.host.sources import load_model
+from layertap.server.taps.tap_files import reducer_spec
+from layertap.server.taps.engine import TapEngine
 from layertap.v1 import telemetry_pb2 as pb
 
 

@@ -12,8 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from layertap.server.drift import DriftScore, DriftThresholds
-from layertap.server.metrics import (
+from layertap.server.drift.scores import DriftScore, DriftThresholds
+from layertap.server.export.metrics import (
     ActivationCollector,
     LayerSnapshot,
     ServerMetrics,
@@ -150,7 +150,7 @@ def test_cap_on_exported_layers(setup, caplog: pytest.LogCaptureFixture) -> None
     registry, store, _ = setup
     for i in range(5):
         store.update_from_summary("tap-1", summary(f"layer{i}"))
-    with caplog.at_level(logging.WARNING, logger="layertap.server.metrics"):
+    with caplog.at_level(logging.WARNING, logger="layertap.server.export.metrics"):
         for _ in range(3):
             fam = families(registry)
     exported = {s.labels["layer"] for s in fam["layertap_activation_mean"]}

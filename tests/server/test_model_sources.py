@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import layertap
-from layertap.server.demo_model import build_demo_model
-from layertap.server.model_sources import ModelLoadError, load_model
+from layertap.server.host.demo_model import build_demo_model
+from layertap.server.host.sources import ModelLoadError, load_model
 
 
 def test_demo_is_deterministic_from_seed():
@@ -35,16 +35,16 @@ def test_factory_with_weights(tmp_path):
     torch.save(model.state_dict(), tmp_path / "w.pt")
     loaded = load_model("torch.nn:Identity", input_shape="-1,4")
     assert loaded.source == "factory" and loaded.inputs[0].shape == (-1, 4)
-    import fixture_models  # noqa: F401 - on sys.path via conftest
+    import support.models  # noqa: F401 - on sys.path via conftest
 
     with pytest.raises(ModelLoadError, match="does not fit"):
-        load_model("fixture_models:identity", input_shape="-1,4", weights=str(tmp_path / "w.pt"))
+        load_model("support.models:identity", input_shape="-1,4", weights=str(tmp_path / "w.pt"))
 
 
 def test_bad_sources_are_one_line_errors(tmp_path):
     for ref, match in [
         ("nosuch.module:f", "cannot import"),
-        ("fixture_models:nothing", "no callable"),
+        ("support.models:nothing", "no callable"),
         (str(tmp_path / "missing.pt2"), "no such file"),
         ("not_a_model_name", "not 'demo'"),
         ("torch.nn:Identity", "--input-shape"),

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from layertap.server import reducers as R
-from layertap.server.collector import Collector, PassBuffer
-from layertap.server.sync_guard import NoSyncMode, SyncError, assert_no_sync
+from layertap.server.reducers import library as R
+from layertap.server.reducers.transfer import Collector, PassBuffer
+from support.sync_guard import NoSyncMode, SyncError, assert_no_sync
 from layertap.v1 import telemetry_pb2 as pb
 
 SAMPLE = 2048

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from layertap.server import reducers as R
-from layertap.server.sync_guard import NoSyncMode
+from layertap.server.reducers import library as R
+from support.sync_guard import NoSyncMode
 from layertap.v1 import telemetry_pb2 as pb
 
 ALL = "moments,minmax,abs_max,zero_fraction,nonfinite,norm,histogram,quantiles,per_channel"

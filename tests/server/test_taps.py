@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from layertap.server.broker import Broker
+from layertap.server.stream.broker import Broker
 from layertap.server.errors import InvalidSpec, NotFound
-from layertap.server.model_host import ModelHost
-from layertap.server.model_sources import load_model
-from layertap.server.sync_guard import NoSyncMode, SyncError
-from layertap.server.tap_config import load_tap_config, reducer_spec
-from layertap.server.taps import TapEngine
+from layertap.server.host.model_host import ModelHost
+from layertap.server.host.sources import load_model
+from support.sync_guard import NoSyncMode, SyncError
+from layertap.server.taps.tap_files import load_tap_config, reducer_spec
+from layertap.server.taps.engine import TapEngine
 from layertap.v1 import telemetry_pb2 as pb
 
 

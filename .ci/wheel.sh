@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# The base install is a thin client: install the wheel WITHOUT extras into a
-# fresh venv (no torch, no prometheus-client), and use it against a real
-# server running from the full .venv.
+# What users install, checked from the built wheel rather than the editable
+# tree (which hides a package missing from the wheel):
+#   1. the wheel with [server] in a fresh venv runs `layertap serve --smoke`
+#      and then serves;
+#   2. the wheel WITHOUT extras in another fresh venv is a thin client (no
+#      torch, no prometheus-client) that captures from that server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
-trap 'kill $server_pid 2>/dev/null || true; rm -rf "$tmp"' EXIT
+server_pid=""
+trap '[ -n "$server_pid" ] && kill $server_pid 2>/dev/null; rm -rf "$tmp"' EXIT
 
 .venv/bin/python -m pip wheel --quiet --no-deps -w "$tmp/dist" . 2>/dev/null
-python3 -m venv "$tmp/thin"
-"$tmp/thin/bin/python" -m pip install --quiet "$tmp"/dist/layertap-*.whl
+wheel=$(ls "$tmp"/dist/layertap-*.whl)
 
-.venv/bin/layertap serve --port 0 --no-metrics > "$tmp/server.out" 2> "$tmp/server.err" &
+echo "-- wheel[server] in a fresh venv: serve --smoke"
+python3 -m venv "$tmp/full"
+"$tmp/full/bin/python" -m pip install --quiet -c constraints-ci.txt "$wheel[server]"
+(cd "$tmp" && timeout 300 "$tmp/full/bin/layertap" serve --smoke)
+
+"$tmp/full/bin/layertap" serve --port 0 --no-metrics > "$tmp/server.out" 2> "$tmp/server.err" &
 server_pid=$!
 for _ in $(seq 120); do
     grep -q "serving on" "$tmp/server.out" 2>/dev/null && break
@@ -20,7 +28,10 @@ done
 addr=$(sed -n 's/^layertap: serving on //p' "$tmp/server.out")
 [ -n "$addr" ] || { cat "$tmp/server.err"; exit 1; }
 
-"$tmp/thin/bin/python" - "$addr" <<'PY'
+echo "-- wheel without extras in a fresh venv: thin client"
+python3 -m venv "$tmp/thin"
+"$tmp/thin/bin/python" -m pip install --quiet "$wheel"
+(cd "$tmp" && "$tmp/thin/bin/python" - "$addr") <<'PY'
 import importlib.util, sys
 import numpy as np
 import layertap

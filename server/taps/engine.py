@@ -20,14 +20,14 @@ from typing import Any
 import numpy as np
 from google.protobuf import timestamp_pb2
 
-from layertap.server.broker import Broker
-from layertap.server.collector import Collector, PassBuffer
+from layertap.server.stream.broker import Broker
+from layertap.server.reducers.transfer import Collector, PassBuffer
 from layertap.server.errors import AlreadyExists, InvalidSpec, LimitExceeded, NotFound, Unsupported
-from layertap.server.hooks import POINT_NAMES, HookHandle, ParamGrad
-from layertap.server.model_host import ModelHost, PassContext, flatten_tensors
-from layertap.server.reducers import ReducerPlan, SpecError, build_reducers
-from layertap.server.sampling import Clock, Sampler
-from layertap.server.selectors import select_layers
+from layertap.server.host.hooks import POINT_NAMES, HookHandle, ParamGrad
+from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
+from layertap.server.reducers.library import ReducerPlan, SpecError, build_reducers
+from layertap.server.taps.sampling import Clock, Sampler
+from layertap.server.taps.selectors import select_layers
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")

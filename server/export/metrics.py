@@ -39,7 +39,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from .drift import DRIFT_METRICS, DriftScore, DriftThresholds
+from layertap.server.drift.scores import DRIFT_METRICS, DriftScore, DriftThresholds
 
 __all__ = [
     "DEFAULT_MAX_LAYERS",

@@ -2,7 +2,7 @@
 
 Every torch hook layertap installs goes through :class:`HookRegistry`, which
 keeps the live count that ``GetServerStats``/``ListLayers`` report. Callbacks
-only fire while a pass is current (see :mod:`layertap.server.model_host`), so
+only fire while a pass is current (see :mod:`layertap.server.host.model_host`), so
 each firing belongs to exactly one pass.
 """
 

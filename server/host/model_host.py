@@ -19,10 +19,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from layertap.server.dtypes import dtype_name
+from layertap.server.codec import dtype_name
 from layertap.server.errors import InvalidSpec
-from layertap.server.hooks import HookRegistry, ParamGrad
-from layertap.server.model_sources import InputSpec, LoadedModel
+from layertap.server.host.hooks import HookRegistry, ParamGrad
+from layertap.server.host.sources import InputSpec, LoadedModel
 
 
 #: Most seconds between two shape recordings while traffic flows.

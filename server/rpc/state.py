@@ -5,15 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from layertap.server.capture import CaptureLimits, CaptureSlots
+from layertap.server.taps.capture import CaptureLimits, CaptureSlots
 from layertap.server.config import ServerConfig
-from layertap.server.model_host import ModelHost
+from layertap.server.host.model_host import ModelHost
 
 if TYPE_CHECKING:
-    from layertap.server.broker import Broker
-    from layertap.server.drift_monitor import DriftMonitor
-    from layertap.server.metrics import ServerMetrics, SnapshotStore
-    from layertap.server.taps import TapEngine
+    from layertap.server.stream.broker import Broker
+    from layertap.server.drift.monitor import DriftMonitor
+    from layertap.server.export.metrics import ServerMetrics, SnapshotStore
+    from layertap.server.taps.engine import TapEngine
 
 
 @dataclass

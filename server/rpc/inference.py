@@ -7,9 +7,9 @@ import time
 import grpc
 import torch
 
-from layertap.server.dtypes import flatten_outputs, tensor_from_proto, tensor_to_proto, wire_dtype
+from layertap.server.codec import flatten_outputs, tensor_from_proto, tensor_to_proto, wire_dtype
 from layertap.server.errors import InvalidSpec, LimitExceeded, grpc_errors, status_for
-from layertap.server.state import ServerState, StateBacked
+from layertap.server.rpc.state import ServerState, StateBacked
 from layertap.v1 import inference_pb2 as ipb
 from layertap.v1 import inference_pb2_grpc
 from layertap.v1 import tensor_pb2

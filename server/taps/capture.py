@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from layertap.server.dtypes import TORCH_BY_WIRE, dtype_name, wire_dtype
+from layertap.server.codec import TORCH_BY_WIRE, dtype_name, wire_dtype
 from layertap.server.errors import InvalidSpec, LimitExceeded, Unsupported, unknown_layer
-from layertap.server.hooks import HookHandle
-from layertap.server.model_host import ModelHost, PassContext, flatten_tensors
+from layertap.server.host.hooks import HookHandle
+from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
 from layertap.v1 import tensor_pb2
 from layertap.v1 import telemetry_pb2 as pb
 

@@ -1,4 +1,4 @@
-"""Small models for tests, importable as ``fixture_models:<factory>``.
+"""Small models for tests, importable as ``support.models:<factory>``.
 
 Tests put this folder on ``PYTHONPATH`` for subprocess servers, so these are
 real ``package.module:factory`` references.
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from layertap.server.model_sources import LoadedModel
+    from layertap.server.host.sources import LoadedModel
 
 
 class Identity(nn.Module):
@@ -97,13 +97,13 @@ PERTURBABLE_INPUT_SHAPE: tuple[int, ...] = (-1, 16)
 
 
 def perturbable() -> nn.Module:
-    """``fixture_models:perturbable`` for ``layertap serve --input-shape -1,16``."""
+    """``support.models:perturbable`` for ``layertap serve --input-shape -1,16``."""
     return Perturbable()
 
 
 def perturbable_loaded(name: str = "perturbable") -> LoadedModel:
     """A ``LoadedModel`` of a fresh :class:`Perturbable` for in-process servers."""
-    from layertap.server.model_sources import InputSpec, LoadedModel
+    from layertap.server.host.sources import InputSpec, LoadedModel
 
     return LoadedModel(Perturbable(), name, "factory", [InputSpec("input", torch.float32, PERTURBABLE_INPUT_SHAPE)])
 
@@ -128,6 +128,6 @@ class Pooled(nn.Module):
 
 def pooled_loaded(name: str = "pooled") -> LoadedModel:
     """A ``LoadedModel`` of :class:`Pooled`, input ``(-1, 16)``."""
-    from layertap.server.model_sources import InputSpec, LoadedModel
+    from layertap.server.host.sources import InputSpec, LoadedModel
 
     return LoadedModel(Pooled(), name, "factory", [InputSpec("input", torch.float32, PERTURBABLE_INPUT_SHAPE)])

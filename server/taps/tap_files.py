@@ -21,7 +21,7 @@ import yaml
 from google.protobuf import json_format
 
 from layertap.server.errors import InvalidSpec
-from layertap.server.reducers import SpecError, parse_reducer_names
+from layertap.server.reducers.library import SpecError, parse_reducer_names
 from layertap.v1 import telemetry_pb2 as pb
 
 #: Reducers whose ReducerSpec field of the same name holds parameters.

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 JOB = "layertap"
 

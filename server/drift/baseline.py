@@ -25,7 +25,7 @@ own quantiles, which are unknown until the reference is complete. So:
    baseline counts are the reservoir binned on those edges with the reducer's
    convention (bins are ``[e_i, e_{i+1})``, open ends). From then on the tap's
    histogram reducer runs on :attr:`Baseline.edges` and its per-pass counts
-   feed a :class:`~layertap.server.drift.SlidingWindow`.
+   feed a :class:`~layertap.server.drift.scores.SlidingWindow`.
 
 Persistence is one JSON file per (tap, layer, point), never pickle, written
 atomically (temporary file in the same directory, fsync, ``os.replace``, fsync
@@ -50,7 +50,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from .drift import DRIFT_METRICS, DriftThresholds
+from layertap.server.drift.scores import DRIFT_METRICS, DriftThresholds
 
 __all__ = [
     "BASELINE_SCHEMA",

@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:  # baseline.py imports this module at run time.
-    from .baseline import Baseline
+    from layertap.server.drift.baseline import Baseline
 
 __all__ = [
     "DRIFT_METRICS",

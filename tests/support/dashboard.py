@@ -4,7 +4,7 @@ Shared by tests/deploy/test_dashboard.py and the real-Prometheus e2e test.
 Import it by path, since tests/ is not a package::
 
     sys.path.insert(0, str(ROOT / "tests" / "deploy"))
-    from dashboard_util import dashboard_exprs
+    from support.dashboard import dashboard_exprs
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from layertap.server.demo_model import DEMO_INPUT_SHAPE, build_demo_model
-from layertap.server.dtypes import DTYPE_BY_NAME
+from layertap.server.host.demo_model import DEMO_INPUT_SHAPE, build_demo_model
+from layertap.server.codec import DTYPE_BY_NAME
 
 
 class ModelLoadError(Exception):

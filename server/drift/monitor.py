@@ -4,7 +4,7 @@
 While a layer's baseline collects, the tap reports moments, min/max, a dense
 set of quantiles (percentiles of a bounded sample) and per-channel means; the
 percentiles of each pass stand for that pass's distribution in a weighted
-reservoir (:class:`~layertap.server.baseline.BaselineBuilder`). After N passes
+reservoir (:class:`~layertap.server.drift.baseline.BaselineBuilder`). After N passes
 the layer's baseline freezes: histogram edges at its quantiles, saved to
 ``--baseline-dir``, and the tap's reducers for that layer switch to a
 histogram over those frozen edges, so every later pass adds exact counts to
@@ -25,14 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
-from layertap.server.baseline import Baseline, BaselineBuilder, baseline_filename, load_baselines, save_baseline
-from layertap.server.drift import DriftScore, DriftThresholds, SlidingWindow
+from layertap.server.drift.baseline import Baseline, BaselineBuilder, baseline_filename, load_baselines, save_baseline
+from layertap.server.drift.scores import DriftScore, DriftThresholds, SlidingWindow
 from layertap.server.errors import AlreadyExists, InvalidSpec
-from layertap.server.hooks import POINT_BY_NAME, POINT_NAMES
-from layertap.server.metrics import SnapshotStore
-from layertap.server.model_host import PassContext
-from layertap.server.selectors import select_layers
-from layertap.server.taps import Tap, TapEngine
+from layertap.server.host.hooks import POINT_BY_NAME, POINT_NAMES
+from layertap.server.export.metrics import SnapshotStore
+from layertap.server.host.model_host import PassContext
+from layertap.server.taps.selectors import select_layers
+from layertap.server.taps.engine import Tap, TapEngine
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")

@@ -10,10 +10,10 @@ from typing import Any
 
 import grpc
 
-from layertap.server.capture import CaptureSession, CaptureTooLarge, describe, encode_pass, parse_options
+from layertap.server.taps.capture import CaptureSession, CaptureTooLarge, describe, encode_pass, parse_options
 from layertap.server.errors import InvalidSpec, grpc_errors
-from layertap.server.inference_service import decode_inputs
-from layertap.server.state import ServerState, StateBacked
+from layertap.server.rpc.inference import decode_inputs
+from layertap.server.rpc.state import ServerState, StateBacked
 from layertap.v1 import tensor_pb2
 from layertap.v1 import telemetry_pb2 as pb
 from layertap.v1 import telemetry_pb2_grpc

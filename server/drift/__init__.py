@@ -1,0 +1,1 @@
+"""Drift: baselines frozen from summaries, and scores of a live window against them."""

@@ -1,0 +1,1 @@
+"""Export: Prometheus self-metrics, per-layer snapshots, and the /metrics endpoint."""

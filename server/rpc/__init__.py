@@ -1,0 +1,1 @@
+"""RPC: the gRPC services that expose the host, taps, captures and drift."""

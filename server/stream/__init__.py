@@ -1,0 +1,1 @@
+"""Stream: fan each pass's summaries out to subscribers and sinks without ever blocking the model."""

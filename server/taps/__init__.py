@@ -1,0 +1,1 @@
+"""Taps: which layers, which point and which passes are observed; and raw-tensor capture."""

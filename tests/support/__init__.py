@@ -1,0 +1,1 @@
+"""Test support: fixtures models, helpers and the no-sync guard (not shipped)."""
