@@ -23,7 +23,8 @@ ENV PATH=/opt/layertap/bin:$PATH
 RUN pip install --index-url ${TORCH_INDEX} "torch==${TORCH_VERSION}"
 
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml README.md ./
+COPY setup.py ./
 COPY proto ./proto
 COPY client ./client
 COPY server ./server
