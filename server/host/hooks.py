@@ -23,12 +23,10 @@ from layertap.v1 import telemetry_pb2 as pb
 #: the grad tuple, or a :class:`ParamGrad` depending on the point.
 HookCallback = Callable[[Any, Any], None]
 
+#: ``Point`` value -> API name (``POINT_GRAD_OUTPUT`` -> ``"grad_output"``), derived
+#: from the proto enum so a point added to the API needs no second table.
 POINT_NAMES: dict[int, str] = {
-    pb.POINT_OUTPUT: "output",
-    pb.POINT_INPUT: "input",
-    pb.POINT_GRAD_OUTPUT: "grad_output",
-    pb.POINT_GRAD_INPUT: "grad_input",
-    pb.POINT_PARAM_GRAD: "param_grad",
+    value: name.removeprefix("POINT_").lower() for name, value in pb.Point.items() if value != pb.POINT_UNSPECIFIED
 }
 POINT_BY_NAME: dict[str, int] = {v: k for k, v in POINT_NAMES.items()}
 

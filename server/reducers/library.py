@@ -94,7 +94,7 @@ MAX_BINS = 1024
 DEFAULT_HISTOGRAM_BINS = 64
 #: Used when a histogram spec gives neither edges nor a range.
 DEFAULT_HISTOGRAM_RANGE = (-8.0, 8.0)
-DEFAULT_PROBABILITIES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
+from layertap.server.reducers.spec import DEFAULT_PROBABILITIES  # noqa: E402
 MAX_PROBABILITIES = 128
 MAX_CHANNELS = 4096
 DEFAULT_MAX_CHANNELS = MAX_CHANNELS
