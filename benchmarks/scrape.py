@@ -26,15 +26,13 @@ import urllib.request
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 
-from layertap.server.drift.scores import DriftScore, DriftThresholds
-from layertap.server.export.metrics import (
-    ActivationCollector,
-    ServerMetrics,
-    SnapshotStore,
-    render_latest,
-    start_metrics_server,
-    stop_metrics_server,
-)
+from layertap.server.drift.scores import DriftScore
+from layertap.server.drift.thresholds import DriftThresholds
+from layertap.server.export.activations import ActivationCollector
+from layertap.server.export.endpoint import start_metrics_server, stop_metrics_server
+from layertap.server.export.exposition import render_latest
+from layertap.server.export.health import ServerMetrics
+from layertap.server.export.snapshots import SnapshotStore
 from layertap.v1 import telemetry_pb2 as pb
 
 

@@ -16,15 +16,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from layertap.server.stream.broker import Broker
+from layertap.server.stream.sinks import Sinks
+from layertap.server.export.sink import MetricsSink
 from layertap.server.config import ServerConfig
+from layertap.server.version import server_version
 from layertap.server.drift.monitor import DriftMonitor
-from layertap.server.export.metrics import (
-    ActivationCollector,
-    ServerMetrics,
-    SnapshotStore,
-    start_metrics_server,
-    stop_metrics_server,
-)
+from layertap.server.export.activations import ActivationCollector
+from layertap.server.export.endpoint import start_metrics_server, stop_metrics_server
+from layertap.server.export.health import ServerMetrics
+from layertap.server.export.pipeline import PipelineCollector
+from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.errors import LayertapServerError
 from layertap.server.taps.tap_files import load_tap_config
 from layertap.server.taps.engine import TapEngine
@@ -43,15 +44,6 @@ SERVICE_NAMES = (
     inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
     telemetry_pb2.DESCRIPTOR.services_by_name["TelemetryService"].full_name,
 )
-
-
-def server_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("layertap")
-    except PackageNotFoundError:  # running from a source tree
-        return "0+unknown"
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -86,6 +78,9 @@ class LayertapServer:
             return
         self._stopped.set()
         self.health.enter_graceful_shutdown()
+        # End Subscribe streams first: they never finish on their own, so the
+        # grace period would otherwise always run out on them.
+        self.state.broker.close()
         self.grpc_server.stop(self.state.config.grace_seconds if grace is None else grace).wait()
         for close in reversed(self._closers):
             try:
@@ -104,7 +99,11 @@ class LayertapServer:
 
 
 def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> ServerState:
-    """Load the model and build the shared state (no sockets yet)."""
+    """Load the model and assemble the pipeline (no sockets yet).
+
+    The data flow is wired here and only here: host -> tap engine -> host
+    transfer -> broker (subscribers) and the sinks (Prometheus export, drift).
+    """
     if loaded is None:
         loaded = load_model(config.model, seed=config.seed, weights=config.weights,
                             input_shape=config.input_shape, input_dtype=config.input_dtype)
@@ -112,16 +111,27 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
         raise ModelLoadError(f"--dtype {config.dtype!r}: expected float32, float16 or bfloat16")
     host = ModelHost(loaded, device=pick_device(config.device), dtype=DTYPE_BY_NAME[config.dtype])
     host.warm_up()
-    broker = Broker(default_queue_size=config.subscriber_queue, max_subscribers=config.max_subscribers)
-    taps = TapEngine(host, broker, max_taps=config.max_taps)
-    metrics = snapshots = None
+    version = server_version()
+    sinks = Sinks()
+    broker = Broker(default_queue_size=config.subscriber_queue, max_subscribers=config.max_subscribers, sinks=sinks)
+    taps = TapEngine(host, broker, max_taps=config.max_taps, sinks=sinks)
+    registry = metrics = snapshots = None
     if config.metrics_port is not None:
-        metrics, snapshots = _wire_metrics(host, taps, broker, config)
-    drift = DriftMonitor(taps, store=snapshots, baseline_dir=config.baseline_dir,
-                         default_window=config.drift_window,
-                         on_load_error=(lambda _e: metrics.baseline_load_errors.inc()) if metrics else None)
-    state = ServerState(config=config, host=host, version=server_version(), taps=taps, broker=broker,
-                        drift=drift, metrics=metrics, snapshots=snapshots)
+        registry = CollectorRegistry(auto_describe=True)
+        metrics = ServerMetrics(registry, loaded.name, version=version)
+        snapshots = SnapshotStore()
+        registry.register(ActivationCollector(snapshots.snapshot, loaded.name, max_layers=config.max_export_layers))
+        metrics.taps.set_function(lambda: len(taps.all_taps()))
+        metrics.subscribers.set_function(lambda: broker.subscriber_count)
+        sinks.add(MetricsSink(metrics, snapshots, taps.is_durable))
+    drift = sinks.add(DriftMonitor(taps, store=snapshots, baseline_dir=config.baseline_dir,
+                                   default_window=config.drift_window,
+                                   on_load_error=(lambda _why: metrics.baseline_load_errors.inc()) if metrics else None))
+    if registry is not None:
+        registry.register(PipelineCollector(loaded.name, transfer=taps.transfer.stats,
+                                            baseline_skipped=drift.skipped_passes))
+    state = ServerState(config=config, host=host, version=version, taps=taps, broker=broker,
+                        drift=drift, metrics=metrics, snapshots=snapshots, registry=registry)
     drift.load()
     if config.tap_config:
         for i, spec in enumerate(load_tap_config(config.tap_config)):
@@ -130,33 +140,6 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
             except LayertapServerError as exc:
                 raise ModelLoadError(f"--taps {config.tap_config}: {exc}") from None
     return state
-
-
-def _wire_metrics(host: ModelHost, taps: TapEngine, broker: Broker,
-                  config: ServerConfig) -> tuple[ServerMetrics, SnapshotStore]:
-    """Prometheus: health metrics fed where events happen, activations at scrape time."""
-    registry = CollectorRegistry(auto_describe=True)
-    metrics = ServerMetrics(registry, host.loaded.name, version=server_version())
-    store = SnapshotStore()
-    registry.register(ActivationCollector(store.snapshot, host.loaded.name, max_layers=config.max_export_layers))
-    metrics.taps.set_function(lambda: len(taps.all_taps()))
-    metrics.subscribers.set_function(lambda: broker.subscriber_count)
-    taps.hook_observer = metrics.observe_hooks
-    taps.on_error.append(lambda _tap: metrics.reducer_errors.inc())
-    broker.on_publish = lambda dropped: (metrics.stream_messages.inc(), dropped and metrics.stream_dropped.inc(dropped))
-
-    def export(_ctx: object, summaries: list[pb.Summary]) -> None:
-        durable = taps.is_durable()
-        for s in summaries:
-            if durable.get(s.tap):  # only durable taps: keeps the `tap` label bounded
-                store.update_from_summary(s.tap, s)
-
-    taps.sinks.append(export)
-    # Only durable taps are exported, so only they need forgetting.
-    taps.on_removed.append(lambda tap, _reason: tap.durable and store.remove_tap(tap.id))
-    taps.on_created.append(lambda tap: store.add_tap(tap.id))
-    metrics.registry = registry  # type: ignore[attr-defined]
-    return metrics, store
 
 
 def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> LayertapServer:
@@ -200,9 +183,9 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Lay
     cell.set(state)
     running = LayertapServer(server, state, port, health_servicer)
     running._closers.append(state.taps.close)
-    if state.metrics is not None:
+    if state.registry is not None:
         try:
-            mserver, mport = start_metrics_server(state.metrics.registry, config.host, config.metrics_port or 0)  # type: ignore[attr-defined]
+            mserver, mport = start_metrics_server(state.registry, config.host, config.metrics_port or 0)
         except OSError as exc:
             running.stop(0)  # no half-started server left behind
             raise OSError(f"--metrics-port {config.metrics_port}: cannot bind {config.host}: {exc.strerror or exc}") from None

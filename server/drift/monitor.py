@@ -4,7 +4,7 @@
 While a layer's baseline collects, the tap reports moments, min/max, a dense
 set of quantiles (percentiles of a bounded sample) and per-channel means; the
 percentiles of each pass stand for that pass's distribution in a weighted
-reservoir (:class:`~layertap.server.drift.baseline.BaselineBuilder`). After N passes
+reservoir (:class:`~layertap.server.drift.builder.BaselineBuilder`). After N passes
 the layer's baseline freezes: histogram edges at its quantiles, saved to
 ``--baseline-dir``, and the tap's reducers for that layer switch to a
 histogram over those frozen edges, so every later pass adds exact counts to
@@ -25,14 +25,20 @@ from pathlib import Path
 
 import numpy as np
 
-from layertap.server.drift.baseline import Baseline, BaselineBuilder, baseline_filename, load_baselines, save_baseline
-from layertap.server.drift.scores import DriftScore, DriftThresholds, SlidingWindow
+from layertap.server.drift.baseline import Baseline
+from layertap.server.drift.builder import BaselineBuilder
+from layertap.server.drift.files import baseline_filename, load_baselines, save_baseline
+from layertap.server.drift.scores import DriftScore
+from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
+from layertap.server.drift.window import SlidingWindow
 from layertap.server.errors import AlreadyExists, InvalidSpec
 from layertap.server.host.hooks import POINT_BY_NAME, POINT_NAMES
-from layertap.server.export.metrics import SnapshotStore
+from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.host.model_host import PassContext
 from layertap.server.taps.selectors import select_layers
-from layertap.server.taps.engine import Tap, TapEngine
+from layertap.server.stream.sinks import Sink
+from layertap.server.taps.engine import TapEngine
+from layertap.server.taps.tap import Tap
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")
@@ -75,7 +81,7 @@ def _results(summary: pb.Summary) -> dict[str, pb.ReducerResult]:
     return {r.WhichOneof("value"): r for r in summary.results}
 
 
-class DriftMonitor:
+class DriftMonitor(Sink):
     """Owns baseline taps, their builders and windows; a sink of the tap engine."""
 
     def __init__(self, engine: TapEngine, *, store: SnapshotStore | None = None,
@@ -90,8 +96,9 @@ class DriftMonitor:
         self._layers: dict[tuple[str, str], _Layer] = {}
         #: Taps this monitor created (the only ones SetBaseline may replace).
         self._own: set[str] = set()
-        engine.sinks.append(self._sink)
-        engine.on_removed.append(self._tap_removed)
+        #: Passes refused by any builder, ever: kept here because builders go
+        #: away when they freeze or their tap is deleted.
+        self._skipped = 0
 
     # -- requests ------------------------------------------------------------
     def set_baseline(self, req: pb.SetBaselineRequest) -> tuple[str, list[str]]:
@@ -104,7 +111,7 @@ class DriftMonitor:
         window = req.window or self.default_window
         if window > MAX_PASSES:
             raise InvalidSpec("window", f"at most {MAX_PASSES}, got {window}")
-        for name in ("psi", "js", "wasserstein", "mean_shift"):
+        for name in DRIFT_METRICS:
             v = getattr(req.thresholds, name)
             if v < 0 or not math.isfinite(v):
                 raise InvalidSpec(f"thresholds.{name}", f"must be a finite value >= 0 (0 = default), got {v}")
@@ -148,26 +155,32 @@ class DriftMonitor:
             entries = [e for e in entries if e.layer in keep]
         out = []
         for e in entries:
-            t = e.thresholds
             msg = pb.LayerDrift(
                 tap=e.tap, layer=e.layer, point=POINT_BY_NAME[e.point],
                 state=pb.BASELINE_STATE_READY if e.baseline is not None else pb.BASELINE_STATE_COLLECTING,
                 baseline_passes=e.baseline.passes if e.baseline else (e.builder.passes if e.builder else 0),
-                thresholds=pb.DriftThresholds(psi=t.psi, js=t.js, wasserstein=t.wasserstein, mean_shift=t.mean_shift),
+                thresholds=pb.DriftThresholds(**e.thresholds.as_dict()),
                 channel_drift_fraction=-1.0,
             )
-            if e.score is None:
-                # Collecting, or an empty window: no score yet (NaN, never 0.0).
-                msg.psi = msg.js = msg.wasserstein = msg.mean_shift = math.nan
-            else:
-                s = e.score
+            s = e.score
+            # Collecting, or an empty window: no score yet (NaN, never 0.0).
+            for metric, value in (dict.fromkeys(DRIFT_METRICS, math.nan) if s is None else s.as_dict()).items():
+                setattr(msg, metric, value)
+            if s is not None:
                 msg.window_passes = s.window_passes
-                msg.psi, msg.js, msg.wasserstein, msg.mean_shift = s.psi, s.js, s.wasserstein, s.mean_shift
                 msg.drifted = s.drifted
                 if s.channel_drift_fraction is not None:
                     msg.channel_drift_fraction = s.channel_drift_fraction
             out.append(msg)
         return out
+
+    def skipped_passes(self) -> int:
+        """Passes refused while collecting baselines, over every builder this monitor ran.
+
+        Monotonic (a Prometheus counter): a steady rise means the tapped
+        tensors carry no finite data and the baselines will not freeze.
+        """
+        return self._skipped
 
     # -- start-up ------------------------------------------------------------
     def load(self) -> int:
@@ -212,7 +225,7 @@ class DriftMonitor:
         return loaded
 
     # -- collector thread ----------------------------------------------------
-    def _sink(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
+    def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
         for s in summaries:
             if s.output_index != 0 or s.call_index != 0 or s.unsampled:
                 continue
@@ -237,12 +250,16 @@ class DriftMonitor:
         builder = entry.builder
         assert builder is not None
         values = np.asarray(q.values, dtype=np.float64)
+        before = builder.skipped_passes
         if m.count == 0 or not np.isfinite(values).all():
-            return
-        builder.feed(values, m.count, m.mean, m.std, mm.min if mm else math.nan, mm.max if mm else math.nan,
-                     population=m.count,
-                     channel_mean=np.asarray(pc.mean) if pc and pc.channels == len(pc.mean) else None,
-                     channel_std=np.asarray(pc.std) if pc and pc.channels == len(pc.std) else None)
+            builder.skip()
+        else:
+            builder.feed(values, m.count, m.mean, m.std, mm.min if mm else math.nan, mm.max if mm else math.nan,
+                         population=m.count,
+                         channel_mean=np.asarray(pc.mean) if pc and pc.channels == len(pc.mean) else None,
+                         channel_std=np.asarray(pc.std) if pc and pc.channels == len(pc.std) else None)
+        # Only this (collector) thread writes the total; readers see an int.
+        self._skipped += builder.skipped_passes - before
         if builder.done:
             baseline = builder.freeze(window=entry.window_len, thresholds=entry.thresholds)
             if self.baseline_dir:
@@ -282,7 +299,7 @@ class DriftMonitor:
         if self.store is not None:
             self.store.set_drift(entry.tap, entry.layer, entry.point, entry.score, entry.thresholds)
 
-    def _tap_removed(self, tap: Tap, reason: str) -> None:
+    def on_tap_removed(self, tap: Tap, reason: str) -> None:
         if tap.kind != pb.TAP_KIND_DURABLE:
             return
         with self._lock:

@@ -1,1 +1,1 @@
-"""Export: Prometheus self-metrics, per-layer snapshots, and the /metrics endpoint."""
+"""Export: Prometheus health and pipeline self-metrics, per-layer snapshots, and the /metrics endpoint."""

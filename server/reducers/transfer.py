@@ -4,12 +4,13 @@ During a forward pass each tap adds its reducer slots (1-D float64 device
 tensors) to a :class:`PassBuffer`. At the end of the pass :meth:`PassBuffer.finish`
 concatenates them into one device buffer per device and, on CUDA, starts ONE
 non-blocking copy into pinned host memory and records an event: the model
-thread never waits. A :class:`Collector` thread waits for the event and hands
-the host values to a callback (decode, broker, metrics) off the model thread.
+thread never waits. A :class:`HostTransfer` thread waits for the event and
+hands the host values to a callback (decode, broker, metrics) off the model
+thread; :meth:`HostTransfer.stats` reports its counts for self-metrics.
 
     buf = PassBuffer()
     buf.add(("tap1", "layer1"), plan.run(x))
-    collector.submit(buf.finish(), on_values)   # on_values({key: np.ndarray})
+    transfer.submit(buf.finish(), on_values)   # on_values({key: np.ndarray})
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["Collector", "PassBuffer", "PendingPass", "PinnedPool", "ValuesCallback"]
+__all__ = ["HostTransfer", "PassBuffer", "PendingPass", "PinnedPool", "TransferStats", "ValuesCallback"]
 
 _log = logging.getLogger(__name__)
 
@@ -228,7 +229,21 @@ class _Job:
     on_drop: Callable[[], None] | None = None
 
 
-class Collector:
+@dataclass(frozen=True)
+class TransferStats:
+    """Cumulative counts of a :class:`HostTransfer`, read at one instant."""
+
+    #: Passes whose callback ran without raising.
+    processed: int
+    #: Passes pushed out of the full queue before the thread took them.
+    dropped: int
+    #: Passes whose callback raised.
+    errors: int
+    #: Host buffers the pinned pool has allocated (reuses are not counted).
+    pinned_allocations: int
+
+
+class HostTransfer:
     """A daemon thread that turns pending passes into callbacks, in order.
 
     The queue is bounded and never blocks the model thread: when full, the
@@ -238,12 +253,16 @@ class Collector:
     Args:
         maxsize: Pending passes held at most.
         name: Thread name.
+        pool: The pool the submitted passes' buffers come from, for
+            :meth:`stats`; defaults to the one :class:`PassBuffer` shares.
     """
 
-    def __init__(self, maxsize: int = 256, name: str = "layertap-collector") -> None:
+    def __init__(self, maxsize: int = 256, name: str = "layertap-collector",
+                 pool: PinnedPool | None = None) -> None:
         if maxsize < 1:
             raise ValueError("maxsize must be at least 1")
         self.maxsize = maxsize
+        self._pool = pool
         self._queue: collections.deque[_Job] = collections.deque()
         self._cond = threading.Condition()
         self._submitted = 0
@@ -256,7 +275,7 @@ class Collector:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def __enter__(self) -> Collector:
+    def __enter__(self) -> HostTransfer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -266,6 +285,12 @@ class Collector:
     def closed(self) -> bool:
         return self._closed
 
+    def stats(self) -> TransferStats:
+        """The counts so far, consistent with each other; never blocks on a callback."""
+        pool = self._pool if self._pool is not None else _default_pool()
+        with self._cond:
+            return TransferStats(self.processed, self.dropped, self.errors, pool.allocations)
+
     def pending(self) -> int:
         """Passes queued and not yet taken by the thread."""
         with self._cond:
@@ -273,7 +298,7 @@ class Collector:
 
     def submit(self, pending: PendingPass, callback: ValuesCallback,
                on_drop: Callable[[], None] | None = None) -> bool:
-        """Queues a pass; ``callback`` later gets its values by key on the collector thread.
+        """Queues a pass; ``callback`` later gets its values by key on the transfer thread.
 
         ``on_drop`` is called (on the submitting thread) if this pass is later
         pushed out of a full queue before the thread takes it.

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
-from layertap.server.taps.capture import CaptureLimits, CaptureSlots
+from prometheus_client import CollectorRegistry
+
 from layertap.server.config import ServerConfig
+from layertap.server.drift.monitor import DriftMonitor
+from layertap.server.export.health import ServerMetrics
+from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.host.model_host import ModelHost
-
-if TYPE_CHECKING:
-    from layertap.server.stream.broker import Broker
-    from layertap.server.drift.monitor import DriftMonitor
-    from layertap.server.export.metrics import ServerMetrics, SnapshotStore
-    from layertap.server.taps.engine import TapEngine
+from layertap.server.stream.broker import Broker
+from layertap.server.taps.capture import CaptureLimits, CaptureSlots
+from layertap.server.taps.engine import TapEngine
+from layertap.v1 import telemetry_pb2 as pb
 
 
 @dataclass
@@ -26,6 +27,8 @@ class ServerState:
     drift: DriftMonitor
     metrics: ServerMetrics | None = None
     snapshots: SnapshotStore | None = None
+    #: What ``/metrics`` serves; None when metrics are off.
+    registry: CollectorRegistry | None = None
     captures: CaptureSlots = field(init=False)
     capture_limits: CaptureLimits = field(init=False)
 
@@ -42,10 +45,8 @@ class ServerState:
         if self.metrics is not None:
             self.metrics.record_capture(code, nbytes)
 
-    def stats(self) -> Any:
+    def stats(self) -> pb.GetServerStatsResponse:
         """The GetServerStats response."""
-        from layertap.v1 import telemetry_pb2 as pb
-
         return pb.GetServerStatsResponse(
             active_hooks=self.host.hooks.active,
             passes=self.host.passes,

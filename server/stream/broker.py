@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from layertap.server.stream.sinks import Sinks
 from layertap.v1 import telemetry_pb2 as pb
 
 
@@ -70,14 +71,14 @@ class Subscription:
 class Broker:
     """Routes per-pass summaries to every interested subscription."""
 
-    def __init__(self, default_queue_size: int = 256, max_subscribers: int = 32) -> None:
+    def __init__(self, default_queue_size: int = 256, max_subscribers: int = 32, sinks: Sinks | None = None) -> None:
         self.default_queue_size = default_queue_size
         self.max_subscribers = max_subscribers
         self._lock = threading.Lock()
         self._subs: list[Subscription] = []
         self.dropped_total = 0
-        #: Called after each message is queued, with how many it pushed out (0 or 1).
-        self.on_publish: Callable[[int], object] | None = None
+        #: Told of each message queued, with how many it pushed out (0 or 1).
+        self.sinks: Sinks = sinks if sinks is not None else Sinks()
 
     @property
     def subscriber_count(self) -> int:
@@ -120,8 +121,7 @@ class Broker:
             dropped = sub.put(Batch(mine, evs))
             with self._lock:
                 self.dropped_total += dropped
-            if self.on_publish is not None:
-                self.on_publish(dropped)
+            self.sinks.on_delivery(dropped)
 
     def tap_gone(self, tap_id: str) -> None:
         """A tap was deleted or expired: end the streams that followed only taps now gone.

@@ -2,7 +2,7 @@
 
 The hot path (a hook) only launches reducer kernels and appends their result
 vector to the pass buffer: no host sync. When the pass ends the buffer goes
-to the collector thread in one device-to-host copy, and the collector turns
+to the host-transfer thread in one device-to-host copy, which turns
 it into ``Summary`` messages for the broker and the sinks (metrics, drift).
 """
 
@@ -13,19 +13,20 @@ import random
 import secrets
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from google.protobuf import timestamp_pb2
 
 from layertap.server.stream.broker import Broker
-from layertap.server.reducers.transfer import Collector, PassBuffer
+from layertap.server.stream.sinks import Sinks
+from layertap.server.taps.tap import Tap, timestamp
+from layertap.server.reducers.transfer import HostTransfer, PassBuffer
 from layertap.server.errors import AlreadyExists, InvalidSpec, LimitExceeded, NotFound, Unsupported
-from layertap.server.host.hooks import POINT_NAMES, HookHandle, ParamGrad
+from layertap.server.host.hooks import POINT_NAMES, ParamGrad
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
-from layertap.server.reducers.library import ReducerPlan, SpecError, build_reducers
+from layertap.server.reducers.plan import ReducerPlan, build_reducers
+from layertap.server.reducers.spec import SpecError
 from layertap.server.taps.sampling import Clock, Sampler
 from layertap.server.taps.selectors import select_layers
 from layertap.v1 import telemetry_pb2 as pb
@@ -33,57 +34,6 @@ from layertap.v1 import telemetry_pb2 as pb
 log = logging.getLogger("layertap.server")
 
 DEFAULT_TTL_SECONDS = 600.0
-#: Sinks see every summary batch of a pass, on the collector thread.
-Sink = Callable[[PassContext, list[pb.Summary]], None]
-
-
-def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
-    ts = timestamp_pb2.Timestamp()
-    ts.FromNanoseconds(int(seconds * 1e9))
-    return ts
-
-
-@dataclass
-class Tap:
-    """A registered tap and its counters."""
-
-    id: str
-    spec: pb.TapSpec
-    kind: int
-    layers: list[str]
-    plan: ReducerPlan
-    always: ReducerPlan | None
-    sampler: Sampler
-    created_wall: float
-    expires_at: float | None = None  # engine clock
-    expires_wall: float | None = None
-    hits: int = 0
-    drops: int = 0
-    errors: int = 0
-    last_error: str = ""
-    disabled: bool = False
-    handles: list[HookHandle] = field(default_factory=list)
-    #: Calls of each layer (point) seen in the current pass.
-    calls: dict[str, int] = field(default_factory=dict)
-    #: Per-layer reducer plans that override ``plan`` (drift baselines freeze
-    #: histogram edges per layer).
-    layer_plans: dict[str, ReducerPlan] = field(default_factory=dict)
-    _pass: int = -1
-    _sampled: bool = False
-
-    @property
-    def durable(self) -> bool:
-        return self.kind == pb.TAP_KIND_DURABLE
-
-    def info(self) -> pb.TapInfo:
-        msg = pb.TapInfo(
-            id=self.id, spec=self.spec, kind=self.kind, layers=self.layers, hits=self.hits,
-            drops=self.drops, errors=self.errors, last_error=self.last_error, disabled=self.disabled,
-            created_at=_timestamp(self.created_wall),
-        )
-        if self.expires_wall is not None:
-            msg.expires_at.CopyFrom(_timestamp(self.expires_wall))
-        return msg
 
 
 @dataclass
@@ -102,7 +52,7 @@ class TapEngine:
 
     def __init__(self, host: ModelHost, broker: Broker, *, clock: Clock = time.monotonic,
                  wall: Clock = time.time, max_taps: int = 64, rng: random.Random | None = None,
-                 collector_queue: int = 64) -> None:
+                 transfer_queue: int = 64, sinks: Sinks | None = None) -> None:
         self.host = host
         self.broker = broker
         self.clock = clock
@@ -115,15 +65,9 @@ class TapEngine:
         self._pieces: list[_Piece] = []
         self._hook_seconds = 0.0
         self.reducer_errors = 0
-        self.sinks: list[Sink] = []
-        #: Called with each tap that is deleted, expires or ends, and the reason.
-        self.on_removed: list[Callable[[Tap, str], None]] = []
-        #: Called with each new tap.
-        self.on_created: list[Callable[[Tap], None]] = []
-        #: Called (on the model thread) with each tap a reducer error disables.
-        self.on_error: list[Callable[[Tap], None]] = []
-        self.hook_observer: Callable[[float], None] | None = None
-        self.collector = Collector(maxsize=collector_queue)
+        #: Downstream consumers; the app assembles them (see stream.sinks).
+        self.sinks: Sinks = sinks if sinks is not None else Sinks()
+        self.transfer = HostTransfer(maxsize=transfer_queue)
         host.add_observer(self)
 
     # -- registry ------------------------------------------------------------
@@ -172,8 +116,7 @@ class TapEngine:
                 tap.handles.append(self.host.hooks.add(
                     layer, point, lambda ctx, v, _t=tap, _l=layer: self._on_hook(_t, _l, ctx, v)))
             self._taps[tap_id] = tap
-        for callback in list(self.on_created):
-            callback(tap)
+        self.sinks.on_tap_created(tap)
         log.info("tap %s created: kind=%s layers=%d point=%s", tap_id, pb.TapKind.Name(kind), len(layers), POINT_NAMES[point])
         return tap
 
@@ -183,8 +126,7 @@ class TapEngine:
         if tap is None:
             raise NotFound(f"no tap {tap_id!r}; list taps with ListTaps / client.taps()")
         self._unhook(tap)
-        for callback in list(self.on_removed):
-            callback(tap, reason)
+        self.sinks.on_tap_removed(tap, reason)
         self._announce(tap, reason, f"tap {reason}")
         self.broker.tap_gone(tap_id)
         log.info("tap %s %s", tap_id, reason)
@@ -269,20 +211,19 @@ class TapEngine:
         tap.disabled = True
         tap.last_error = f"{layer}: {type(exc).__name__}: {exc}"
         self.reducer_errors += 1
-        for callback in list(self.on_error):
-            callback(tap)
+        self.sinks.on_tap_error(tap)
         # Its pieces already in this pass are partial; _publish skips disabled taps.
         self._unhook(tap)
         self._announce(tap, "disabled", tap.last_error)
         log.warning("tap %s disabled after a reducer error: %s", tap.id, tap.last_error)
 
     def pass_finished(self, ctx: PassContext) -> None:
-        """Ship the pass's results to the collector (one D2H copy)."""
+        """Ship the pass's results to the host-transfer thread (one D2H copy)."""
         buffer, pieces = self._buffer, self._pieces
         self._buffer, self._pieces = None, []
         hook_seconds, self._hook_seconds = self._hook_seconds, 0.0
-        if hook_seconds and self.hook_observer is not None:
-            self.hook_observer(hook_seconds)
+        if hook_seconds:
+            self.sinks.on_hook_time(hook_seconds)
         if buffer is None or not pieces or ctx.failed:
             return  # a pass whose forward raised publishes nothing
         taps = list({id(p.tap): p.tap for p in pieces}.values())
@@ -291,11 +232,11 @@ class TapEngine:
             for tap in taps:
                 tap.drops += 1
 
-        self.collector.submit(buffer.finish(), lambda values: self._publish(ctx, pieces, values), dropped)
+        self.transfer.submit(buffer.finish(), lambda values: self._publish(ctx, pieces, values), dropped)
 
-    # -- collector thread ----------------------------------------------------
+    # -- host-transfer thread ----------------------------------------------------
     def _publish(self, ctx: PassContext, pieces: list[_Piece], values: dict[int, np.ndarray]) -> None:
-        wall = _timestamp(ctx.wall_time)
+        wall = timestamp(ctx.wall_time)
         summaries = []
         seen: set[str] = set()
         for i, p in enumerate(pieces):
@@ -314,18 +255,14 @@ class TapEngine:
                 seen.add(p.tap.id)
                 p.tap.hits += 1
         self.broker.publish(summaries, self.is_durable())
-        for sink in list(self.sinks):
-            try:
-                sink(ctx, summaries)
-            except Exception:  # noqa: BLE001 - a sink must not stop the stream
-                log.exception("summary sink failed")
+        self.sinks.on_summaries(ctx, summaries)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every finished pass has been published."""
-        return self.collector.flush(timeout)
+        return self.transfer.flush(timeout)
 
     def close(self) -> None:
         self.host.remove_observer(self)
         for tap in self.all_taps():
             self._unhook(tap)
-        self.collector.close()
+        self.transfer.close()

@@ -21,11 +21,9 @@ import yaml
 from google.protobuf import json_format
 
 from layertap.server.errors import InvalidSpec
-from layertap.server.reducers.library import SpecError, parse_reducer_names
+from layertap.server.host.hooks import POINT_BY_NAME
+from layertap.server.reducers.spec import PARAM_OF_KIND, SpecError, parse_reducer_names
 from layertap.v1 import telemetry_pb2 as pb
-
-#: Reducers whose ReducerSpec field of the same name holds parameters.
-_PARAM_FIELDS = ("histogram", "quantiles", "per_channel")
 
 
 def reducer_spec(entry: Any, field: str) -> pb.ReducerSpec:
@@ -46,8 +44,8 @@ def reducer_spec(entry: Any, field: str) -> pb.ReducerSpec:
         raise InvalidSpec(field, f"expected one reducer name, got {name!r}")
     (spec,) = specs
     if params:
-        sub = str(name).strip().lower()
-        if sub not in _PARAM_FIELDS:
+        sub = PARAM_OF_KIND.get(spec.kind)
+        if sub is None:
             raise InvalidSpec(field, f"reducer {name!r} takes no parameters")
         try:
             json_format.ParseDict(params, getattr(spec, sub))
@@ -71,7 +69,7 @@ def tap_spec_from_dict(entry: dict[str, Any], field: str) -> pb.TapSpec:
     if point is not None:
         name = f"POINT_{str(point).upper()}"
         if name not in pb.Point.keys():
-            raise InvalidSpec(f"{field}.point", f"unknown point {point!r}; valid: output, input, grad_output, grad_input, param_grad")
+            raise InvalidSpec(f"{field}.point", f"unknown point {point!r}; valid: {', '.join(POINT_BY_NAME)}")
         spec.point = pb.Point.Value(name)
     if not isinstance(reducers, list):
         raise InvalidSpec(f"{field}.reducers", "expected a list")

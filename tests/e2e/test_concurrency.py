@@ -16,14 +16,20 @@ from support.e2e import wait_for
 
 
 class Moody(torch.nn.Module):
-    """Batch 3 takes 1.5 s; batch 5 raises; anything else is quick."""
+    """Batch 3 takes 1.5 s; batch 5 raises; anything else is quick.
+
+    ``slow_started`` is set once a slow pass is inside the forward, i.e. holds
+    the model lock, so tests act mid-pass for certain rather than after a guess.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(4, 4)
+        self.slow_started = threading.Event()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 3:
+            self.slow_started.set()
             time.sleep(1.5)
         if x.shape[0] == 5:
             raise ValueError("batch of 5 refused")
@@ -44,12 +50,12 @@ def x(n: int) -> np.ndarray:
 
 
 def test_create_tap_during_a_slow_pass_does_not_deadlock(moody):
-    srv, client, _ = moody
+    srv, client, model = moody
     tap = client.create_tap("lin", reducers=["moments"], ttl=60)
     client.delete_tap(tap.id)  # leaves an event to announce
     slow = threading.Thread(target=client.infer, args=(x(3),))
     slow.start()
-    time.sleep(0.3)  # the slow pass holds the model lock now
+    assert model.slow_started.wait(10)  # the slow pass holds the model lock now
     start = time.monotonic()
     created = client.create_tap("lin", reducers=["moments"], ttl=60, timeout=10)
     slow.join(10)
@@ -60,7 +66,7 @@ def test_create_tap_during_a_slow_pass_does_not_deadlock(moody):
 
 
 def test_cancelling_a_capture_mid_pass_does_not_stall_other_rpcs(moody):
-    srv, client, _ = moody
+    srv, client, model = moody
     from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
     import grpc
 
@@ -70,7 +76,7 @@ def test_cancelling_a_capture_mid_pass_does_not_stall_other_rpcs(moody):
     assert wait_for(lambda: client.stats().active_hooks == 1)
     slow = threading.Thread(target=client.infer, args=(x(3),))
     slow.start()
-    time.sleep(0.3)  # mid-pass
+    assert model.slow_started.wait(10)  # mid-pass, with the capture's hook installed
     call.cancel()
     t0 = time.monotonic()
     client.stats(timeout=5)

@@ -9,18 +9,18 @@ from __future__ import annotations
 import json
 import logging
 import math
-import urllib.request
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import layertap
+from support.e2e import scrape
 from support.models import Perturbable, perturbable_loaded, pooled_loaded
 from layertap import InvalidArgument, LayerDrift, LayerNotFound
-from layertap.server.drift.baseline import BaselineBuilder, save_baseline
+from layertap.server.drift.builder import BaselineBuilder
+from layertap.server.drift.files import save_baseline
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 LAYERS = ["layer1", "layer2", "layer3", "layer4"]
@@ -49,13 +49,6 @@ def assert_under_thresholds(d: LayerDrift) -> None:
         score, limit = getattr(d, m), getattr(d.thresholds, m)
         assert math.isfinite(score) and score < limit, f"{d.layer} {m} = {score} >= {limit}"
     assert not d.drifted
-
-
-def scrape(port: int) -> dict[str, float]:
-    """``/metrics`` over HTTP, parsed with prometheus-client's parser: ``{sample name: value}``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 # ------------------------------------------------------------------ (a) live drift

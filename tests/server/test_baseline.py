@@ -10,9 +10,11 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from layertap.server.drift import baseline as bl
-from layertap.server.drift.baseline import Baseline, BaselineBuilder, load_baselines, save_baseline
-from layertap.server.drift.scores import DriftThresholds
+from layertap.server.drift import builder, schema
+from layertap.server.drift.baseline import Baseline
+from layertap.server.drift.builder import BaselineBuilder
+from layertap.server.drift.files import load_baselines, save_baseline
+from layertap.server.drift.thresholds import DriftThresholds
 
 
 def feed_all(b: BaselineBuilder, chunks: list[np.ndarray]) -> None:
@@ -85,7 +87,7 @@ def test_frozen_baselines_merge(chunks: list[np.ndarray]) -> None:
     feed_all(a, chunks[:20])
     feed_all(b, chunks[20:])
     fa = a.freeze()
-    fb = Baseline(**{**fa.__dict__, "counts": bl._bin(b.reservoir, fa.edges), "count": b.count, "mean": b.mean,
+    fb = Baseline(**{**fa.__dict__, "counts": builder._bin(b.reservoir, fa.edges), "count": b.count, "mean": b.mean,
                      "m2": b.m2, "min": b.min, "max": b.max, "passes": b.passes})
     m = fa.merge(fb)
     allx = np.concatenate(chunks)
@@ -141,7 +143,7 @@ def test_failed_write_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.Mon
 def test_bad_files_are_refused_with_a_message(tmp_path: Path) -> None:
     good = make_baseline("layer1")
     save_baseline(tmp_path, good)
-    doc = bl.baseline_to_dict(make_baseline("layer2", tap="tap-2"))
+    doc = schema.baseline_to_dict(make_baseline("layer2", tap="tap-2"))
 
     def write(name: str, content: object) -> None:
         (tmp_path / name).write_text(content if isinstance(content, str) else json.dumps(content))
@@ -171,3 +173,21 @@ def test_bad_files_are_refused_with_a_message(tmp_path: Path) -> None:
 
 def test_missing_dir_loads_nothing(tmp_path: Path) -> None:
     assert load_baselines(tmp_path / "absent") == ([], [])
+
+
+def test_refused_passes_are_counted_never_learned(chunks: list[np.ndarray]) -> None:
+    nan, inf = float("nan"), float("inf")
+    x = chunks[0]
+    b = BaselineBuilder("t", "l", passes=2, seed=0)
+    b.feed(x, 0, nan, nan, nan, nan)  # no finite element in the pass
+    b.feed(x, x.size, float(x.mean()), inf, float(x.min()), float(x.max()))  # the square overflowed
+    b.skip()  # refused by the caller before feeding
+    assert (b.skipped_passes, b.passes, b.count, b.reservoir.size) == (3, 0, 0, 0)
+    assert not b.done and b.min == inf and b.max == -inf
+    with pytest.raises(ValueError, match="no data"):
+        b.freeze()
+    other = BaselineBuilder("t", "l", seed=1)
+    other.feed(x, x.size, nan, float(x.std()), float(x.min()), float(x.max()))
+    feed_all(other, chunks[:2])
+    b.merge(other)
+    assert (b.skipped_passes, b.passes) == (4, 2) and b.done

@@ -1,7 +1,8 @@
-"""PassBuffer / PendingPass / Collector / PinnedPool on CPU."""
+"""PassBuffer / PendingPass / HostTransfer / PinnedPool on CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Hashable
 
@@ -9,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from layertap.server.reducers import library as R
-from layertap.server.reducers.transfer import Collector, PassBuffer, PendingPass, PinnedPool
+from layertap.server.reducers.plan import ReducerPlan, build_reducers
+from layertap.server.reducers.spec import parse_reducer_names
+from layertap.server.reducers.transfer import HostTransfer, PassBuffer, PendingPass, PinnedPool, TransferStats
 
 F64 = torch.float64
 
@@ -24,7 +26,7 @@ def pending_of(**pieces: list[float]) -> PendingPass:
 
 @pytest.fixture
 def collector():
-    c = Collector(maxsize=4)
+    c = HostTransfer(maxsize=4)
     yield c
     c.close()
 
@@ -97,7 +99,7 @@ def test_discarded_pass_cannot_be_read() -> None:
 
 
 def test_reducer_outputs_round_trip() -> None:
-    plan = R.ReducerPlan(R.build_reducers(R.parse_reducer_names("moments,histogram,quantiles,per_channel")))
+    plan = ReducerPlan(build_reducers(parse_reducer_names("moments,histogram,quantiles,per_channel")))
     xs = [torch.randn(2, 4, 5, 5), torch.randn(3, 7)]
     # The shift sample is random, so compare against the very outputs that went in.
     outs = [plan.run(x) for x in xs]
@@ -109,10 +111,10 @@ def test_reducer_outputs_round_trip() -> None:
         assert plan.decode(values[i], x.shape) == plan.decode(outs[i].numpy(), x.shape)
 
 
-# --------------------------------------------------------------- Collector
+# --------------------------------------------------------------- HostTransfer
 
 
-def test_callbacks_get_values_in_order(collector: Collector) -> None:
+def test_callbacks_get_values_in_order(collector: HostTransfer) -> None:
     seen: list[tuple[int, float]] = []
     threads: set[str] = set()
 
@@ -133,7 +135,7 @@ def test_callbacks_get_values_in_order(collector: Collector) -> None:
     assert threads == {"layertap-collector"}  # never on the submitting thread
 
 
-def test_flush_waits_and_times_out(collector: Collector) -> None:
+def test_flush_waits_and_times_out(collector: HostTransfer) -> None:
     gate = Gate()
     collector.submit(pending_of(v=[1.0]), gate)
     assert gate.started.wait(5)
@@ -143,7 +145,7 @@ def test_flush_waits_and_times_out(collector: Collector) -> None:
     assert len(gate.seen) == 1 and collector.processed == 1
 
 
-def test_callback_errors_are_counted_not_raised(collector: Collector, caplog) -> None:
+def test_callback_errors_are_counted_not_raised(collector: HostTransfer, caplog) -> None:
     def boom(values: dict[Hashable, np.ndarray]) -> None:
         raise KeyError("no such tap")
 
@@ -156,7 +158,7 @@ def test_callback_errors_are_counted_not_raised(collector: Collector, caplog) ->
     assert "collector callback failed" in caplog.text
 
 
-def test_full_queue_drops_the_oldest(collector: Collector) -> None:
+def test_full_queue_drops_the_oldest(collector: HostTransfer) -> None:
     gate = Gate()
     got: list[float] = []
     collector.submit(pending_of(v=[-1.0]), gate)
@@ -175,7 +177,7 @@ def test_full_queue_drops_the_oldest(collector: Collector) -> None:
 
 def test_flush_is_not_fooled_by_later_drops() -> None:
     # A job still running must keep flush waiting even if newer jobs get dropped.
-    c = Collector(maxsize=1)
+    c = HostTransfer(maxsize=1)
     try:
         gate = Gate()
         c.submit(pending_of(v=[0.0]), gate)
@@ -195,7 +197,7 @@ def test_flush_is_not_fooled_by_later_drops() -> None:
 
 
 def test_close_drains_then_rejects() -> None:
-    c = Collector(maxsize=100)
+    c = HostTransfer(maxsize=100)
     got: list[float] = []
     for i in range(20):
         c.submit(pending_of(v=[float(i)]), lambda values: got.append(float(values["v"][0])))
@@ -207,14 +209,44 @@ def test_close_drains_then_rejects() -> None:
 
 
 def test_context_manager_closes() -> None:
-    with Collector() as c:
+    with HostTransfer() as c:
         c.submit(pending_of(v=[1.0]), lambda values: None)
     assert c.closed and c.processed == 1
 
 
 def test_maxsize_must_be_positive() -> None:
     with pytest.raises(ValueError):
-        Collector(maxsize=0)
+        HostTransfer(maxsize=0)
+
+
+def test_stats_counts_processed_dropped_errors_and_allocations() -> None:
+    pool = PinnedPool(pin=False)
+    transfer = HostTransfer(maxsize=2, pool=pool)
+    try:
+        assert transfer.stats() == TransferStats(processed=0, dropped=0, errors=0, pinned_allocations=0)
+        for i in range(3):
+            transfer.submit(pending_of(v=[float(i)]), lambda values: None)
+            assert transfer.flush(5)  # one at a time: nothing is dropped
+        assert transfer.stats().processed == 3 and transfer.stats().dropped == 0
+
+        gate = Gate()
+        transfer.submit(pending_of(v=[-1.0]), gate)
+        assert gate.started.wait(5)  # the thread is held, the queue is empty
+        for i in range(5):  # maxsize 2: the first three are pushed out
+            transfer.submit(pending_of(v=[float(i)]), lambda values: None)
+        transfer.submit(pending_of(v=[9.0]), lambda values: 1 / 0)  # pushes out one more
+        assert transfer.stats().dropped == 4
+        gate.opened.set()
+        assert transfer.flush(5)
+        pool.acquire(3)  # a host buffer for a device copy
+        stats = transfer.stats()
+        # 3 earlier, then the held job and the one survivor of the queue; the last one raised.
+        assert stats == TransferStats(processed=5, dropped=4, errors=1, pinned_allocations=1)
+        assert (stats.processed, stats.dropped, stats.errors) == (transfer.processed, transfer.dropped, transfer.errors)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            stats.processed = 0  # type: ignore[misc]
+    finally:
+        transfer.close()
 
 
 # -------------------------------------------------------------- PinnedPool

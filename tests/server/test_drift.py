@@ -9,16 +9,10 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from layertap.server.drift.baseline import BaselineBuilder
-from layertap.server.drift.scores import (
-    DriftThresholds,
-    SlidingWindow,
-    channel_drift_fraction,
-    js_distance,
-    mean_shift,
-    psi,
-    wasserstein1,
-)
+from layertap.server.drift.builder import BaselineBuilder
+from layertap.server.drift.scores import channel_drift_fraction, js_distance, mean_shift, psi, wasserstein1
+from layertap.server.drift.thresholds import DriftThresholds
+from layertap.server.drift.window import SlidingWindow
 
 
 def normal_sample(mu: float, sigma: float, n: int) -> np.ndarray:

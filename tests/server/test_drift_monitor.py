@@ -21,7 +21,7 @@ def rig():
     host = ModelHost(load_model("demo"))
     host.warm_up()
     engine = TapEngine(host, Broker(), max_taps=3)
-    monitor = DriftMonitor(engine, default_window=5)
+    monitor = engine.sinks.add(DriftMonitor(engine, default_window=5))
     yield host, engine, monitor
     engine.close()
 
@@ -75,7 +75,7 @@ def test_deleting_a_baseline_removes_its_files(tmp_path):
     host = ModelHost(load_model("demo"))
     host.warm_up()
     engine = TapEngine(host, Broker())
-    monitor = DriftMonitor(engine, baseline_dir=str(tmp_path), default_window=5)
+    monitor = engine.sinks.add(DriftMonitor(engine, baseline_dir=str(tmp_path), default_window=5))
     try:
         tap, _ = monitor.set_baseline(pb.SetBaselineRequest(selector="layer1", passes=3))
         feed(host, 3)
@@ -100,3 +100,35 @@ def test_drift_filters_by_model_layers_and_reports_nan_until_scored(rig):
     (d,) = monitor.drift("layer4")
     assert d.state == pb.BASELINE_STATE_COLLECTING
     assert all(np.isnan(v) for v in (d.psi, d.js, d.wasserstein, d.mean_shift)) and not d.drifted
+
+
+def test_skipped_passes_count_refused_passes_and_never_go_back(rig):
+    host, engine, monitor = rig
+    nan_batch = torch.full((4, 3, 32, 32), float("nan"))  # no finite element: nothing to learn
+    assert monitor.skipped_passes() == 0
+    monitor.set_baseline(pb.SetBaselineRequest(selector="layer1", name="b1", passes=3))
+    for _ in range(2):
+        host.run([nan_batch])
+    engine.flush(10)
+    (d,) = monitor.drift()
+    assert d.state == pb.BASELINE_STATE_COLLECTING and d.baseline_passes == 0
+    assert monitor.skipped_passes() == 2
+    feed(host, 3)
+    engine.flush(10)
+    (d,) = monitor.drift()
+    assert d.state == pb.BASELINE_STATE_READY and d.baseline_passes == 3
+    assert monitor.skipped_passes() == 2  # the frozen builder is gone, its count is not
+    host.run([nan_batch])  # scored against a frozen baseline: not a collection pass
+    engine.flush(10)
+    assert monitor.skipped_passes() == 2
+    # A baseline replaced or deleted while collecting keeps its refusals counted.
+    monitor.set_baseline(pb.SetBaselineRequest(selector="layer2", name="b1", passes=3))
+    host.run([nan_batch])
+    engine.flush(10)
+    assert monitor.skipped_passes() == 3
+    monitor.set_baseline(pb.SetBaselineRequest(selector="layer3", name="b1", passes=3))
+    assert monitor.skipped_passes() == 3
+    host.run([nan_batch])
+    engine.flush(10)
+    engine.delete("b1")
+    assert monitor.skipped_passes() == 4

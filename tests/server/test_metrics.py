@@ -1,4 +1,4 @@
-"""Prometheus exposition: names, labels, the layer cap, promtool, and the HTTP endpoint."""
+"""Prometheus exposition: names, labels, the layer cap, pipeline self-metrics, promtool, and the HTTP endpoint."""
 
 from __future__ import annotations
 
@@ -6,22 +6,21 @@ import logging
 import shutil
 import subprocess
 import urllib.request
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from layertap.server.drift.scores import DriftScore, DriftThresholds
-from layertap.server.export.metrics import (
-    ActivationCollector,
-    LayerSnapshot,
-    ServerMetrics,
-    SnapshotStore,
-    render_latest,
-    start_metrics_server,
-    stop_metrics_server,
-)
+from layertap.server.drift.scores import DriftScore
+from layertap.server.drift.thresholds import DriftThresholds
+from layertap.server.export.activations import ActivationCollector
+from layertap.server.export.endpoint import start_metrics_server, stop_metrics_server
+from layertap.server.export.exposition import render_latest
+from layertap.server.export.health import ServerMetrics
+from layertap.server.export.pipeline import PipelineCollector
+from layertap.server.export.snapshots import LayerSnapshot, SnapshotStore
 from layertap.v1 import telemetry_pb2 as pb
 
 EDGES = [-1.0, -0.5, 0.0, 0.5, 1.0]
@@ -40,6 +39,23 @@ def summary(layer: str, tap: str = "tap-1", nan: int = 0, inf: int = 0, output_i
     add().quantiles.CopyFrom(pb.Quantiles(probabilities=PROBS, values=[-2.0, 0.2, 3.0]))
     add().histogram.CopyFrom(pb.Histogram(edges=EDGES, counts=[1, 2, 3, 4, 5, 6]))
     return s
+
+
+@dataclass
+class FakeTransferStats:
+    processed: int = 0
+    dropped: int = 0
+    errors: int = 0
+    pinned_allocations: int = 0
+
+
+PIPELINE_TRANSFER = (
+    "layertap_transfer_passes_total",
+    "layertap_transfer_dropped_passes_total",
+    "layertap_transfer_errors_total",
+    "layertap_pinned_buffers_allocated_total",
+)
+PIPELINE_BASELINE = "layertap_baseline_skipped_passes_total"
 
 
 SCORE = DriftScore(0.3, 0.05, 0.2, 0.5, DriftThresholds(), window_passes=5, baseline_passes=10, channel_drift_fraction=0.25)
@@ -150,7 +166,7 @@ def test_cap_on_exported_layers(setup, caplog: pytest.LogCaptureFixture) -> None
     registry, store, _ = setup
     for i in range(5):
         store.update_from_summary("tap-1", summary(f"layer{i}"))
-    with caplog.at_level(logging.WARNING, logger="layertap.server.export.metrics"):
+    with caplog.at_level(logging.WARNING, logger="layertap.server.export.activations"):
         for _ in range(3):
             fam = families(registry)
     exported = {s.labels["layer"] for s in fam["layertap_activation_mean"]}
@@ -179,8 +195,10 @@ def test_fast_render_matches_generate_latest_and_passes_promtool(setup) -> None:
     store.update_from_summary("tap-1", summary("layer1"))
     store.set_drift("tap-1", "layer1", "output", SCORE)
     store.set_drift("tap-1", "layer1", "output", DriftScore(float("nan"), float("inf"), 0.0, 0.0))
+    registry.register(PipelineCollector("demo", lambda: FakeTransferStats(12, 3, 1, 4_000_000), lambda: 2))
     fast, slow = render_latest(registry), generate_latest(registry)
     assert fast == slow
+    assert b'layertap_transfer_dropped_passes_total{model="demo"} 3.0' in fast
     list(text_string_to_metric_families(fast.decode()))  # parses
     promtool = shutil.which("promtool")
     if promtool is None:
@@ -203,3 +221,80 @@ def test_http_endpoint_on_port_zero(setup) -> None:
         stop_metrics_server(server)
     names = {f.name for f in text_string_to_metric_families(body)}
     assert {"layertap_activation_mean", "layertap_inference_requests", "layertap_export_layers_dropped"} <= names
+
+
+def test_pipeline_counters_follow_their_sources() -> None:
+    registry = CollectorRegistry()
+    stats = FakeTransferStats(processed=10, dropped=2, errors=1, pinned_allocations=3)
+    skipped = [5]
+    registry.register(PipelineCollector("demo", lambda: stats, lambda: skipped[0]))
+    g = registry.get_sample_value
+    lab = {"model": "demo"}
+    assert [g(n, lab) for n in PIPELINE_TRANSFER] == [10.0, 2.0, 1.0, 3.0]
+    assert g(PIPELINE_BASELINE, lab) == 5.0
+    stats.processed, stats.dropped, stats.errors, stats.pinned_allocations = 20, 7, 4, 6
+    skipped[0] = 9
+    assert [g(n, lab) for n in PIPELINE_TRANSFER] == [20.0, 7.0, 4.0, 6.0]
+    assert g(PIPELINE_BASELINE, lab) == 9.0
+    # A new stats object each call (what HostTransfer.stats() returns) is read afresh.
+    registry2 = CollectorRegistry()
+    calls = iter(range(1, 100))
+    registry2.register(PipelineCollector("demo", lambda: FakeTransferStats(processed=next(calls))))
+    assert registry2.get_sample_value("layertap_transfer_passes_total", lab) == 1.0
+    assert registry2.get_sample_value("layertap_transfer_passes_total", lab) == 2.0
+    # Only the injected registry: the global one never sees these.
+    assert REGISTRY.get_sample_value("layertap_transfer_passes_total", lab) is None
+
+
+def test_pipeline_counters_are_counters_with_help_and_model_label() -> None:
+    registry = CollectorRegistry()
+    registry.register(PipelineCollector("m1", lambda: FakeTransferStats(1, 1, 1, 1), lambda: 1))
+    fams = {f.name: f for f in text_string_to_metric_families(render_latest(registry).decode())}
+    for name in (*PIPELINE_TRANSFER, PIPELINE_BASELINE):
+        fam = fams[name.removesuffix("_total")]
+        assert fam.type == "counter" and fam.documentation, name
+        assert [(s.name, s.labels) for s in fam.samples] == [(name, {"model": "m1"})]
+
+
+def test_pipeline_none_source_emits_nothing_for_its_families() -> None:
+    only_baseline = CollectorRegistry()
+    only_baseline.register(PipelineCollector("demo", None, lambda: 4))
+    assert only_baseline.get_sample_value(PIPELINE_BASELINE, {"model": "demo"}) == 4.0
+    text = render_latest(only_baseline).decode()
+    for name in PIPELINE_TRANSFER:
+        assert only_baseline.get_sample_value(name, {"model": "demo"}) is None
+        assert name.removesuffix("_total") not in text
+    only_transfer = CollectorRegistry()
+    only_transfer.register(PipelineCollector("demo", transfer=lambda: FakeTransferStats(1, 0, 0, 2)))
+    assert only_transfer.get_sample_value("layertap_transfer_passes_total", {"model": "demo"}) == 1.0
+    assert only_transfer.get_sample_value(PIPELINE_BASELINE, {"model": "demo"}) is None
+    assert "layertap_baseline_skipped" not in render_latest(only_transfer).decode()
+    nothing = CollectorRegistry()
+    nothing.register(PipelineCollector("demo"))
+    assert render_latest(nothing) == generate_latest(nothing) == b""
+
+
+def test_pipeline_failing_source_is_skipped_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    registry = CollectorRegistry()
+    broken = [True]
+
+    def stats() -> FakeTransferStats:
+        if broken[0]:
+            raise RuntimeError("stats unavailable")
+        return FakeTransferStats(processed=3)
+
+    registry.register(PipelineCollector("demo", stats, lambda: 1))
+    with caplog.at_level(logging.WARNING, logger="layertap.server.export.pipeline"):
+        for _ in range(3):
+            assert registry.get_sample_value("layertap_transfer_passes_total", {"model": "demo"}) is None
+            assert registry.get_sample_value(PIPELINE_BASELINE, {"model": "demo"}) == 1.0  # the rest survives
+    assert len([r for r in caplog.records if "transfer pipeline counts failed" in r.getMessage()]) == 1
+    broken[0] = False
+    assert registry.get_sample_value("layertap_transfer_passes_total", {"model": "demo"}) == 3.0
+
+
+def test_pipeline_names_clash_on_a_second_registration() -> None:
+    registry = CollectorRegistry()
+    registry.register(PipelineCollector("demo", lambda: FakeTransferStats(), lambda: 0))
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        registry.register(PipelineCollector("demo", lambda: FakeTransferStats()))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from layertap.server.export.metrics import EXPORTED_QUANTILES, SnapshotStore
+from layertap.server.export.snapshots import EXPORTED_QUANTILES, SnapshotStore
 from layertap.v1 import telemetry_pb2 as pb
 
 

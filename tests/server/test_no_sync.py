@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from layertap.server.reducers import library as R
-from layertap.server.reducers.transfer import Collector, PassBuffer
+from layertap.server.reducers.plan import ReducerPlan, build_reducers
+from layertap.server.reducers.transfer import HostTransfer, PassBuffer
 from support.sync_guard import NoSyncMode, SyncError, assert_no_sync
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -115,7 +115,7 @@ def test_guard_allows_ordinary_ops_and_integer_indexing() -> None:
 def test_every_reducer_runs_without_sync(shape: str, dtype: torch.dtype) -> None:
     x = make(shape, dtype)
     specs = SPECS if x.dim() >= 2 else NO_PER_CHANNEL
-    plan = R.ReducerPlan(R.build_reducers(specs))
+    plan = ReducerPlan(build_reducers(specs))
     # Twice: the first run also builds per-device caches (edges, generator).
     for _ in range(2):
         with NoSyncMode(sample_op_limit=SAMPLE):
@@ -125,14 +125,14 @@ def test_every_reducer_runs_without_sync(shape: str, dtype: torch.dtype) -> None
 
 
 def test_nonfinite_only_plan_runs_without_sync() -> None:
-    plan = R.ReducerPlan(R.build_reducers(SPECS)).nonfinite_only()
+    plan = ReducerPlan(build_reducers(SPECS)).nonfinite_only()
     assert plan is not None
     with NoSyncMode(sample_op_limit=0):  # not even a sample-sized sort
         plan.run(torch.randn(4, 8, 24, 24))
 
 
 def test_pass_buffer_finish_runs_without_sync() -> None:
-    plan = R.ReducerPlan(R.build_reducers(SPECS))
+    plan = ReducerPlan(build_reducers(SPECS))
     buf = PassBuffer()
     with NoSyncMode(sample_op_limit=SAMPLE):
         for i in range(3):
@@ -147,13 +147,13 @@ def test_pass_buffer_finish_runs_without_sync() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_plan_and_collector_under_sync_debug_error() -> None:
-    plan = R.ReducerPlan(R.build_reducers(SPECS))
+    plan = ReducerPlan(build_reducers(SPECS))
     xs = [make(name, dt).cuda() for name in ("nchw_sampled", "channels_last_sampled", "small", "empty")
           for dt in (torch.float32, torch.bfloat16, torch.float16)]
     expected = [plan.decode(plan.run(x.cpu()).numpy(), x.shape) for x in xs]
     got: list[dict[object, np.ndarray]] = []
     gate = threading.Event()
-    with Collector(maxsize=8) as collector:
+    with HostTransfer(maxsize=8) as collector:
         # Park the collector thread so that event.synchronize() (its job, off
         # the model thread) happens after the debug mode is reset.
         collector.submit(PassBuffer().finish(), lambda values: gate.wait(30))

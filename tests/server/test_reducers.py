@@ -19,7 +19,20 @@ import numpy as np
 import pytest
 import torch
 
-from layertap.server.reducers import library as R
+from layertap.server.reducers.plan import ReducerPlan, build_reducers
+from layertap.server.reducers.spec import (
+    DEFAULT_HISTOGRAM_BINS,
+    DEFAULT_MAX_CHANNELS,
+    DEFAULT_PROBABILITIES,
+    DEFAULT_SAMPLE_SIZE,
+    MAX_SAMPLE_SIZE,
+    QUANTILE_DELTA,
+    REDUCER_NAMES,
+    SpecError,
+    parse_reducer_names,
+    reducer_name,
+)
+from layertap.server.reducers.workspace import flat_view, gather_flat
 from support.sync_guard import NoSyncMode
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -86,8 +99,8 @@ def _scale(a: np.ndarray) -> float:
 
 def run(x: torch.Tensor, specs: str | list[pb.ReducerSpec], seed: int = 0) -> list[pb.ReducerResult]:
     if isinstance(specs, str):
-        specs = R.parse_reducer_names(specs)
-    plan = R.ReducerPlan(R.build_reducers(specs), seed=seed)
+        specs = parse_reducer_names(specs)
+    plan = ReducerPlan(build_reducers(specs), seed=seed)
     out = plan.run(x)
     assert out.dtype == torch.float64 and out.dim() == 1 and out.device == x.device
     assert out.numel() == plan.width(x.shape)
@@ -169,7 +182,7 @@ def test_histogram_unsampled_counts_exact(case: str, shared_sort: bool) -> None:
         assert list(h.counts) == ref.tolist()
         assert h.sample_size == v.size and h.population == a.size
     assert list(edge_hist.histogram.edges) == EDGES
-    assert len(default_hist.histogram.edges) == R.DEFAULT_HISTOGRAM_BINS + 1
+    assert len(default_hist.histogram.edges) == DEFAULT_HISTOGRAM_BINS + 1
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -296,7 +309,7 @@ def test_sampled_quantiles_within_rank_error(name: str, make: Callable[[], torch
     q = q.quantiles
     assert q.population == a.size
     assert 0 < q.sample_size <= 4096
-    dkw = math.sqrt(math.log(2 / R.QUANTILE_DELTA) / (2 * q.sample_size))
+    dkw = math.sqrt(math.log(2 / QUANTILE_DELTA) / (2 * q.sample_size))
     assert q.rank_error == pytest.approx(dkw + 1 / q.sample_size)
     for p, val in zip(ps, q.values):
         below = np.searchsorted(v, val, "left") / v.size  # F(q-)
@@ -306,7 +319,7 @@ def test_sampled_quantiles_within_rank_error(name: str, make: Callable[[], torch
 
 def test_histogram_and_quantiles_share_one_sorted_sample() -> None:
     x = torch.randn(100_000, generator=_gen())
-    plan = R.ReducerPlan(R.build_reducers([hist_spec(EDGES, 5000), quant_spec(None, 5000)]))
+    plan = ReducerPlan(build_reducers([hist_spec(EDGES, 5000), quant_spec(None, 5000)]))
     with NoSyncMode() as mode:
         plan.run(x)
     sorts = [op for op in mode.ops if op.overloadpacket is torch.ops.aten.sort]
@@ -330,7 +343,7 @@ class _SizeRecorder(NoSyncMode):
 def test_reducers_share_one_upcast_and_one_finite_mask() -> None:
     x = torch.randn(10, 100, generator=_gen()).bfloat16()
     x[0, 0] = math.nan
-    plan = R.ReducerPlan(R.build_reducers(R.parse_reducer_names("moments,norm,minmax,per_channel")))
+    plan = ReducerPlan(build_reducers(parse_reducer_names("moments,norm,minmax,per_channel")))
     with _SizeRecorder() as rec:
         plan.run(x)
     full = [op for op, n in rec.calls if n == x.numel()]
@@ -354,14 +367,14 @@ def test_reducers_share_one_upcast_and_one_finite_mask() -> None:
 def test_sample_gather_reads_the_right_elements(make: Callable[[], torch.Tensor]) -> None:
     x = make()
     idx = torch.randint(0, x.numel(), (500,), generator=_gen())
-    flat = R._flat_view(x)
+    flat = flat_view(x)
     if flat is None:
         # Non-dense: indices are unravelled in logical (row-major) order.
-        assert torch.equal(R._gather_flat(x, idx), x.reshape(-1)[idx])
+        assert torch.equal(gather_flat(x, idx), x.reshape(-1)[idx])
     else:
         # Dense: a memory-order view, which must hold exactly x's elements.
         assert sorted(flat.tolist()) == sorted(x.reshape(-1).tolist())
-        assert torch.equal(R._gather_flat(x, idx), flat[idx])
+        assert torch.equal(gather_flat(x, idx), flat[idx])
 
 
 def test_sampling_leaves_global_rng_alone() -> None:
@@ -398,24 +411,24 @@ def test_per_channel_default_dim_is_one_and_channels_last() -> None:
 
 
 def test_per_channel_dim_out_of_range_is_a_spec_error() -> None:
-    plan = R.ReducerPlan(R.build_reducers([pc_spec(dim=3)], field_prefix="tap.reducers"))
+    plan = ReducerPlan(build_reducers([pc_spec(dim=3)], field_prefix="tap.reducers"))
     for x in (torch.randn(2, 3), torch.tensor(1.0)):
-        with pytest.raises(R.SpecError) as err:
+        with pytest.raises(SpecError) as err:
             plan.run(x)
         assert err.value.field == "tap.reducers[0].per_channel.dim"
-        with pytest.raises(R.SpecError):
+        with pytest.raises(SpecError):
             plan.width(x.shape)
 
 
 def test_requires_grad_input_builds_no_graph() -> None:
     x = torch.randn(10, 4, requires_grad=True)
-    plan = R.ReducerPlan(R.build_reducers(R.parse_reducer_names(ALL)))
+    plan = ReducerPlan(build_reducers(parse_reducer_names(ALL)))
     out = plan.run(x * 2)
     assert not out.requires_grad
 
 
 def test_unsupported_dtype_is_a_type_error() -> None:
-    plan = R.ReducerPlan(R.build_reducers(R.parse_reducer_names("moments")))
+    plan = ReducerPlan(build_reducers(parse_reducer_names("moments")))
     with pytest.raises(TypeError):
         plan.run(torch.randn(3, dtype=torch.complex64))
 
@@ -428,7 +441,7 @@ def test_plan_width_and_decode_roundtrip(case: str) -> None:
     x = CASES[case]()
     # per_channel's default dim 1 needs at least 2 dims.
     names = ALL if x.dim() > 1 else ALL.replace(",per_channel", "")
-    plan = R.ReducerPlan(R.build_reducers(R.parse_reducer_names(names)))
+    plan = ReducerPlan(build_reducers(parse_reducer_names(names)))
     out = plan.run(x)
     assert out.shape == (plan.width(x.shape),)
     results = plan.decode(out.numpy(), x.shape)
@@ -438,32 +451,32 @@ def test_plan_width_and_decode_roundtrip(case: str) -> None:
 
 
 def test_empty_plan_and_nonfinite_only() -> None:
-    empty = R.ReducerPlan([])
+    empty = ReducerPlan([])
     assert empty.run(torch.randn(3)).shape == (0,) and empty.decode(np.zeros(0), (3,)) == []
-    plan = R.ReducerPlan(R.build_reducers(R.parse_reducer_names("moments,nonfinite,histogram")))
+    plan = ReducerPlan(build_reducers(parse_reducer_names("moments,nonfinite,histogram")))
     sub = plan.nonfinite_only()
     assert sub is not None and [r.name for r in sub.reducers] == ["nonfinite"]
     x = _with_nonfinite(100)
     (nf,) = sub.decode(sub.run(x).numpy(), x.shape)
     assert nf.nonfinite.nan_count == int(torch.isnan(x).sum())
-    assert R.ReducerPlan(R.build_reducers(R.parse_reducer_names("moments"))).nonfinite_only() is None
+    assert ReducerPlan(build_reducers(parse_reducer_names("moments"))).nonfinite_only() is None
 
 
 def test_resolved_spec_fills_defaults() -> None:
-    (h, q, pc) = R.build_reducers([hist_spec(), quant_spec(), pc_spec()])
-    assert h.spec().histogram.bins == R.DEFAULT_HISTOGRAM_BINS
-    assert h.spec().histogram.sample_size == R.DEFAULT_SAMPLE_SIZE
-    assert list(q.spec().quantiles.probabilities) == list(R.DEFAULT_PROBABILITIES)
+    (h, q, pc) = build_reducers([hist_spec(), quant_spec(), pc_spec()])
+    assert h.spec().histogram.bins == DEFAULT_HISTOGRAM_BINS
+    assert h.spec().histogram.sample_size == DEFAULT_SAMPLE_SIZE
+    assert list(q.spec().quantiles.probabilities) == list(DEFAULT_PROBABILITIES)
     assert pc.spec().per_channel.dim == 1
-    assert pc.spec().per_channel.max_channels == R.DEFAULT_MAX_CHANNELS
+    assert pc.spec().per_channel.max_channels == DEFAULT_MAX_CHANNELS
 
 
 # ---------------------------------------------------------------- validation
 
 
-def _spec_error(specs: list[pb.ReducerSpec]) -> R.SpecError:
-    with pytest.raises(R.SpecError) as err:
-        R.build_reducers(specs)
+def _spec_error(specs: list[pb.ReducerSpec]) -> SpecError:
+    with pytest.raises(SpecError) as err:
+        build_reducers(specs)
     return err.value
 
 
@@ -485,12 +498,12 @@ M = pb.ReducerSpec(kind=pb.REDUCER_KIND_MOMENTS)
         ([hist_spec([0, math.inf])], "reducers[0].histogram.edges[1]"),
         ([hist_spec([math.nan])], "reducers[0].histogram.edges[0]"),
         ([hist_spec(list(range(1026)))], "reducers[0].histogram.edges"),
-        ([hist_spec(EDGES, sample_size=R.MAX_SAMPLE_SIZE + 1)], "reducers[0].histogram.sample_size"),
+        ([hist_spec(EDGES, sample_size=MAX_SAMPLE_SIZE + 1)], "reducers[0].histogram.sample_size"),
         ([quant_spec([0.5, 1.5])], "reducers[0].quantiles.probabilities[1]"),
         ([quant_spec([-0.1])], "reducers[0].quantiles.probabilities[0]"),
         ([quant_spec([math.nan])], "reducers[0].quantiles.probabilities[0]"),
         ([quant_spec([0.5] * 129)], "reducers[0].quantiles.probabilities"),
-        ([quant_spec(None, R.MAX_SAMPLE_SIZE + 1)], "reducers[0].quantiles.sample_size"),
+        ([quant_spec(None, MAX_SAMPLE_SIZE + 1)], "reducers[0].quantiles.sample_size"),
         ([pc_spec(max_channels=4097)], "reducers[0].per_channel.max_channels"),
         ([pb.ReducerSpec(kind=pb.REDUCER_KIND_MOMENTS, histogram=pb.HistogramParams(bins=3))],
          "reducers[0].histogram"),
@@ -514,36 +527,36 @@ def test_duplicate_error_points_at_the_original() -> None:
 
 
 def test_distinct_parameters_are_not_duplicates() -> None:
-    reducers = R.build_reducers([hist_spec(EDGES), hist_spec(), quant_spec([0.5]), quant_spec([0.9])])
+    reducers = build_reducers([hist_spec(EDGES), hist_spec(), quant_spec([0.5]), quant_spec([0.9])])
     assert len(reducers) == 4
 
 
 def test_field_prefix_is_used() -> None:
-    with pytest.raises(R.SpecError) as err:
-        R.build_reducers([pb.ReducerSpec()], field_prefix="spec.reducers")
+    with pytest.raises(SpecError) as err:
+        build_reducers([pb.ReducerSpec()], field_prefix="spec.reducers")
     assert err.value.field == "spec.reducers[0].kind"
 
 
 def test_parse_reducer_names() -> None:
-    specs = R.parse_reducer_names(" Moments, nonfinite ,histogram,")
+    specs = parse_reducer_names(" Moments, nonfinite ,histogram,")
     assert [s.kind for s in specs] == [
         pb.REDUCER_KIND_MOMENTS, pb.REDUCER_KIND_NONFINITE, pb.REDUCER_KIND_HISTOGRAM,
     ]  # fmt: skip
-    assert R.parse_reducer_names("") == []
-    assert [R.reducer_name(s.kind) for s in R.parse_reducer_names(ALL)] == ALL.split(",")
+    assert parse_reducer_names("") == []
+    assert [reducer_name(s.kind) for s in parse_reducer_names(ALL)] == ALL.split(",")
 
 
 def test_parse_unknown_name_lists_valid_ones() -> None:
-    with pytest.raises(R.SpecError) as err:
-        R.parse_reducer_names("moments,mean")
+    with pytest.raises(SpecError) as err:
+        parse_reducer_names("moments,mean")
     assert err.value.field == "reducers[1]"
     assert "'mean'" in str(err.value)
-    for name in R.REDUCER_NAMES:
+    for name in REDUCER_NAMES:
         assert name in str(err.value)
 
 
 def _results(names: str, x: torch.Tensor) -> dict[str, pb.ReducerResult]:
-    plan = R.ReducerPlan(R.build_reducers(R.parse_reducer_names(names)))
+    plan = ReducerPlan(build_reducers(parse_reducer_names(names)))
     out = plan.decode(plan.run(x).numpy(), x.shape)
     return {r.WhichOneof("value"): r for r in out}
 
@@ -569,7 +582,7 @@ def test_float64_overflow_reports_inf_not_nan():
 
 
 def test_plan_never_modifies_the_hooked_tensor():
-    plan = R.ReducerPlan(R.build_reducers(R.parse_reducer_names(
+    plan = ReducerPlan(build_reducers(parse_reducer_names(
         "moments,minmax,abs_max,zero_fraction,nonfinite,norm,histogram,quantiles,per_channel")))
     base = torch.randn(4, 8, 6, 6, generator=torch.Generator().manual_seed(2))
     base[0, 0, 0, 0] = math.nan

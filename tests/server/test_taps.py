@@ -278,16 +278,20 @@ def test_tap_config_yaml(tmp_path, rig):
 def test_collector_overflow_counts_one_drop_per_tap_per_lost_pass():
     import threading
 
-    host = ModelHost(load_model("demo"))
-    engine = TapEngine(host, Broker(), collector_queue=1)
+    from layertap.server.stream.sinks import Sink, Sinks
+
     gate = threading.Event()
     entered = threading.Event()
 
-    def slow_sink(_ctx, _summaries):
-        entered.set()
-        gate.wait(10)
+    class SlowSink(Sink):
+        def on_summaries(self, ctx, summaries):
+            entered.set()
+            gate.wait(10)
 
-    engine.sinks.append(slow_sink)
+    sinks = Sinks()
+    sinks.add(SlowSink())
+    host = ModelHost(load_model("demo"))
+    engine = TapEngine(host, Broker(), transfer_queue=1, sinks=sinks)
     tap = engine.create(spec("layer*", "moments"))  # 4 layers, one tap
     try:
         run(host, 1)

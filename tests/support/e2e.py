@@ -21,3 +21,14 @@ def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.05)
     return bool(cond())
+
+
+def scrape(port: int) -> dict[str, float]:
+    """``/metrics`` over HTTP, parsed with prometheus-client's parser: ``{sample name: value}``."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}

@@ -1,0 +1,162 @@
+"""The ``layertap.baseline`` v1 JSON document: written from, and validated into, a Baseline.
+
+Baseline files come from disk and from other replicas, so every field is
+checked and a refusal carries a one-line reason for the operator.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from layertap.server.drift.baseline import Baseline
+from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
+
+__all__ = [
+    "BASELINE_SCHEMA",
+    "BASELINE_VERSION",
+    "BaselineFormatError",
+    "KnownLayers",
+    "baseline_from_dict",
+    "baseline_to_dict",
+]
+
+FloatArray = npt.NDArray[np.float64]
+#: Layer names the served model has; a mapping may add each layer's expected
+#: channel count (None: unchecked).
+KnownLayers: TypeAlias = Collection[str] | Mapping[str, int | None]
+
+BASELINE_SCHEMA = "layertap.baseline"
+BASELINE_VERSION = 1
+
+
+class BaselineFormatError(ValueError):
+    """A baseline document that must be refused."""
+
+
+def baseline_to_dict(b: Baseline) -> dict[str, Any]:
+    """The JSON document for ``b`` (schema ``layertap.baseline`` v1)."""
+    return {
+        "schema": BASELINE_SCHEMA,
+        "version": BASELINE_VERSION,
+        "tap": b.tap,
+        "layer": b.layer,
+        "point": b.point,
+        "edges": [float(x) for x in b.edges],
+        "counts": [int(x) for x in b.counts],
+        "count": int(b.count),
+        "mean": float(b.mean),
+        "m2": float(b.m2),
+        "min": float(b.min),
+        "max": float(b.max),
+        "passes": int(b.passes),
+        "quantiles": [[float(p), float(v)] for p, v in sorted(b.quantiles.items())],
+        "channel_mean": None if b.channel_mean is None else [float(x) for x in b.channel_mean],
+        "channel_std": None if b.channel_std is None else [float(x) for x in b.channel_std],
+        "window": int(b.window),
+        "thresholds": b.thresholds.as_dict(),
+        "created_at": float(b.created_at),
+    }
+
+
+def _num(d: Mapping[str, Any], key: str, kind: type = float) -> Any:
+    v = d.get(key)
+    if kind is int:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise BaselineFormatError(f"field {key!r} must be a non-negative integer, got {v!r}")
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise BaselineFormatError(f"field {key!r} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _floats(d: Mapping[str, Any], key: str) -> FloatArray:
+    v = d.get(key)
+    if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+        raise BaselineFormatError(f"field {key!r} must be a list of numbers")
+    a = np.asarray(v, dtype=np.float64)
+    if not np.all(np.isfinite(a)):
+        raise BaselineFormatError(f"field {key!r} holds non-finite values")
+    return a
+
+
+def baseline_from_dict(d: Any, known_layers: KnownLayers | None = None) -> Baseline:
+    """Validate a JSON document and build the :class:`Baseline`.
+
+    Args:
+        d: The parsed JSON.
+        known_layers: Layer names the model has; a mapping may also give the
+            expected channel count per layer (None: unchecked).
+
+    Raises:
+        BaselineFormatError: With a one-line reason.
+    """
+    if not isinstance(d, dict):
+        raise BaselineFormatError("top level is not a JSON object")
+    if d.get("schema") != BASELINE_SCHEMA:
+        raise BaselineFormatError(f"schema is {d.get('schema')!r}, expected {BASELINE_SCHEMA!r}")
+    if d.get("version") != BASELINE_VERSION:
+        raise BaselineFormatError(f"schema version {d.get('version')!r} is not supported (expected {BASELINE_VERSION})")
+    for key in ("tap", "layer", "point"):
+        if not isinstance(d.get(key), str) or not d[key]:
+            raise BaselineFormatError(f"field {key!r} must be a non-empty string")
+    layer = d["layer"]
+    if known_layers is not None and layer not in known_layers:
+        raise BaselineFormatError(f"unknown layer {layer!r}: the served model has no such module")
+    edges = _floats(d, "edges")
+    if edges.size == 0:
+        raise BaselineFormatError("edges is empty")
+    if edges.size > 1 and not np.all(np.diff(edges) > 0):
+        raise BaselineFormatError("edges are not strictly increasing")
+    raw_counts = d.get("counts")
+    if not isinstance(raw_counts, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in raw_counts):
+        raise BaselineFormatError("field 'counts' must be a list of non-negative integers")
+    if len(raw_counts) != edges.size + 1:
+        raise BaselineFormatError(f"counts has {len(raw_counts)} entries, expected {edges.size + 1} for {edges.size} edges")
+    counts = np.asarray(raw_counts, dtype=np.int64)
+    if counts.sum() <= 0:
+        raise BaselineFormatError("counts are all zero")
+    count = _num(d, "count", int)
+    passes = _num(d, "passes", int)
+    window = _num(d, "window", int)
+    if count <= 0 or window <= 0:
+        raise BaselineFormatError("count and window must be positive")
+    mean, m2, lo, hi = (_num(d, k) for k in ("mean", "m2", "min", "max"))
+    if m2 < 0 or lo > hi:
+        raise BaselineFormatError("m2 is negative or min > max")
+    qs = d.get("quantiles")
+    if not isinstance(qs, list) or not all(
+        isinstance(x, list) and len(x) == 2 and all(isinstance(y, (int, float)) and not isinstance(y, bool) and math.isfinite(y) for y in x)
+        for x in qs
+    ):
+        raise BaselineFormatError("field 'quantiles' must be a list of [probability, value] pairs")
+    quantiles = {float(p): float(v) for p, v in qs}
+    if any(not 0.0 <= p <= 1.0 for p in quantiles):
+        raise BaselineFormatError("a quantile probability is outside [0, 1]")
+    cmean = cstd = None
+    if d.get("channel_mean") is not None or d.get("channel_std") is not None:
+        cmean, cstd = _floats(d, "channel_mean"), _floats(d, "channel_std")
+        if cmean.shape != cstd.shape or cmean.size == 0:
+            raise BaselineFormatError(f"channel_mean has {cmean.size} entries but channel_std {cstd.size}")
+        if isinstance(known_layers, Mapping):
+            want = known_layers.get(layer)
+            if want is not None and want != cmean.size:
+                raise BaselineFormatError(f"layer {layer!r} has {want} channels but the baseline {cmean.size}")
+    th = d.get("thresholds")
+    if not isinstance(th, dict):
+        raise BaselineFormatError("field 'thresholds' must be an object")
+    try:
+        thresholds = DriftThresholds(**{m: _num(th, m) for m in DRIFT_METRICS})
+    except ValueError as exc:
+        raise BaselineFormatError(f"thresholds: {exc}") from None
+    created = d.get("created_at", 0.0)
+    return Baseline(
+        tap=d["tap"], layer=layer, point=d["point"], edges=edges, counts=counts, count=count,
+        mean=mean, m2=m2, min=lo, max=hi, passes=passes, quantiles=quantiles,
+        channel_mean=cmean, channel_std=cstd, window=window, thresholds=thresholds,
+        created_at=float(created) if isinstance(created, (int, float)) else 0.0,
+    )

@@ -1,0 +1,102 @@
+"""The server's own health metrics, updated by the code paths that see each event."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from layertap.server.export.cuda import CudaMemoryCollector, cuda_available
+from layertap.server.version import server_version
+from layertap.server.version import torch_version as _torch_version  # the parameter shadows the name
+
+__all__ = ["HOOK_BUCKETS", "INFERENCE_BUCKETS", "ServerMetrics"]
+
+#: Hooks plus reducers take tens of µs to a few ms per pass.
+HOOK_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3)
+INFERENCE_BUCKETS = (1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0, 2.5, 5.0, 10.0)
+
+
+class ServerMetrics:
+    """The server's health metrics, all labelled ``model``.
+
+    Gauges such as ``subscribers`` and ``taps`` can be bound to a callback
+    with ``metrics.taps.set_function(fn)`` so they are read at scrape time.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        *,
+        version: str | None = None,
+        torch_version: str | None = None,
+        cuda: bool | None = None,
+    ) -> None:
+        """Create and register the metrics.
+
+        Args:
+            registry: Where to register (never the global one implicitly).
+            model_name: Value of the ``model`` label.
+            version: layertap version for ``layertap_build_info`` (default: installed).
+            torch_version: torch version (default: ``torch.__version__`` if importable).
+            cuda: Export CUDA memory; None detects ``torch.cuda.is_available()``.
+        """
+        self.model = model_name
+        m = ("model",)
+        r = registry
+        self._requests = Counter(
+            "layertap_inference_requests", "Infer requests by gRPC status code.", m + ("status",), registry=r
+        )
+        self.inference_duration = Histogram(
+            "layertap_inference_duration_seconds", "Infer request latency, hooks included.", m,
+            buckets=INFERENCE_BUCKETS, registry=r,
+        ).labels(model_name)
+        self.hook_duration = Histogram(
+            "layertap_hook_duration_seconds", "Hook plus reducer time per forward pass, all taps together.", m,
+            buckets=HOOK_BUCKETS, registry=r,
+        ).labels(model_name)
+        self.reducer_errors = Counter(
+            "layertap_reducer_errors", "Reducer failures (the tap is disabled after repeated errors).", m, registry=r
+        ).labels(model_name)
+        self._captures = Counter("layertap_captures", "Capture calls by final gRPC status code.", m + ("code",), registry=r)
+        self.capture_bytes = Counter(
+            "layertap_capture_bytes", "Tensor bytes sent by Capture.", m, registry=r
+        ).labels(model_name)
+        self.stream_messages = Counter(
+            "layertap_stream_messages", "Subscribe messages sent.", m, registry=r
+        ).labels(model_name)
+        self.stream_dropped = Counter(
+            "layertap_stream_dropped", "Subscribe messages dropped by full subscriber queues.", m, registry=r
+        ).labels(model_name)
+        self.subscribers = Gauge("layertap_subscribers", "Open Subscribe streams.", m, registry=r).labels(model_name)
+        self.taps = Gauge("layertap_taps", "Registered taps, durable and stream.", m, registry=r).labels(model_name)
+        self.baseline_load_errors = Counter(
+            "layertap_baseline_load_errors", "Baseline files refused at start-up.", m, registry=r
+        ).labels(model_name)
+        self.build_info = Info("layertap_build", "layertap and torch versions.", m, registry=r).labels(model_name)
+        self.build_info.info({"version": version or server_version(), "torch_version": torch_version or _torch_version()})
+        # Export the usual outcomes from the start so rate() and the dashboard
+        # see a zero instead of a missing series before the first event.
+        self._requests.labels(model_name, "OK")
+        self._captures.labels(model_name, "OK")
+        if cuda is None:
+            cuda = cuda_available()
+        self.cuda_collector: CudaMemoryCollector | None = None
+        if cuda:
+            self.cuda_collector = CudaMemoryCollector(model_name)
+            r.register(self.cuda_collector)
+
+    def record_inference(self, status: str, seconds: float | None = None) -> None:
+        """Count one Infer call by status code name (``"OK"``, ``"INVALID_ARGUMENT"``...)."""
+        self._requests.labels(self.model, status).inc()
+        if seconds is not None:
+            self.inference_duration.observe(seconds)
+
+    def observe_hooks(self, seconds: float) -> None:
+        """Hook plus reducer time of one forward pass."""
+        self.hook_duration.observe(seconds)
+
+    def record_capture(self, code: str, nbytes: int = 0) -> None:
+        """Count one finished Capture call and the tensor bytes it sent."""
+        self._captures.labels(self.model, code).inc()
+        if nbytes:
+            self.capture_bytes.inc(nbytes)

@@ -1,0 +1,51 @@
+"""The Prometheus exporter's sink: pipeline events become metrics.
+
+Health counters are fed where events happen; per-layer series come from the
+latest summaries of durable taps only, which keeps the ``tap`` label bounded
+(stream taps come and go with their subscribers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from layertap.server.export.health import ServerMetrics
+from layertap.server.export.snapshots import SnapshotStore
+from layertap.server.host.model_host import PassContext
+from layertap.server.stream.sinks import Sink
+from layertap.server.taps.tap import Tap
+from layertap.v1 import telemetry_pb2 as pb
+
+
+class MetricsSink(Sink):
+    """Feeds ``ServerMetrics`` and the ``SnapshotStore`` read at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics, store: SnapshotStore,
+                 durable: Callable[[], dict[str, bool]]) -> None:
+        self.metrics = metrics
+        self.store = store
+        self._durable = durable
+
+    def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
+        durable = self._durable()
+        for s in summaries:
+            if durable.get(s.tap):
+                self.store.update_from_summary(s.tap, s)
+
+    def on_tap_created(self, tap: Tap) -> None:
+        self.store.add_tap(tap.id)
+
+    def on_tap_removed(self, tap: Tap, reason: str) -> None:
+        if tap.durable:  # only durable taps are exported, so only they need forgetting
+            self.store.remove_tap(tap.id)
+
+    def on_tap_error(self, tap: Tap) -> None:
+        self.metrics.reducer_errors.inc()
+
+    def on_hook_time(self, seconds: float) -> None:
+        self.metrics.observe_hooks(seconds)
+
+    def on_delivery(self, dropped: int) -> None:
+        self.metrics.stream_messages.inc()
+        if dropped:
+            self.metrics.stream_dropped.inc(dropped)

@@ -1,0 +1,236 @@
+"""The latest per-layer telemetry, between the tap pipeline and the scrape.
+
+The collector thread writes summaries and drift scores; a scrape reads one
+immutable copy, so it never sees a half-applied pass and never blocks taps
+for longer than a dict copy.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from layertap.server.drift.scores import DriftScore
+from layertap.server.drift.thresholds import DriftThresholds
+from layertap.server.host.hooks import POINT_NAMES
+from layertap.server.reducers.spec import DEFAULT_PROBABILITIES
+from layertap.v1 import telemetry_pb2 as pb
+
+__all__ = ["EXPORTED_QUANTILES", "LayerSnapshot", "SnapshotStore", "point_name"]
+
+#: The only ``quantile`` label values exported: a bounded set, whatever
+#: probabilities a tap computes (a drift baseline collects 99 of them).
+EXPORTED_QUANTILES: frozenset[float] = frozenset(DEFAULT_PROBABILITIES)
+_MAX_TOMBSTONES = 4096
+
+
+def point_name(point: int) -> str:
+    """``layertap.v1.Point`` value → label value (``POINT_OUTPUT`` → ``"output"``).
+
+    ``POINT_UNSPECIFIED`` reads as ``"output"``, the API's default point; a
+    value this build does not know keeps a bounded, readable label.
+    """
+    if point == pb.POINT_UNSPECIFIED:
+        return "output"
+    return POINT_NAMES.get(point, f"point_{int(point)}")
+
+
+@dataclass(frozen=True, eq=False)
+class LayerSnapshot:
+    """The latest telemetry of one (tap, layer, point); None means "not tapped", and the series is omitted.
+
+    Attributes:
+        histogram: ``(inner_edges, counts)`` with counts cumulative since the
+            edges were set (``len(edges) + 1`` bins, open ends), or None.
+        nan_total / inf_total: Cumulative non-finite element counts.
+        last_update: Unix time of the latest summary for this layer.
+        drift: The current drift scores; their thresholds are exported unless
+            ``thresholds`` overrides them.
+    """
+
+    tap: str
+    layer: str
+    point: str
+    mean: float | None = None
+    std: float | None = None
+    min: float | None = None
+    max: float | None = None
+    abs_max: float | None = None
+    zero_fraction: float | None = None
+    quantiles: Mapping[float, float] | None = None
+    nan_total: int | None = None
+    inf_total: int | None = None
+    last_update: float | None = None
+    histogram: tuple[Sequence[float], Sequence[int] | npt.NDArray[np.int64]] | None = None
+    drift: DriftScore | None = None
+    thresholds: DriftThresholds | None = None
+    channel_drift_fraction: float | None = None
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.tap, self.layer, self.point)
+
+
+@dataclass
+class _LayerState:
+    values: dict[str, float] = field(default_factory=dict)
+    quantiles: dict[float, float] | None = None
+    nan_total: int | None = None
+    inf_total: int | None = None
+    last_update: float | None = None
+    hist_edges: tuple[float, ...] | None = None
+    hist_counts: npt.NDArray[np.int64] | None = None
+    drift: DriftScore | None = None
+    thresholds: DriftThresholds | None = None
+    channel_fraction: float | None = None
+
+
+class SnapshotStore:
+    """Thread-safe latest-value store between the tap pipeline and the scrape.
+
+    Writers (the collector thread) call :meth:`update_from_summary` and
+    :meth:`set_drift`; the scrape calls :meth:`snapshot`. Gauges keep the
+    latest value; non-finite counts and histogram counts accumulate, because
+    they are exported as counters.
+    """
+
+    _SCALARS = {
+        "moments": (("mean", "mean"), ("std", "std")),
+        "minmax": (("min", "min"), ("max", "max")),
+        "abs_max": (("abs_max", "value"),),
+        "zero_fraction": (("zero_fraction", "fraction"),),
+    }
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._lock = threading.Lock()
+        self._layers: dict[tuple[str, str, str], _LayerState] = {}
+        self._clock = clock
+        # Removed taps (oldest first, bounded): a summary still in flight must
+        # not resurrect their series.
+        self._gone: dict[str, None] = {}
+
+    def update_from_summary(self, tap_id: str, summary: Any) -> None:
+        """Fold one ``layertap.v1.Summary`` into the store.
+
+        Only ``output_index`` 0 of a module's first call in the pass feeds
+        the gauges (labels have neither); non-finite counts of every output
+        and call add up, so a NaN anywhere in the layer still raises the alert.
+        """
+        key = (tap_id or summary.tap, summary.layer, point_name(summary.point))
+        ts = summary.wall_time.seconds + summary.wall_time.nanos * 1e-9 if summary.HasField("wall_time") else self._clock()
+        primary = summary.output_index == 0 and getattr(summary, "call_index", 0) == 0
+        with self._lock:
+            if key[0] in self._gone:
+                return
+            st = self._layers.get(key)
+            if st is None:
+                st = self._layers[key] = _LayerState()
+            st.last_update = ts if st.last_update is None else max(st.last_update, ts)
+            if primary and not getattr(summary, "unsampled", False):
+                # A sampled summary carries everything the tap computes now; a
+                # result it no longer carries (reducers changed, e.g. when a
+                # baseline froze) must not linger as a stale series.
+                kinds = {res.WhichOneof("value") for res in summary.results}
+                for kind, fields in self._SCALARS.items():
+                    if kind not in kinds:
+                        for name, _attr in fields:
+                            st.values.pop(name, None)
+                if "quantiles" not in kinds:
+                    st.quantiles = None
+                if "histogram" not in kinds:
+                    st.hist_edges = st.hist_counts = None
+            for res in summary.results:
+                kind = res.WhichOneof("value")
+                if kind == "nonfinite":
+                    nf = res.nonfinite
+                    st.nan_total = (st.nan_total or 0) + nf.nan_count
+                    st.inf_total = (st.inf_total or 0) + nf.inf_count
+                elif not primary:
+                    continue
+                elif kind in self._SCALARS:
+                    msg = getattr(res, kind)
+                    for name, attr in self._SCALARS[kind]:
+                        st.values[name] = float(getattr(msg, attr))
+                elif kind == "quantiles":
+                    q = res.quantiles
+                    st.quantiles = {float(p): float(v) for p, v in zip(q.probabilities, q.values)
+                                    if round(float(p), 6) in EXPORTED_QUANTILES} or None
+                elif kind == "histogram":
+                    h = res.histogram
+                    edges = tuple(h.edges)
+                    counts = np.asarray(h.counts, dtype=np.int64)
+                    if counts.shape[0] != len(edges) + 1:
+                        continue  # malformed; never let one summary break the scrape
+                    if st.hist_edges != edges or st.hist_counts is None:
+                        # New edges (e.g. a baseline froze): a fresh counter.
+                        st.hist_edges, st.hist_counts = edges, counts
+                    else:
+                        st.hist_counts = st.hist_counts + counts  # new array: snapshots stay immutable
+
+    def set_drift(
+        self,
+        tap: str,
+        layer: str,
+        point: str,
+        score: DriftScore | None,
+        thresholds: DriftThresholds | None = None,
+        channel_fraction: float | None = None,
+    ) -> None:
+        """Set a layer's drift scores (None while its baseline is collecting).
+
+        Args:
+            tap: Tap id (the baseline's tap).
+            layer: Module name.
+            point: Point label value (``"output"``...).
+            score: Current scores, or None to export thresholds only.
+            thresholds: Thresholds to export; default ``score.thresholds``.
+            channel_fraction: Overrides ``score.channel_drift_fraction``.
+        """
+        with self._lock:
+            if tap in self._gone:
+                return
+            st = self._layers.setdefault((tap, layer, point), _LayerState())
+            st.drift = score
+            st.thresholds = thresholds
+            st.channel_fraction = channel_fraction
+
+    def remove_tap(self, tap_id: str) -> None:
+        """Forget every layer of a deleted or expired tap (its series vanish)."""
+        with self._lock:
+            self._gone[tap_id] = None
+            while len(self._gone) > _MAX_TOMBSTONES:
+                del self._gone[next(iter(self._gone))]
+            for k in [k for k in self._layers if k[0] == tap_id]:
+                del self._layers[k]
+
+    def add_tap(self, tap_id: str) -> None:
+        """A tap (possibly reusing a removed tap's name) may export again."""
+        with self._lock:
+            self._gone.pop(tap_id, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._layers)
+
+    def snapshot(self) -> list[LayerSnapshot]:
+        """An immutable copy of every layer's latest telemetry."""
+        out = []
+        with self._lock:
+            for (tap, layer, point), st in self._layers.items():
+                v = st.values
+                out.append(
+                    LayerSnapshot(
+                        tap, layer, point,
+                        v.get("mean"), v.get("std"), v.get("min"), v.get("max"), v.get("abs_max"), v.get("zero_fraction"),
+                        st.quantiles, st.nan_total, st.inf_total, st.last_update,
+                        None if st.hist_edges is None or st.hist_counts is None else (st.hist_edges, st.hist_counts),
+                        st.drift, st.thresholds, st.channel_fraction,
+                    )
+                )
+        return out

@@ -1,0 +1,194 @@
+"""The fused plan: validated reducers run on a tensor as one unit of device work.
+
+A tap asks for reducers by :class:`~layertap.v1.telemetry_pb2.ReducerSpec`.
+:func:`build_reducers` validates the specs once, host-side, and a
+:class:`ReducerPlan` runs them all on a tensor as one fused plan whose output is
+ONE 1-D float64 tensor on the tensor's device (the "slots"). The transfer
+thread (:mod:`layertap.server.reducers.transfer`) copies a whole pass's slots
+to the host in one asynchronous copy, and :meth:`ReducerPlan.decode` turns the
+host array back into ``ReducerResult`` messages off the model thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from layertap.server.reducers.base import Reducer
+from layertap.server.reducers.basic import BASIC_REDUCERS, BasicReducer
+from layertap.server.reducers.distribution import HistogramReducer, PerChannelReducer, QuantilesReducer
+from layertap.server.reducers.kernels import StatNeeds, fused_basic_stats
+from layertap.server.reducers.spec import (
+    SpecError,
+    check_histogram,
+    check_kind,
+    check_per_channel,
+    check_quantiles,
+)
+from layertap.server.reducers.workspace import F64, DeviceCache, Workspace, device_constant
+from layertap.v1 import telemetry_pb2 as pb
+
+__all__ = ["ReducerPlan", "build_reducers"]
+
+_SUPPORTED_DTYPES = frozenset(
+    {
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.int8, torch.int16, torch.int32, torch.int64,
+        torch.uint8, torch.bool,
+    }
+)  # fmt: skip  (uint16/32/64 lack min/max kernels in torch)
+
+
+def _build_one(spec: pb.ReducerSpec, field: str) -> Reducer:
+    """Builds one reducer; :mod:`~layertap.server.reducers.spec` validates its kind and parameters."""
+    kind = check_kind(spec, field)
+    if kind == pb.REDUCER_KIND_HISTOGRAM:
+        return HistogramReducer(field, *check_histogram(field, spec.histogram))
+    if kind == pb.REDUCER_KIND_QUANTILES:
+        return QuantilesReducer(field, *check_quantiles(field, spec.quantiles))
+    if kind == pb.REDUCER_KIND_PER_CHANNEL:
+        return PerChannelReducer(field, *check_per_channel(field, spec.per_channel))
+    return BASIC_REDUCERS[kind](field)
+
+
+def build_reducers(specs: Sequence[pb.ReducerSpec], field_prefix: str = "reducers") -> list[Reducer]:
+    """Validates reducer specs and builds the reducers, host-side and once.
+
+    Args:
+        specs: The requested reducers, in the order results will come back.
+        field_prefix: Field path of ``specs`` in the request, for errors.
+
+    Returns:
+        One reducer per spec, in order.
+
+    Raises:
+        SpecError: On an unknown kind, a parameter out of range, parameters
+            given for a kind that takes none (or another kind's), or a
+            duplicate reducer (same kind and same effective parameters).
+    """
+    reducers: list[Reducer] = []
+    seen: dict[tuple[object, ...], int] = {}
+    for i, spec in enumerate(specs):
+        field = f"{field_prefix}[{i}]"
+        reducer = _build_one(spec, field)
+        key = reducer.key()
+        if key in seen:
+            raise SpecError(field, f"duplicate of {field_prefix}[{seen[key]}] ({reducer.name})")
+        seen[key] = i
+        reducers.append(reducer)
+    return reducers
+
+
+class ReducerPlan:
+    """Runs a list of reducers on a tensor as one fused unit of device work.
+
+    Args:
+        reducers: Validated reducers, from :func:`build_reducers`.
+        seed: Seed of the plan's private sampling generators (one per device);
+            sampling never touches the global RNG, so taps do not change a
+            model's dropout or data order.
+    """
+
+    def __init__(self, reducers: Sequence[Reducer], seed: int = 0) -> None:
+        self.reducers: tuple[Reducer, ...] = tuple(reducers)
+        self.seed = seed
+        needs = StatNeeds()
+        for r in self.reducers:
+            needs = needs | r.needs
+        self._needs = needs
+        self._needs_any = needs.any()  # dataclasses.astuple per run costs ~30 us on the hot path
+        self._sorted_sizes = frozenset(r.sample_size for r in self.reducers if isinstance(r, QuantilesReducer))
+        self._share_xd = any(r.reads_upcast for r in self.reducers)
+        # Only shape-dependent reducers (per_channel) check anything per tensor.
+        self._checked = tuple(r for r in self.reducers if type(r).check is not Reducer.check)
+        # A plan of basic reducers only is one gather from the basic vector.
+        self._basic_slots: tuple[int, ...] | None = None
+        basic = [r for r in self.reducers if isinstance(r, BasicReducer)]
+        if basic and len(basic) == len(self.reducers):
+            self._basic_slots = tuple(i for r in basic for i in range(*r.slots))
+        self._slot_cache: DeviceCache = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __len__(self) -> int:
+        return len(self.reducers)
+
+    def __repr__(self) -> str:
+        return f"ReducerPlan([{', '.join(r.name for r in self.reducers)}])"
+
+    def nonfinite_only(self) -> ReducerPlan | None:
+        """The sub-plan to run on unsampled passes: just ``nonfinite``, or None."""
+        kept = [r for r in self.reducers if r.kind == pb.REDUCER_KIND_NONFINITE]
+        return ReducerPlan(kept, self.seed) if kept else None
+
+    def width(self, shape: Sequence[int]) -> int:
+        """Total float64 slots of :meth:`run`'s output for a tensor of ``shape``.
+
+        Raises:
+            SpecError: When a reducer cannot apply to the shape (per_channel dim).
+        """
+        return sum(r.width(shape) for r in self.reducers)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+            self._generators[device] = gen
+        return gen
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """Reduces ``x`` on its device, without any host sync.
+
+        Args:
+            x: Any strided real, integer or bool tensor: any layout, 0-d or empty.
+
+        Returns:
+            A 1-D float64 tensor on ``x.device`` of ``width(x.shape)`` slots,
+            the reducers' slots concatenated in plan order.
+
+        Raises:
+            TypeError: For complex, quantized or non-strided tensors.
+            SpecError: When a reducer cannot apply to ``x``'s shape.
+        """
+        if x.layout != torch.strided or x.is_quantized or x.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"reducers need a strided real, integer or bool tensor, got {x.dtype} ({x.layout})")
+        for r in self._checked:
+            r.check(x.shape)
+        if not self.reducers:
+            return x.new_zeros((0,), dtype=F64)
+        with torch.no_grad():
+            ws = Workspace(x.detach() if x.requires_grad else x, self._generator(x.device),
+                           self._sorted_sizes, self._share_xd)
+            if self._needs_any:
+                ws.basic = fused_basic_stats(ws, self._needs)
+            if self._basic_slots is not None:
+                assert ws.basic is not None
+                slots = device_constant(self._slot_cache, self._basic_slots, x.device, torch.int64)
+                return ws.basic.index_select(0, slots)
+            return torch.cat([r.compute(ws) for r in self.reducers])
+
+    def decode(self, values: np.ndarray, shape: Sequence[int]) -> list[pb.ReducerResult]:
+        """Turns :meth:`run`'s output, copied to the host, into result messages.
+
+        Args:
+            values: The float64 slots of one tensor.
+            shape: The shape of the tensor that was reduced.
+
+        Returns:
+            One ``ReducerResult`` per reducer, in plan order.
+
+        Raises:
+            ValueError: When ``values`` does not have ``width(shape)`` slots.
+        """
+        values = np.asarray(values, dtype=np.float64)
+        widths = [r.width(shape) for r in self.reducers]
+        if values.shape != (sum(widths),):
+            raise ValueError(f"expected {sum(widths)} slots for shape {list(shape)}, got {values.shape}")
+        results = []
+        start = 0
+        for r, w in zip(self.reducers, widths):
+            results.append(r.decode(values[start : start + w], shape))
+            start += w
+        return results

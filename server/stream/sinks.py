@@ -1,0 +1,90 @@
+"""Sinks: everything downstream of the taps that is not a subscriber stream.
+
+The app assembles one :class:`Sinks` and hands it to the tap engine and the
+broker; each consumer (Prometheus export, drift, and later training, tools and
+the flight recorder) is a :class:`Sink` that overrides only the events it
+needs. This replaces ad-hoc callback lists, so the wiring is visible in one
+place (``layertap.server.app``) and a new consumer is one ``sinks.add(...)``.
+
+Threads: ``on_summaries`` runs on the host-transfer thread, ``on_hook_time``
+on the model thread, the tap events on whichever thread changed the tap, and
+``on_delivery`` on the publishing thread. None may block; a sink that raises
+is logged and the others still run, so a broken consumer never stalls a pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+from layertap.server.host.model_host import PassContext
+from layertap.server.taps.tap import Tap
+from layertap.v1 import telemetry_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class Sink:
+    """A consumer of pipeline events; every method is a no-op by default."""
+
+    def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
+        """All summaries of one finished pass (published to the broker already)."""
+
+    def on_tap_created(self, tap: Tap) -> None:
+        """A tap was created (durable or stream)."""
+
+    def on_tap_removed(self, tap: Tap, reason: str) -> None:
+        """A tap was deleted, expired or its stream ended."""
+
+    def on_tap_error(self, tap: Tap) -> None:
+        """A reducer raised; ``tap`` is now disabled."""
+
+    def on_hook_time(self, seconds: float) -> None:
+        """Time the model thread spent in tap hooks during one pass."""
+
+    def on_delivery(self, dropped: int) -> None:
+        """One message was queued for a subscriber, ``dropped`` older ones lost."""
+
+
+_S = TypeVar("_S", bound=Sink)
+
+
+class Sinks(Sink):
+    """The assembled set of sinks; dispatches each event to every member."""
+
+    def __init__(self) -> None:
+        self._members: tuple[Sink, ...] = ()
+
+    def add(self, sink: _S) -> _S:
+        """Add ``sink`` (copy-on-write, so dispatch never takes a lock)."""
+        self._members = (*self._members, sink)
+        return sink
+
+    def __iter__(self) -> Iterator[Sink]:
+        return iter(self._members)
+
+    def _each(self, call: Callable[[Sink], None]) -> None:
+        for sink in self._members:
+            try:
+                call(sink)
+            except Exception:  # noqa: BLE001 - one broken consumer must not stop the others
+                log.exception("sink %s failed", type(sink).__name__)
+
+    def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
+        self._each(lambda s: s.on_summaries(ctx, summaries))
+
+    def on_tap_created(self, tap: Tap) -> None:
+        self._each(lambda s: s.on_tap_created(tap))
+
+    def on_tap_removed(self, tap: Tap, reason: str) -> None:
+        self._each(lambda s: s.on_tap_removed(tap, reason))
+
+    def on_tap_error(self, tap: Tap) -> None:
+        self._each(lambda s: s.on_tap_error(tap))
+
+    def on_hook_time(self, seconds: float) -> None:
+        self._each(lambda s: s.on_hook_time(seconds))
+
+    def on_delivery(self, dropped: int) -> None:
+        self._each(lambda s: s.on_delivery(dropped))

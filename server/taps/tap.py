@@ -1,0 +1,65 @@
+"""A registered tap: its spec, its layers' reducer plans, sampling and counters.
+
+Its own module so that sinks (downstream) can name the type without importing
+the engine that drives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from google.protobuf import timestamp_pb2
+
+from layertap.server.host.hooks import HookHandle
+from layertap.server.reducers.plan import ReducerPlan
+from layertap.server.taps.sampling import Sampler
+from layertap.v1 import telemetry_pb2 as pb
+
+
+def timestamp(seconds: float) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+@dataclass
+class Tap:
+    """A registered tap and its counters."""
+
+    id: str
+    spec: pb.TapSpec
+    kind: int
+    layers: list[str]
+    plan: ReducerPlan
+    always: ReducerPlan | None
+    sampler: Sampler
+    created_wall: float
+    expires_at: float | None = None  # engine clock
+    expires_wall: float | None = None
+    hits: int = 0
+    drops: int = 0
+    errors: int = 0
+    last_error: str = ""
+    disabled: bool = False
+    handles: list[HookHandle] = field(default_factory=list)
+    #: Calls of each layer (point) seen in the current pass.
+    calls: dict[str, int] = field(default_factory=dict)
+    #: Per-layer reducer plans that override ``plan`` (drift baselines freeze
+    #: histogram edges per layer).
+    layer_plans: dict[str, ReducerPlan] = field(default_factory=dict)
+    _pass: int = -1
+    _sampled: bool = False
+
+    @property
+    def durable(self) -> bool:
+        return self.kind == pb.TAP_KIND_DURABLE
+
+    def info(self) -> pb.TapInfo:
+        msg = pb.TapInfo(
+            id=self.id, spec=self.spec, kind=self.kind, layers=self.layers, hits=self.hits,
+            drops=self.drops, errors=self.errors, last_error=self.last_error, disabled=self.disabled,
+            created_at=timestamp(self.created_wall),
+        )
+        if self.expires_wall is not None:
+            msg.expires_at.CopyFrom(timestamp(self.expires_wall))
+        return msg
