@@ -56,7 +56,7 @@ class HistogramReducer(Reducer):
             return x.new_zeros((len(self.edges) + 1,), dtype=F64)
         edges = device_constant(self._edge_cache, self.edges, x.device)
         # Only a bounded sample is ever binned: full-tensor scatters are the
-        # 39x trap in DESIGN.
+        # 39x trap measured in docs/design.md.
         if ws.sorts(self.sample_size):
             # Binary-search the edges in the sorted sample: no atomics,
             # deterministic, and the sort is shared with quantiles.

@@ -1,6 +1,6 @@
 """The shared tensor kernels: the basic statistics every basic reducer reads.
 
-Rules every reducer follows (DESIGN "Reducers"):
+Rules every reducer follows (docs/design.md, "Measured facts"):
 
 * No host sync: no ``.item()``, ``.cpu()``, ``.tolist()``, ``histc``,
   ``nonzero``, ``bincount``, boolean-mask indexing or Python branching on tensor
@@ -105,7 +105,7 @@ def fused_basic_stats(ws: Workspace, needs: StatNeeds) -> torch.Tensor:
 
     This is the seam for a fused single-pass kernel: on CUDA a Triton kernel
     reading x once in its native dtype, with per-program register accumulators
-    and one atomic per program, replaces this whole function (DESIGN measures
+    and one atomic per program, replaces this whole function (docs/design.md:
     1.1 TB/s, 1.10-1.40x step time, against ~2-2.6x for these torch ops). The
     torch fallback below takes one cheap pass per statistic and keeps its
     temporaries few and small (fresh allocations page-fault, and kernels with

@@ -14,7 +14,7 @@ CUDA they copy to the host first, which it does catch).
 
 Optionally it also rejects "sample-only" ops (sort, top-k, quantile,
 scatter_add...) on inputs above ``sample_op_limit`` elements, which catches a
-reducer that sorts or scatters over a whole activation (DESIGN: full-tensor
+reducer that sorts or scatters over a whole activation (docs/design.md: full-tensor
 ``scatter_add_`` is 39x, ``torch.quantile`` fails above 2**24 elements).
 """
 
