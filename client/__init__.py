@@ -8,8 +8,9 @@ The base install has no torch; ``as_torch=True`` needs it. Everything public
 is listed in ``__all__``; modules starting with ``_`` are private.
 """
 
-from ._client import Client, SummaryStream, TapHandle
+from ._client import Client
 from ._errors import (
+    AlreadyExists,
     CaptureTooLarge,
     ClientClosed,
     DeadlineExceeded,
@@ -36,7 +37,10 @@ from ._types import (
     Norm,
     PerChannel,
     Quantiles,
+    ReducerResult,
+    ReducerSpec,
     ServerStats,
+    Structured,
     Summary,
     TapEvent,
     TapInfo,
@@ -44,6 +48,7 @@ from ._types import (
     TensorSpec,
     ZeroFraction,
 )
+from ._taps import SummaryStream, TapHandle
 from ._version import __version__
 
 __all__ = [
@@ -56,6 +61,7 @@ __all__ = [
     "NotFound",
     "LayerNotFound",
     "InvalidArgument",
+    "AlreadyExists",
     "ResourceExhausted",
     "CaptureTooLarge",
     "FailedPrecondition",
@@ -84,5 +90,9 @@ __all__ = [
     "BaselineInfo",
     "DriftThresholds",
     "LayerDrift",
+    # type aliases of public signatures
+    "ReducerSpec",
+    "ReducerResult",
+    "Structured",
     "__version__",
 ]

@@ -2,47 +2,26 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, overload
 
 import grpc
 
-from . import _convert
-from ._errors import (
-    ClientClosed,
-    DeadlineExceeded,
-    InvalidArgument,
-    NotFound,
-    ProtocolError,
-    from_rpc_error,
-)
+from . import _capture, _codec, _convert
+from ._capture import CaptureOptions, ProgressCallback
+from ._codec import Array
+from ._errors import ClientClosed, DeadlineExceeded, InvalidArgument, NotFound, from_rpc_error
+from ._taps import DurableTapOptions, SummaryStream, TapHandle, TapOptions, Unpack, tap_spec
 from ._types import (
-    BaselineInfo,
-    DriftThresholds,
-    LayerDrift,
-    LayerInfo,
-    ModelMetadata,
-    ReducerSpec,
-    ServerStats,
-    Summary,
-    TapEvent,
-    TapInfo,
-    TapSpec,
+    BaselineInfo, DriftThresholds, LayerDrift, LayerInfo, ModelMetadata, ServerStats, Structured, TapInfo, TapSpec,
 )
-from .v1 import (
-    inference_pb2,
-    inference_pb2_grpc,
-    telemetry_pb2,
-    telemetry_pb2_grpc,
-)
+from .v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
-__all__ = ["Client", "SummaryStream", "TapHandle"]
+__all__ = ["Client"]
 
 MiB = 1 << 20
 #: Seconds a unary call or a capture may take unless ``timeout=`` says otherwise.
@@ -50,8 +29,6 @@ DEFAULT_TIMEOUT = 30.0
 #: The server accepts requests of up to 256 MiB of tensor data by default; the
 #: slack covers the protobuf envelope around the raw bytes.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * MiB + 1 * MiB
-#: Reducers used when a tap or watch names none: cheap, and enough for the CLI table.
-DEFAULT_REDUCERS: tuple[str, ...] = ("moments", "minmax", "nonfinite")
 _LAYER_NAMES_TIMEOUT = 5.0
 
 
@@ -68,167 +45,6 @@ def normalize_target(target: str | int) -> str:
     if not text:
         raise InvalidArgument("empty server address; expected host:port or a port")
     return text
-
-
-def _as_spec(
-    selector: str | TapSpec,
-    *,
-    reducers: Sequence[ReducerSpec] | str | None,
-    point: str | None,
-    every: int | None,
-    probability: float | None,
-    max_per_second: float | None,
-    name: str | None,
-) -> TapSpec:
-    if isinstance(reducers, str):
-        # Accept the CLI's "moments,nonfinite" form, and avoid iterating characters.
-        reducers = [r.strip() for r in reducers.split(",") if r.strip()]
-    spec = TapSpec(selector=selector) if isinstance(selector, str) else selector
-    overrides: dict[str, Any] = {
-        "reducers": tuple(reducers) if reducers is not None else None,
-        "point": point,
-        "every": every,
-        "probability": probability,
-        "max_per_second": max_per_second,
-        "name": name,
-    }
-    return dataclasses.replace(spec, **{k: v for k, v in overrides.items() if v is not None})
-
-
-class SummaryStream(Iterator[Summary]):
-    """A live subscription: iterate it for :class:`Summary` objects.
-
-    The server batches summaries (about one message per pass); iterating
-    flattens them. Use :meth:`batches` to see message boundaries, e.g. to
-    refresh a display after each. The stream runs until :meth:`close`, the end
-    of a ``with`` block, the client's close, or its deadline (which raises
-    :class:`~layertap.DeadlineExceeded`).
-
-    Attributes:
-        dropped: Messages this subscriber lost so far to its full server-side queue.
-        events: The most recent tap events (reducer errors, expiry), oldest first.
-        stream_tap_ids: Ids the server gave this subscription's inline taps.
-    """
-
-    def __init__(
-        self, call: Any, translating: Callable[[], AbstractContextManager[None]]
-    ) -> None:
-        self._call = call
-        self._translating = translating
-        self._buffer: deque[Summary] = deque()
-        self._closed = False
-        self.dropped = 0
-        self.events: deque[TapEvent] = deque(maxlen=1000)
-        self.stream_tap_ids: list[str] = []
-
-    def __iter__(self) -> SummaryStream:
-        return self
-
-    def __next__(self) -> Summary:
-        while not self._buffer:
-            self._buffer.extend(self._next_message())
-        return self._buffer.popleft()
-
-    def batches(self) -> Iterator[list[Summary]]:
-        """Yields each stream message's summaries (possibly empty, when only events came)."""
-        while True:
-            if self._buffer:
-                pending = list(self._buffer)
-                self._buffer.clear()
-                yield pending
-            try:
-                yield self._next_message()
-            except StopIteration:
-                return
-
-    def _next_message(self) -> list[Summary]:
-        if self._closed:
-            raise StopIteration
-        try:
-            with self._translating():
-                msg = next(self._call)
-        except StopIteration:
-            self._closed = True
-            raise
-        except Exception:
-            if self._closed:  # Our own cancel() surfaces as CANCELLED: a clean end.
-                raise StopIteration from None
-            self.close()
-            raise
-        batch = _convert.subscribe_batch_from_proto(msg)
-        self.dropped = batch.dropped
-        self.events.extend(batch.events)
-        if batch.stream_tap_ids:
-            self.stream_tap_ids = batch.stream_tap_ids
-        return batch.summaries
-
-    def close(self) -> None:
-        """Cancels the subscription; the server removes its stream taps."""
-        if not self._closed:
-            self._closed = True
-            self._call.cancel()
-
-    def __enter__(self) -> SummaryStream:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class TapHandle:
-    """A durable tap created by :meth:`Client.tap`; deleted when the block exits.
-
-    Attributes:
-        info: The tap as the server reported it at creation.
-    """
-
-    def __init__(self, client: Client, info: TapInfo) -> None:
-        self._client = client
-        self.info = info
-        self._streams: list[SummaryStream] = []
-
-    @property
-    def id(self) -> str:
-        """The tap's server-assigned id."""
-        return self.info.id
-
-    def summaries(
-        self, *, timeout: float | None = None, queue_size: int | None = None
-    ) -> SummaryStream:
-        """Subscribes to this tap.
-
-        Args:
-            timeout: Seconds until the stream's deadline (None: no deadline).
-            queue_size: Server-side queue length for this subscriber.
-        """
-        stream = self._client._subscribe(
-            _convert.subscribe_request(tap_ids=[self.id], queue_size=queue_size), timeout
-        )
-        self._streams.append(stream)
-        return stream
-
-    def refresh(self) -> TapInfo:
-        """Fetches the tap's current counters (hits, drops, errors).
-
-        Raises:
-            NotFound: The tap expired or was deleted.
-        """
-        for info in self._client.taps():
-            if info.id == self.id:
-                self.info = info
-                return info
-        raise NotFound(f"tap {self.id!r} no longer exists (expired or deleted)")
-
-    def close(self) -> None:
-        """Cancels every subscription opened through this handle."""
-        for stream in self._streams:
-            stream.close()
-        self._streams.clear()
 
 
 class Client:
@@ -353,6 +169,13 @@ class Client:
             )
         return _convert.metadata_from_proto(resp)
 
+    @overload
+    def infer(
+        self, x: Any, *more: Any, as_torch: Literal[False] = ..., timeout: float | None = ...
+    ) -> Array | list[Array]: ...
+    @overload
+    def infer(self, x: Any, *more: Any, as_torch: bool, timeout: float | None = ...) -> Any: ...
+
     def infer(self, x: Any, *more: Any, as_torch: bool = False, timeout: float | None = None) -> Any:
         """Runs one forward pass.
 
@@ -394,6 +217,32 @@ class Client:
             )
         return _convert.stats_from_proto(resp)
 
+    # n=1 gives one pass, n>1 a list of passes. Literal[1] overlaps int (mypy's
+    # overload-overlap): a non-literal n that happens to be 1 gets one pass too.
+    @overload
+    def capture(  # type: ignore[overload-overlap]
+        self, layers: str, *, n: Literal[1] = ..., as_torch: Literal[False] = ...,
+        **options: Unpack[CaptureOptions],
+    ) -> Structured: ...
+    @overload
+    def capture(  # type: ignore[overload-overlap]
+        self, layers: list[str] | tuple[str, ...], *, n: Literal[1] = ..., as_torch: Literal[False] = ...,
+        **options: Unpack[CaptureOptions],
+    ) -> dict[str, Structured]: ...
+    @overload
+    def capture(
+        self, layers: str, *, n: int, as_torch: Literal[False] = ..., **options: Unpack[CaptureOptions]
+    ) -> list[Structured]: ...
+    @overload
+    def capture(
+        self, layers: list[str] | tuple[str, ...], *, n: int, as_torch: Literal[False] = ...,
+        **options: Unpack[CaptureOptions],
+    ) -> list[dict[str, Structured]]: ...
+    @overload
+    def capture(  # as_torch=True: torch is no dependency, so its tensors have no static type here
+        self, layers: str | Sequence[str], *, n: int = ..., as_torch: bool = ..., **options: Unpack[CaptureOptions]
+    ) -> Any: ...
+
     def capture(
         self,
         layers: str | Sequence[str],
@@ -405,7 +254,7 @@ class Client:
         dtype: str | None = None,
         as_torch: bool = False,
         timeout: float | None = None,
-        progress: Callable[[int, int], None] | None = None,
+        progress: ProgressCallback | None = None,
     ) -> Any:
         """Fetches the tensors at one or more layers.
 
@@ -450,12 +299,12 @@ class Client:
         inputs: list[Any] | None = None
         if input is not None:
             inputs = list(input) if isinstance(input, (tuple, list)) else [input]
-        req = _convert.capture_request(
+        req = _capture.capture_request(
             names, inputs=inputs, passes=n, point=point, max_batch=max_batch, dtype=dtype
         )
         if as_torch:
-            _convert._torch()  # Fail before the server does any work.
-        assembler = _convert.CaptureAssembler(as_torch=as_torch, progress=progress)
+            _codec.require_torch()  # Fail before the server does any work.
+        assembler = _capture.CaptureAssembler(as_torch=as_torch, progress=progress)
         try:
             with self._translating(layer_hint=True):
                 call = self._telemetry.Capture(req, timeout=self._deadline(timeout))
@@ -470,7 +319,7 @@ class Client:
                 exc.hint = (f"no live Infer traffic reached {', '.join(names)} in time ({n} pass(es) "
                             "wanted): pass input= for an active capture, or a longer timeout=")
             raise
-        return _shape_capture(assembler.finish(), names, single=isinstance(layers, str), n=n)
+        return _capture.shape_capture(assembler.finish(), names, single=isinstance(layers, str), n=n)
 
     # ------------------------------------------------------------------ taps
 
@@ -482,20 +331,7 @@ class Client:
             )
         return [_convert.tap_info_from_proto(t) for t in resp.taps]
 
-    def create_tap(
-        self,
-        selector: str | TapSpec,
-        *,
-        reducers: Sequence[ReducerSpec] | str | None = None,
-        point: str | None = None,
-        every: int | None = None,
-        probability: float | None = None,
-        max_per_second: float | None = None,
-        name: str | None = None,
-        ttl: float | None = None,
-        forever: bool = False,
-        timeout: float | None = None,
-    ) -> TapInfo:
+    def create_tap(self, selector: str | TapSpec, **options: Unpack[DurableTapOptions]) -> TapInfo:
         """Registers a durable tap.
 
         Args:
@@ -520,16 +356,9 @@ class Client:
             InvalidArgument: Unknown reducer or parameter (checked client-side), bad sampling.
             LayerNotFound: The selector matches no module.
         """
-        spec = _as_spec(
-            selector,
-            reducers=reducers,
-            point=point,
-            every=every,
-            probability=probability,
-            max_per_second=max_per_second,
-            name=name,
-        )
-        req = _convert.create_tap_request(spec, ttl=ttl, forever=forever)
+        ttl, forever = options.pop("ttl", None), options.pop("forever", False)
+        timeout = options.pop("timeout", None)
+        req = _convert.create_tap_request(tap_spec(selector, options), ttl=ttl, forever=forever)
         with self._translating(layer_hint=True):
             resp = self._telemetry.CreateTap(req, timeout=self._deadline(timeout))
         return _convert.tap_info_from_proto(resp.tap)
@@ -547,20 +376,7 @@ class Client:
             )
 
     @contextmanager
-    def tap(
-        self,
-        selector: str | TapSpec,
-        *,
-        reducers: Sequence[ReducerSpec] | str | None = None,
-        point: str | None = None,
-        every: int | None = None,
-        probability: float | None = None,
-        max_per_second: float | None = None,
-        name: str | None = None,
-        ttl: float | None = None,
-        forever: bool = False,
-        timeout: float | None = None,
-    ) -> Iterator[TapHandle]:
+    def tap(self, selector: str | TapSpec, **options: Unpack[DurableTapOptions]) -> Iterator[TapHandle]:
         """Creates a durable tap for the duration of a ``with`` block.
 
         Takes the arguments of :meth:`create_tap`. On exit, however the block
@@ -572,18 +388,8 @@ class Client:
             ...     for s in t.summaries():
             ...         print(s.layer, s.results["moments"].mean)
         """
-        info = self.create_tap(
-            selector,
-            reducers=reducers,
-            point=point,
-            every=every,
-            probability=probability,
-            max_per_second=max_per_second,
-            name=name,
-            ttl=ttl,
-            forever=forever,
-            timeout=timeout,
-        )
+        timeout = options.get("timeout")
+        info = self.create_tap(selector, **options)
         handle = TapHandle(self, info)
         try:
             yield handle
@@ -599,13 +405,9 @@ class Client:
         self,
         selector: str | TapSpec,
         *,
-        reducers: Sequence[ReducerSpec] | str | None = None,
-        every: int | None = None,
-        point: str | None = None,
-        probability: float | None = None,
-        max_per_second: float | None = None,
         queue_size: int | None = None,
         timeout: float | None = None,
+        **options: Unpack[TapOptions],
     ) -> SummaryStream:
         """Streams summaries from an inline stream tap that lives as long as the stream.
 
@@ -624,16 +426,7 @@ class Client:
             A :class:`SummaryStream`; close it (or use ``with``) to remove the tap.
             A bad selector raises when iteration starts.
         """
-        spec = _as_spec(
-            selector,
-            reducers=reducers,
-            point=point,
-            every=every,
-            probability=probability,
-            max_per_second=max_per_second,
-            name=None,
-        )
-        req = _convert.subscribe_request(stream_taps=[spec], queue_size=queue_size)
+        req = _convert.subscribe_request(stream_taps=[tap_spec(selector, options)], queue_size=queue_size)
         return self._subscribe(req, timeout)
 
     def subscribe(
@@ -653,9 +446,7 @@ class Client:
         req = _convert.subscribe_request(tap_ids=tap_ids, queue_size=queue_size)
         return self._subscribe(req, timeout)
 
-    def _subscribe(
-        self, req: telemetry_pb2.SubscribeRequest, timeout: float | None
-    ) -> SummaryStream:
+    def _subscribe(self, req: telemetry_pb2.SubscribeRequest, timeout: float | None) -> SummaryStream:
         self._check_open()
         deadline = None if timeout is None or math.isinf(timeout) else self._deadline(timeout)
         with self._translating():
@@ -703,41 +494,3 @@ class Client:
                 telemetry_pb2.GetDriftRequest(selector=selector), timeout=self._deadline(timeout)
             )
         return _convert.drift_from_proto(resp)
-
-
-def _layer_value(tensors: list[_convert.CapturedTensor]) -> Any:
-    calls = sorted({t.call_index for t in tensors})
-    if len(calls) > 1:  # the module ran more than once in the pass: one entry per call
-        return [_call_value([t for t in tensors if t.call_index == c]) for c in calls]
-    return _call_value(tensors)
-
-
-def _call_value(tensors: list[_convert.CapturedTensor]) -> Any:
-    if len(tensors) == 1 and not tensors[0].is_container:
-        return tensors[0].value
-    ordered = sorted(tensors, key=lambda t: t.output_index)
-    if any(t.output_key for t in ordered):
-        return {t.output_key: t.value for t in ordered}
-    return [t.value for t in ordered]
-
-
-def _shape_capture(
-    tensors: list[_convert.CapturedTensor], names: list[str], *, single: bool, n: int
-) -> Any:
-    by_pass: dict[int, dict[str, list[_convert.CapturedTensor]]] = {}
-    for t in tensors:
-        by_pass.setdefault(t.pass_ordinal, {}).setdefault(t.layer, []).append(t)
-    if not by_pass:
-        raise ProtocolError("the capture stream ended without any tensor")
-    passes: list[Any] = []
-    for ordinal in sorted(by_pass):
-        layer_groups = by_pass[ordinal]
-        order = names + [name for name in layer_groups if name not in names]
-        values = {name: _layer_value(layer_groups[name]) for name in order if name in layer_groups}
-        if single:
-            if names[0] not in values:
-                raise ProtocolError(f"the server sent no tensor for layer {names[0]!r}")
-            passes.append(values[names[0]])
-        else:
-            passes.append(values)
-    return passes[0] if n == 1 else passes

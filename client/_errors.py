@@ -1,33 +1,43 @@
 """Exceptions raised by the layertap client.
 
-Every server error is a gRPC status code; the client translates it, in one
-place (:func:`from_rpc_error`), into one class of this hierarchy::
+Every server error is a gRPC status; the client translates it, in one place
+(:func:`from_rpc_error`), into one class of this hierarchy::
 
-    LayertapError                 .code (StatusCode name) and .details
+    LayertapError                 .code, .details, .reason, .field, .metadata
     ├── NotFound                  NOT_FOUND (e.g. an unknown tap id)
-    │   └── LayerNotFound         NOT_FOUND naming a layer; .suggestions
+    │   └── LayerNotFound         reason LAYER_NOT_FOUND; .layer, .suggestions
     ├── InvalidArgument           INVALID_ARGUMENT (also client-side checks); a ValueError
+    ├── AlreadyExists             ALREADY_EXISTS (e.g. a tap name that is taken)
     ├── ResourceExhausted         RESOURCE_EXHAUSTED (limits on captures, K, subscribers)
-    │   └── CaptureTooLarge       the capture is over the server's byte cap
+    │   └── CaptureTooLarge       reason CAPTURE_TOO_LARGE: over the server's byte cap
     ├── FailedPrecondition        FAILED_PRECONDITION (e.g. TorchScript refuses hooks)
     ├── DeadlineExceeded          DEADLINE_EXCEEDED (the call's deadline passed)
     ├── ServerUnavailable         UNAVAILABLE (server down or unreachable)
     ├── ProtocolError             the server sent a malformed or incomplete stream
     └── ClientClosed              the Client was used after close(); a RuntimeError
 
-Codes with no class of their own (INTERNAL, UNIMPLEMENTED, ...) raise
-``LayertapError`` itself, with ``.code`` set.
+The class comes from data, never from message text: the server attaches a
+``google.rpc.Status`` whose ``ErrorInfo`` (domain ``layertap.dev``) carries a
+``reason`` and metadata, plus a ``BadRequest`` field violation for invalid
+arguments. A reason with a class of its own (LAYER_NOT_FOUND,
+CAPTURE_TOO_LARGE) picks it; otherwise the status code does, which also covers
+statuses that carry no details (a deadline, an unreachable server). Codes with
+no class of their own (INTERNAL, UNIMPLEMENTED, ...) raise ``LayertapError``
+itself, with ``.code`` set.
 """
 
 from __future__ import annotations
 
 import difflib
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import grpc
+from google.rpc import error_details_pb2  # type: ignore[import-untyped, unused-ignore]
+from grpc_status import rpc_status  # type: ignore[import-untyped, unused-ignore]
 
 __all__ = [
+    "AlreadyExists",
     "CaptureTooLarge",
     "ClientClosed",
     "DeadlineExceeded",
@@ -42,8 +52,8 @@ __all__ = [
     "from_rpc_error",
 ]
 
-#: The marker the server puts in RESOURCE_EXHAUSTED details of an over-cap capture.
-CAPTURE_TOO_LARGE_MARKER = "capture too large"
+#: The ErrorInfo domain of layertap's own error details.
+ERROR_DOMAIN = "layertap.dev"
 
 _LAYERS_HINT = "Hint: list layers with client.layers()"
 
@@ -55,14 +65,30 @@ class LayertapError(Exception):
         code: The gRPC status code name, e.g. ``"NOT_FOUND"``; for errors
             raised by the client itself, the code it would have had.
         details: The server's (or the client's) message, unchanged.
+        reason: The server's ``ErrorInfo`` reason, e.g. ``"LAYER_NOT_FOUND"``;
+            "" when the status carried none (or the client raised the error).
+        field: The request field at fault, e.g. ``"spec.reducers[0].histogram.bins"``,
+            when the server named one; else None.
+        metadata: The server's ``ErrorInfo`` metadata (strings; ``field`` included).
         hint: What the client adds about the likely cause, or "".
     """
 
     default_code = "UNKNOWN"
 
-    def __init__(self, details: str, *, code: str | None = None) -> None:
+    def __init__(
+        self,
+        details: str,
+        *,
+        code: str | None = None,
+        reason: str = "",
+        field: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
         self.code: str = code if code is not None else self.default_code
         self.details: str = details
+        self.reason: str = reason
+        self.field: str | None = field
+        self.metadata: dict[str, str] = dict(metadata or {})
         self.hint: str = ""
         super().__init__(details)
 
@@ -81,22 +107,22 @@ class LayerNotFound(NotFound, LookupError):
     """No module of the served model has this name or matches this selector.
 
     Attributes:
-        layer: The name the server did not find, when its message says it.
-        suggestions: Close layer names (from the server's message, or computed
-            with ``difflib`` against ``client.layers()``).
+        layer: The name or selector the server did not find.
+        suggestions: Close layer names (the server's, or computed with
+            ``difflib`` against ``client.layers()``).
     """
 
     def __init__(
         self,
         details: str,
         *,
-        code: str | None = None,
         layer: str | None = None,
         suggestions: Sequence[str] = (),
+        **status: Any,
     ) -> None:
         self.layer: str | None = layer
         self.suggestions: list[str] = list(suggestions)
-        super().__init__(details, code=code)
+        super().__init__(details, **status)
 
     def __str__(self) -> str:
         msg = self.details
@@ -111,6 +137,12 @@ class InvalidArgument(LayertapError, ValueError):
     """The request is malformed: bad bytes, dtype, shape, selector or option."""
 
     default_code = "INVALID_ARGUMENT"
+
+
+class AlreadyExists(LayertapError):
+    """Something with this name already exists on the server (e.g. a tap name)."""
+
+    default_code = "ALREADY_EXISTS"
 
 
 class ResourceExhausted(LayertapError):
@@ -159,66 +191,53 @@ class ClientClosed(LayertapError, RuntimeError):
 _BY_CODE: dict[grpc.StatusCode, type[LayertapError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.UNAVAILABLE: ServerUnavailable,
 }
-
-_UNKNOWN_LAYER = re.compile(r"layer\s+'([^']*)'", re.IGNORECASE)
-_DID_YOU_MEAN = re.compile(r"did you mean:?\s*([^?]*)\?", re.IGNORECASE)
-
-
-def _layer_not_found(
-    details: str, code: str, layer_names: Callable[[], Sequence[str]] | None
-) -> LayerNotFound:
-    named = _UNKNOWN_LAYER.search(details)
-    layer = named.group(1) if named else None
-    suggestions: list[str] = []
-    hint = _DID_YOU_MEAN.search(details)
-    if hint:
-        suggestions = [s.strip().strip("'\"") for s in hint.group(1).split(",") if s.strip()]
-    elif layer is not None and layer_names is not None:
-        try:
-            candidates = list(layer_names())
-        except (LayertapError, grpc.RpcError):
-            candidates = []  # Best effort: the original error matters more.
-        suggestions = difflib.get_close_matches(layer, candidates, n=3, cutoff=0.5)
-    return LayerNotFound(details, code=code, layer=layer, suggestions=suggestions)
+#: ErrorInfo reasons that refine their status code into a class of their own.
+_BY_REASON: dict[str, type[LayertapError]] = {
+    "LAYER_NOT_FOUND": LayerNotFound,
+    "CAPTURE_TOO_LARGE": CaptureTooLarge,
+}
 
 
-def from_status(
-    code: grpc.StatusCode,
-    details: str,
-    *,
-    layer_names: Callable[[], Sequence[str]] | None = None,
-) -> LayertapError:
-    """Builds the exception for a status code and its details.
-
-    Args:
-        code: The gRPC status code.
-        details: The status message.
-        layer_names: Optional source of layer names, called only to compute
-            suggestions when a NOT_FOUND message names a layer but offers none.
+def _details_of(exc: grpc.RpcError) -> tuple[str, dict[str, str], str | None]:
+    """Reads a failed call's ``google.rpc.Status`` details, the one place that does.
 
     Returns:
-        The matching :class:`LayertapError` subclass instance.
+        The ErrorInfo reason and metadata (of domain ``layertap.dev``), and the
+        field at fault (metadata ``field``, else the first BadRequest
+        violation's); "", {} and None where the status carries no details.
     """
-    name = code.name
-    if code is grpc.StatusCode.NOT_FOUND and _names_a_layer(details):
-        return _layer_not_found(details, name, layer_names)
-    if (
-        code is grpc.StatusCode.RESOURCE_EXHAUSTED
-        and CAPTURE_TOO_LARGE_MARKER in details.lower()
-    ):
-        return CaptureTooLarge(details, code=name)
-    return _BY_CODE.get(code, LayertapError)(details, code=name)
+    try:
+        status: Any = rpc_status.from_call(exc)
+    except (AttributeError, TypeError, ValueError):
+        status = None  # Not a grpc.Call, or trailers that contradict the status.
+    reason, metadata, violations = "", dict[str, str](), list[str]()
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            if info.domain == ERROR_DOMAIN:
+                reason, metadata = str(info.reason), {str(k): str(v) for k, v in info.metadata.items()}
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            violations.extend(str(v.field) for v in bad.field_violations)
+    return reason, metadata, metadata.get("field") or next(iter(violations), None)
 
 
-def _names_a_layer(details: str) -> bool:
-    """The server's two unknown-layer forms (not, say, an unknown tap id)."""
-    text = details.lower()
-    return text.startswith("unknown layer") or "matches no layer" in text
+def _suggest(layer: str | None, layer_names: Callable[[], Sequence[str]] | None) -> list[str]:
+    if layer is None or layer_names is None:
+        return []
+    try:
+        candidates = list(layer_names())
+    except (LayertapError, grpc.RpcError):
+        return []  # Best effort: the original error matters more.
+    return difflib.get_close_matches(layer, candidates, n=3, cutoff=0.5)
 
 
 def from_rpc_error(
@@ -228,7 +247,8 @@ def from_rpc_error(
 
     Args:
         exc: The error raised by a gRPC stub call or stream iteration.
-        layer_names: See :func:`from_status`.
+        layer_names: Optional source of layer names, called only to compute
+            suggestions for a LAYER_NOT_FOUND that carries none.
 
     Returns:
         The matching :class:`LayertapError`; the caller raises it ``from exc``.
@@ -239,4 +259,14 @@ def from_rpc_error(
     details = details_fn() if callable(details_fn) else None
     if not isinstance(code, grpc.StatusCode):
         code = grpc.StatusCode.UNKNOWN
-    return from_status(code, details if isinstance(details, str) else str(exc), layer_names=layer_names)
+    message = details if isinstance(details, str) else str(exc)
+    reason, metadata, field = _details_of(exc)
+    cls = _BY_REASON.get(reason) or _BY_CODE.get(code, LayertapError)
+    status: dict[str, Any] = {"code": code.name, "reason": reason, "field": field, "metadata": metadata}
+    if cls is LayerNotFound:
+        layer = metadata.get("layer")
+        suggestions = [s for s in metadata.get("suggestions", "").split(",") if s]
+        return LayerNotFound(
+            message, layer=layer, suggestions=suggestions or _suggest(layer, layer_names), **status
+        )
+    return cls(message, **status)

@@ -1,4 +1,4 @@
-"""Public result types of the layertap client: small frozen dataclasses.
+"""Public types of the layertap client: small frozen dataclasses and type aliases.
 
 None of them holds a protobuf object; :mod:`layertap._convert` builds them.
 Point names are ``"output"``, ``"input"``, ``"grad_output"``, ``"grad_input"``
@@ -11,7 +11,9 @@ from __future__ import annotations
 import datetime as _dt
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, TypeAlias, Union
+
+import numpy.typing as npt
 
 __all__ = [
     "AbsMax",
@@ -30,6 +32,7 @@ __all__ = [
     "ReducerResult",
     "ReducerSpec",
     "ServerStats",
+    "Structured",
     "Summary",
     "TapEvent",
     "TapInfo",
@@ -42,7 +45,15 @@ Shape = tuple[int, ...]
 
 #: A reducer as the client accepts it: a name such as ``"moments"``, or a
 #: one-key mapping of name to parameters such as ``{"histogram": {"bins": 32}}``.
-ReducerSpec = Union[str, Mapping[str, Mapping[str, Any]]]
+ReducerSpec: TypeAlias = Union[str, Mapping[str, Mapping[str, Any]]]
+#: Reducers of a tap or watch that names none: cheap, and enough for the CLI table.
+DEFAULT_REDUCERS: tuple[str, ...] = ("moments", "minmax", "nonfinite")
+
+#: A value that ``Client.capture`` (and ``Client.infer``) returns per layer: a
+#: numpy array; or, for a tuple/list output (or a multi-argument input) a list
+#: ordered by position, for a dict output a dict, and for a module that runs
+#: more than once per pass a list with one such value per call.
+Structured: TypeAlias = Union[npt.NDArray[Any], list["Structured"], dict[str, "Structured"]]
 
 
 @dataclass(frozen=True)
@@ -110,7 +121,7 @@ class TapSpec:
     """
 
     selector: str
-    reducers: tuple[ReducerSpec, ...] = ("moments", "minmax", "nonfinite")
+    reducers: tuple[ReducerSpec, ...] = DEFAULT_REDUCERS
     point: str = "output"
     every: int | None = None
     probability: float | None = None
@@ -220,7 +231,8 @@ class PerChannel:
     channels: int
 
 
-ReducerResult = Union[
+#: One reducer's result in ``Summary.results``.
+ReducerResult: TypeAlias = Union[
     Moments, MinMax, AbsMax, ZeroFraction, Nonfinite, Norm, Histogram, Quantiles, PerChannel
 ]
 

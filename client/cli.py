@@ -9,40 +9,26 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
-import math
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from rich.console import Console
 from rich.live import Live
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 from rich.table import Table
 
-from ._client import DEFAULT_REDUCERS, DEFAULT_TIMEOUT, Client, normalize_target
+from ._cli_view import SPARK_WIDTH, CaptureProgress, WatchRow, shape_text, sparkline, update_row, watch_table
+from ._client import DEFAULT_TIMEOUT, Client, normalize_target
 from ._errors import InvalidArgument, LayertapError
-from ._types import Summary, TapEvent
+from ._types import DEFAULT_REDUCERS
 from ._version import __version__
 
 __all__ = ["build_parser", "main", "parse_args", "sparkline"]
 
 PROG = "layertap"
-#: Captures at least this large get a progress bar.
-PROGRESS_MIN_BYTES = 8 << 20
-SPARK_CHARS = "▁▂▃▄▅▆▇█"
-SPARK_WIDTH = 30
 #: Subcommands whose arguments belong to the server package.
 _PASSTHROUGH = ("serve", "demo")
 _DEMOS = {"drift": "layertap.server.drift_demo"}
@@ -189,38 +175,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- helpers
 
 
-def _fmt(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.4g}"
-
-
-def _shape(shapes: Sequence[tuple[int, ...]]) -> str:
-    return ", ".join("(" + ", ".join(str(d) for d in s) + ")" for s in shapes) or "-"
-
-
-def sparkline(values: Sequence[float], width: int = SPARK_WIDTH) -> str:
-    """Renders the last ``width`` values as unicode block characters.
-
-    Non-finite values show as spaces; a flat series sits mid-height.
-    """
-    tail = list(values)[-width:]
-    finite = [v for v in tail if math.isfinite(v)]
-    if not finite:
-        return " " * len(tail)
-    lo, hi = min(finite), max(finite)
-    top = len(SPARK_CHARS) - 1
-    out = []
-    for v in tail:
-        if not math.isfinite(v):
-            out.append(" ")
-        elif hi == lo:
-            out.append(SPARK_CHARS[top // 2])
-        else:
-            out.append(SPARK_CHARS[round((v - lo) / (hi - lo) * top)])
-    return "".join(out)
-
-
 def _load_input(path: Path) -> list[np.ndarray[Any, Any]]:
     loaded = np.load(path, allow_pickle=False)
     if isinstance(loaded, np.lib.npyio.NpzFile):
@@ -238,36 +192,6 @@ def _flatten(value: Any, prefix: str, out: dict[str, np.ndarray[Any, Any]]) -> N
             _flatten(item, f"{prefix}/{index}", out)
     else:
         out[prefix] = np.asarray(value)
-
-
-class _CaptureProgress:
-    """Progress callback that shows a bar once a capture turns out to be large."""
-
-    def __init__(self, console: Console) -> None:
-        self._console = console
-        self._progress: Progress | None = None
-        self._task: Any = None
-
-    def __call__(self, received: int, total: int) -> None:
-        if self._progress is None:
-            if total < PROGRESS_MIN_BYTES:
-                return
-            self._progress = Progress(
-                TextColumn("capture"),
-                BarColumn(),
-                DownloadColumn(binary_units=True),
-                TransferSpeedColumn(),
-                TimeRemainingColumn(),
-                console=self._console,
-                transient=True,
-            )
-            self._progress.start()
-            self._task = self._progress.add_task("capture", total=total)
-        self._progress.update(self._task, completed=received, total=total)
-
-    def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
 
 
 # --------------------------------------------------------------------------- commands
@@ -288,8 +212,8 @@ def _cmd_layers(args: argparse.Namespace) -> int:
             layer.name or "(root)",
             layer.type,
             f"{layer.parameter_count:,}",
-            _shape(layer.input_shapes),
-            _shape(layer.output_shapes),
+            shape_text(layer.input_shapes),
+            shape_text(layer.output_shapes),
         )
     Console().print(table)
     return 0
@@ -298,7 +222,7 @@ def _cmd_layers(args: argparse.Namespace) -> int:
 def _cmd_capture(args: argparse.Namespace) -> int:
     stderr = Console(stderr=True)
     inputs = _load_input(args.input) if args.input is not None else None
-    progress = _CaptureProgress(stderr)
+    progress = CaptureProgress(stderr)
     try:
         with _client(args) as client:
             result = client.capture(
@@ -336,72 +260,8 @@ def _cmd_capture(args: argparse.Namespace) -> int:
     return 0
 
 
-@dataclass
-class _Row:
-    summary: Summary
-    means: deque[float] = field(default_factory=lambda: deque(maxlen=SPARK_WIDTH))
-    nan: int = 0
-    inf: int = 0
-    stats: dict[str, float] = field(default_factory=dict)
-
-
-def _watch_table(
-    title: str,
-    rows: dict[tuple[str, int], _Row],
-    dropped: int,
-    events: Sequence[TapEvent],
-    spark_width: int = SPARK_WIDTH,
-) -> Table:
-    table = Table(title=title, caption=_watch_caption(dropped, events))
-    for column in ("layer", "pass", "mean", "std", "min", "max", "nan", "inf"):
-        table.add_column(column, justify="left" if column == "layer" else "right", no_wrap=True)
-    table.add_column(f"mean (last {spark_width})", no_wrap=True)
-    for (layer, index), row in sorted(rows.items()):
-        name = layer if index == 0 else f"{layer}[{index}]"
-        table.add_row(
-            name,
-            str(row.summary.pass_index),
-            _fmt(row.stats.get("mean")),
-            _fmt(row.stats.get("std")),
-            _fmt(row.stats.get("min")),
-            _fmt(row.stats.get("max")),
-            f"[bold red]{row.nan}[/]" if row.nan else "0",
-            f"[bold red]{row.inf}[/]" if row.inf else "0",
-            sparkline(row.means, spark_width),
-        )
-    return table
-
-
-def _watch_caption(dropped: int, events: Sequence[TapEvent]) -> str:
-    parts = [f"dropped {dropped}"]
-    if events:
-        last = events[-1]
-        parts.append(f"[yellow]{last.kind}[/] {last.tap}: {last.message}")
-    return " · ".join(parts)
-
-
-def _update_row(rows: dict[tuple[str, int], _Row], s: Summary) -> None:
-    row = rows.setdefault((s.layer, s.output_index), _Row(summary=s))
-    row.summary = s
-    nonfinite = s.results.get("nonfinite")
-    if nonfinite is not None:
-        row.nan += getattr(nonfinite, "nan_count", 0)
-        row.inf += getattr(nonfinite, "inf_count", 0)
-    if s.unsampled:
-        return  # Only the always-on NaN counter ran on this pass.
-    moments = s.results.get("moments")
-    if moments is not None:
-        row.stats["mean"] = getattr(moments, "mean")
-        row.stats["std"] = getattr(moments, "std")
-        row.means.append(row.stats["mean"])
-    minmax = s.results.get("minmax")
-    if minmax is not None:
-        row.stats["min"] = getattr(minmax, "min")
-        row.stats["max"] = getattr(minmax, "max")
-
-
 def _cmd_watch(args: argparse.Namespace) -> int:
-    rows: dict[tuple[str, int], _Row] = {}
+    rows: dict[tuple[str, int], WatchRow] = {}
     title = f"{args.selector} @ {args.host} ({','.join(args.reducers)})"
     deadline = None if args.duration is None else time.monotonic() + args.duration
     seen = 0
@@ -419,14 +279,14 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         # The server's first message says whether the stream tap was accepted:
         # an error surfaces here, on its own line, before the live table starts.
         first = next(batches, [])
-        with Live(_watch_table(title, rows, 0, (), spark_width), refresh_per_second=4) as live:
+        with Live(watch_table(title, rows, 0, (), spark_width), refresh_per_second=4) as live:
             try:
                 for batch in itertools.chain([first], batches):
                     for summary in batch:
-                        _update_row(rows, summary)
+                        update_row(rows, summary)
                     seen += len(batch)
                     live.update(
-                        _watch_table(title, rows, stream.dropped, stream.events, spark_width)
+                        watch_table(title, rows, stream.dropped, stream.events, spark_width)
                     )
                     if args.count is not None and seen >= args.count:
                         break

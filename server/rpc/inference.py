@@ -22,7 +22,8 @@ def decode_inputs(inputs: list[tensor_pb2.Tensor], state: ServerState, field: st
     total = sum(len(t.raw_data) for t in inputs)
     if total > state.config.max_request_bytes:
         raise LimitExceeded(
-            f"request carries {total} tensor bytes, over --max-request-bytes={state.config.max_request_bytes}"
+            f"request carries {total} tensor bytes, over --max-request-bytes={state.config.max_request_bytes}",
+            field=field, metadata={"max_bytes": str(state.config.max_request_bytes)},
         )
     tensors = [tensor_from_proto(t, f"{field}[{i}]") for i, t in enumerate(inputs)]
     state.host.validate_inputs(tensors, field)

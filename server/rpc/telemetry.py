@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from layertap.server.taps.capture import CaptureSession, CaptureTooLarge, describe, encode_pass, parse_options
-from layertap.server.errors import InvalidSpec, grpc_errors
+from layertap.server.errors import InvalidSpec, NotFound, grpc_errors
 from layertap.server.rpc.inference import decode_inputs
 from layertap.server.rpc.state import ServerState, StateBacked
 from layertap.v1 import tensor_pb2
@@ -58,8 +58,8 @@ class TapMethods:
         for i, tap_id in enumerate(request.tap_ids):
             try:
                 engine.get(tap_id)
-            except Exception as exc:
-                raise type(exc)(f"tap_ids[{i}]: {exc}") from None
+            except NotFound as exc:
+                raise NotFound(f"tap_ids[{i}]: {exc}", field=f"tap_ids[{i}]") from None
         stream_taps = []
         try:
             for i, spec in enumerate(request.stream_taps):
@@ -171,7 +171,8 @@ class TelemetryService(StateBacked, TapMethods, telemetry_pb2_grpc.TelemetryServ
                         return
                     rec = session.next_pass(POLL_SECONDS)
                 if rec.too_large:
-                    raise CaptureTooLarge(rec.too_large)
+                    raise CaptureTooLarge(rec.too_large,
+                                          metadata={"max_bytes": str(state.capture_limits.max_bytes)})
                 if rec.ordinal == opts.passes - 1:
                     session.close()  # the last pass is in hand: free the hooks now
                 for msg in encode_pass(rec, opts, ids):

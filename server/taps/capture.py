@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from layertap.server.codec import TORCH_BY_WIRE, dtype_name, wire_dtype
-from layertap.server.errors import InvalidSpec, LimitExceeded, Unsupported, unknown_layer
+from layertap.server.errors import CAPTURE_TOO_LARGE, InvalidSpec, LimitExceeded, Unsupported, unknown_layer
 from layertap.server.host.hooks import HookHandle
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
 from layertap.v1 import tensor_pb2
@@ -27,8 +27,16 @@ CHUNK_BYTES = 1 << 20
 DOWNCASTS = {tensor_pb2.DATA_TYPE_FLOAT16, tensor_pb2.DATA_TYPE_BFLOAT16}
 
 
+#: Layers come from the model, so requests only need their length capped
+#: before the lookup (and the "did you mean" search behind a miss).
+MAX_LAYER_NAME = 1024
+MAX_CAPTURE_LAYERS = 4096
+
+
 class CaptureTooLarge(LimitExceeded):
     """A pass needs more bytes than ``--max-capture-bytes`` allows."""
+
+    reason = CAPTURE_TOO_LARGE
 
 
 @dataclass
@@ -77,10 +85,14 @@ def parse_options(req: pb.CaptureRequest, host: ModelHost, limits: CaptureLimits
         )
     if not req.layers:
         raise InvalidSpec("layers", "name at least one layer (see ListLayers)")
+    if len(req.layers) > MAX_CAPTURE_LAYERS:
+        raise InvalidSpec("layers", f"at most {MAX_CAPTURE_LAYERS} layers per capture, got {len(req.layers)}")
     known = host.modules
-    for name in req.layers:
+    for i, name in enumerate(req.layers):
+        if len(name) > MAX_LAYER_NAME:
+            raise InvalidSpec(f"layers[{i}]", f"a layer name is at most {MAX_LAYER_NAME} characters, got {len(name)}")
         if name not in known or not name:
-            raise unknown_layer(name, host.layer_names)
+            raise unknown_layer(name, host.layer_names, field=f"layers[{i}]")
     point = req.point or pb.POINT_OUTPUT
     if point not in (pb.POINT_OUTPUT, pb.POINT_INPUT):
         raise InvalidSpec("point", "Capture supports POINT_OUTPUT and POINT_INPUT; use taps for gradients")

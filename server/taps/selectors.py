@@ -2,6 +2,12 @@
 
 In a glob, ``*`` and ``?`` stay within one dotted level and ``**`` crosses
 levels: ``layer*`` matches ``layer1``..``layer4``; ``layer*.*`` their blocks.
+
+Selectors arrive from the network, so matching must take linear time: Python's
+``re`` backtracks catastrophically (``"**" * 30 + "!"`` froze the whole
+process while holding the GIL). Globs and ``re:`` patterns both compile with
+RE2, which guarantees time linear in the input and bounded memory, and a
+pattern RE2 cannot compile (backreferences, lookaround) is refused.
 """
 
 from __future__ import annotations
@@ -9,13 +15,20 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from layertap.server.errors import LAYER_HINT, InvalidSpec, NotFound, close_names, unknown_layer
+import re2
+
+from layertap.server.errors import InvalidSpec, echo, no_layer_matches, unknown_layer
 
 GLOB_CHARS = frozenset("*?[")
+#: Longest selector accepted, in UTF-8 bytes. Layer names of real models are
+#: far shorter; the cap bounds compile, match and "did you mean" costs.
+MAX_SELECTOR_BYTES = 1024
+#: RE2's memory budget per compiled selector (its default is 8 MiB).
+_RE2_MAX_MEM = 4 << 20
 
 
-def glob_to_regex(pattern: str) -> str:
-    """Translate a dotted-name glob into an anchored regex."""
+def glob_to_regex(pattern: str, field: str = "selector") -> str:
+    """Translate a dotted-name glob into an RE2 regex (matched whole)."""
     out = []
     i = 0
     while i < len(pattern):
@@ -31,7 +44,7 @@ def glob_to_regex(pattern: str) -> str:
         elif c == "[":
             end = pattern.find("]", i + 1)
             if end == -1:
-                raise InvalidSpec("selector", f"unclosed '[' in glob {pattern!r}")
+                raise InvalidSpec(field, f"unclosed '[' in glob {echo(pattern)}")
             body = pattern[i + 1 : end]
             if body.startswith("!"):
                 body = "^" + body[1:]
@@ -44,29 +57,40 @@ def glob_to_regex(pattern: str) -> str:
     return "".join(out)
 
 
+def _compile(pattern: str, selector: str, field: str, kind: str) -> "re2._Regexp":
+    options = re2.Options()
+    options.max_mem = _RE2_MAX_MEM
+    options.log_errors = False
+    try:
+        return re2.compile(pattern, options)
+    except re2.error as exc:
+        why = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        raise InvalidSpec(field, f"bad {kind} {echo(selector)}: {why[:200]} (RE2 syntax: no backreferences or lookaround)") from None
+
+
 def select_layers(selector: str, names: Sequence[str], field: str = "selector") -> list[str]:
     """Names matching ``selector``, in model order.
 
     Raises:
-        InvalidSpec: empty selector or bad pattern.
+        InvalidSpec: empty, too long or malformed selector.
         NotFound: nothing matched; the message lists close names.
     """
     if not selector:
         raise InvalidSpec(field, "empty selector; give a layer name, a glob such as 'layer*' or 're:<regex>'")
+    size = len(selector.encode("utf-8", errors="surrogatepass"))
+    if size > MAX_SELECTOR_BYTES:
+        raise InvalidSpec(field, f"selector is {size} bytes, the limit is {MAX_SELECTOR_BYTES}")
     if selector.startswith("re:"):
-        try:
-            rx = re.compile(selector[3:])
-        except re.error as exc:
-            raise InvalidSpec(field, f"bad regex {selector[3:]!r}: {exc}") from None
+        rx = _compile(selector[3:], selector, field, "regex")
         matched = [n for n in names if rx.fullmatch(n)]
     elif GLOB_CHARS & set(selector):
-        rx = re.compile(glob_to_regex(selector))
+        rx = _compile(glob_to_regex(selector, field), selector, field, "glob")
         matched = [n for n in names if rx.fullmatch(n)]
     else:
         matched = [n for n in names if n == selector]
         if not matched:
-            raise unknown_layer(selector, names)
+            raise unknown_layer(selector, names, field)
     if not matched:
         probe = re.sub(r"^re:|[*?\[\]^$\\]", "", selector)
-        raise NotFound(f"selector {selector!r} matches no layer{close_names(probe, names)} {LAYER_HINT}")
+        raise no_layer_matches(selector, probe, names, field)
     return matched

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
-from concurrent import futures
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -13,6 +12,8 @@ import pytest
 
 import layertap
 from layertap import InvalidArgument, ProtocolError
+from layertap import _capture as capture
+from layertap import _codec as codec
 from layertap import _convert as convert
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc, tensor_pb2
 
@@ -42,11 +43,11 @@ def test_every_wire_dtype_is_covered() -> None:
 def test_numpy_round_trip(code: int, np_dtype: Any, shape: tuple[int, ...]) -> None:
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(shape) * 100).astype(np_dtype)
-    t = convert.encode_tensor(x)
+    t = codec.encode_tensor(x)
     assert t.dtype == code
     assert tuple(t.shape) == shape
     assert t.raw_data == x.astype(np.dtype(np_dtype).newbyteorder("<")).tobytes()
-    y = convert.decode_tensor(t)
+    y = codec.decode_tensor(t)
     assert y.dtype == np.dtype(np_dtype) and y.shape == shape
     np.testing.assert_array_equal(y, x)
     assert y.flags.writeable
@@ -54,27 +55,27 @@ def test_numpy_round_trip(code: int, np_dtype: Any, shape: tuple[int, ...]) -> N
 
 def test_big_endian_and_non_contiguous_inputs_are_normalized() -> None:
     x = np.arange(24, dtype=">i4").reshape(4, 6)[:, ::2]
-    t = convert.encode_tensor(x)
+    t = codec.encode_tensor(x)
     assert t.dtype == DT.DATA_TYPE_INT32
     assert t.raw_data == np.ascontiguousarray(x, dtype="<i4").tobytes()
-    np.testing.assert_array_equal(convert.decode_tensor(t), x)
+    np.testing.assert_array_equal(codec.decode_tensor(t), x)
 
 
 def test_python_lists_encode_via_numpy() -> None:
-    t = convert.encode_tensor([[1.5, 2.5]])
+    t = codec.encode_tensor([[1.5, 2.5]])
     assert t.dtype == DT.DATA_TYPE_FLOAT64 and list(t.shape) == [1, 2]
 
 
 @pytest.mark.parametrize("bad", [np.zeros(3, np.complex64), np.zeros(3, np.uint16), np.array(["a"])])
 def test_unsupported_dtypes_are_rejected(bad: Any) -> None:
     with pytest.raises(InvalidArgument, match="cannot send"):
-        convert.encode_tensor(bad)
+        codec.encode_tensor(bad)
 
 
 def test_bf16_widening_is_exact_for_every_bit_pattern() -> None:
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     t = tensor_pb2.Tensor(dtype=DT.DATA_TYPE_BFLOAT16, shape=[1 << 16], raw_data=bits.tobytes())
-    y = convert.decode_tensor(t)
+    y = codec.decode_tensor(t)
     assert y.dtype == np.float32
     widened = y.view(np.uint32)
     np.testing.assert_array_equal(widened >> 16, bits)
@@ -88,13 +89,13 @@ def test_bf16_torch_round_trip() -> None:
     torch = pytest.importorskip("torch")
     bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
     x = bits.view(torch.bfloat16).reshape(256, 256)
-    t = convert.encode_tensor(x)
+    t = codec.encode_tensor(x)
     assert t.dtype == DT.DATA_TYPE_BFLOAT16 and list(t.shape) == [256, 256]
     assert t.raw_data == bits.numpy().astype("<i2").tobytes()
-    back = convert.decode_tensor(t, as_torch=True)
+    back = codec.decode_tensor(t, as_torch=True)
     assert back.dtype == torch.bfloat16
     assert torch.equal(back.view(torch.int16), x.view(torch.int16))
-    as_np = convert.decode_tensor(t)
+    as_np = codec.decode_tensor(t)
     finite = torch.isfinite(x)
     np.testing.assert_array_equal(as_np[finite.numpy()], x.float()[finite].numpy())
 
@@ -102,10 +103,10 @@ def test_bf16_torch_round_trip() -> None:
 def test_torch_tensors_encode_like_numpy() -> None:
     torch = pytest.importorskip("torch")
     x = torch.arange(12, dtype=torch.float16).reshape(3, 4).t()  # non-contiguous
-    t = convert.encode_tensor(x)
+    t = codec.encode_tensor(x)
     assert t.dtype == DT.DATA_TYPE_FLOAT16
-    np.testing.assert_array_equal(convert.decode_tensor(t), x.numpy())
-    y = convert.decode_tensor(t, as_torch=True)
+    np.testing.assert_array_equal(codec.decode_tensor(t), x.numpy())
+    y = codec.decode_tensor(t, as_torch=True)
     assert torch.equal(y, x)
 
 
@@ -124,22 +125,22 @@ def test_decode_validates_bytes_shape_and_dtype(
 ) -> None:
     t = tensor_pb2.Tensor(name="out", dtype=dtype, shape=shape, raw_data=raw)  # type: ignore[arg-type]
     with pytest.raises(ProtocolError, match=match):
-        convert.decode_tensor(t)
+        codec.decode_tensor(t)
 
 
 def test_dtype_names_and_aliases() -> None:
-    assert convert.dtype_code("bf16") == DT.DATA_TYPE_BFLOAT16
-    assert convert.dtype_code("torch.float16") == DT.DATA_TYPE_FLOAT16
-    assert convert.dtype_name(DT.DATA_TYPE_INT64) == "int64"
+    assert codec.dtype_code("bf16") == DT.DATA_TYPE_BFLOAT16
+    assert codec.dtype_code("torch.float16") == DT.DATA_TYPE_FLOAT16
+    assert codec.dtype_name(DT.DATA_TYPE_INT64) == "int64"
     with pytest.raises(InvalidArgument, match="expected one of"):
-        convert.dtype_code("float8")
+        codec.dtype_code("float8")
 
 
 # --------------------------------------------------------------------------- capture
 
 
 def _header(tid: int, layer: str, arr: np.ndarray, chunk: int = MiB, **kw: Any) -> telemetry_pb2.CaptureResponse:
-    code = convert.encode_tensor(arr).dtype
+    code = codec.encode_tensor(arr).dtype
     total = arr.nbytes
     return telemetry_pb2.CaptureResponse(
         header=telemetry_pb2.CaptureHeader(
@@ -169,7 +170,7 @@ def _chunks(tid: int, arr: np.ndarray, chunk: int = MiB) -> list[telemetry_pb2.C
 def test_assembler_writes_chunks_by_offset_in_any_order() -> None:
     x = np.random.default_rng(1).standard_normal((3, 1000)).astype(np.float32)
     seen: list[tuple[int, int]] = []
-    asm = convert.CaptureAssembler(progress=lambda r, t: seen.append((r, t)))
+    asm = capture.CaptureAssembler(progress=lambda r, t: seen.append((r, t)))
     asm.feed(_header(7, "layer4", x, chunk=1000))
     for msg in reversed(_chunks(7, x, chunk=1000)):
         asm.feed(msg)
@@ -182,7 +183,7 @@ def test_assembler_writes_chunks_by_offset_in_any_order() -> None:
 
 def test_assembler_detects_missing_bytes() -> None:
     x = np.ones(1000, np.float64)
-    asm = convert.CaptureAssembler()
+    asm = capture.CaptureAssembler()
     asm.feed(_header(1, "fc", x, chunk=1024))
     for msg in _chunks(1, x, chunk=1024)[:-1]:
         asm.feed(msg)
@@ -193,7 +194,7 @@ def test_assembler_detects_missing_bytes() -> None:
 @pytest.mark.parametrize("fault", ["overrun", "duplicate", "unknown_id", "bad_total", "empty"])
 def test_assembler_rejects_malformed_streams(fault: str) -> None:
     x = np.ones(256, np.float32)
-    asm = convert.CaptureAssembler()
+    asm = capture.CaptureAssembler()
     header = _header(1, "fc", x, chunk=512)
     chunks = _chunks(1, x, chunk=512)
     with pytest.raises(ProtocolError):
@@ -237,16 +238,9 @@ class CaptureScript(grpc.GenericRpcHandler):
 
 
 @pytest.fixture()
-def capture_server() -> Iterator[tuple[CaptureScript, str]]:
+def capture_server(grpc_server: Callable[..., str]) -> tuple[CaptureScript, str]:
     script = CaptureScript()
-    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    srv.add_generic_rpc_handlers((script,))
-    port = srv.add_insecure_port("127.0.0.1:0")
-    srv.start()
-    try:
-        yield script, f"127.0.0.1:{port}"
-    finally:
-        srv.stop(0)
+    return script, grpc_server(script)
 
 
 def _send(script: CaptureScript, tensors: Sequence[tuple[str, np.ndarray, dict[str, Any]]]) -> None:
@@ -430,17 +424,10 @@ class ScriptedTelemetry(telemetry_pb2_grpc.TelemetryServiceServicer):
 
 
 @pytest.fixture()
-def telemetry() -> Iterator[tuple[ScriptedTelemetry, str]]:
+def telemetry(grpc_server: Callable[..., str]) -> Iterator[tuple[ScriptedTelemetry, str]]:
     servicer = ScriptedTelemetry()
-    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(servicer, srv)
-    port = srv.add_insecure_port("127.0.0.1:0")
-    srv.start()
-    try:
-        yield servicer, f"127.0.0.1:{port}"
-    finally:
-        servicer.hold_open.set()
-        srv.stop(0)
+    yield servicer, grpc_server(telemetry=servicer)
+    servicer.hold_open.set()  # before the server stops (a later teardown)
 
 
 def _batch(layers: Sequence[str], pass_index: int, dropped: int = 0) -> telemetry_pb2.SubscribeResponse:
@@ -493,9 +480,7 @@ def test_numpy_input_while_torch_is_half_imported(monkeypatch):
     import sys
     import types
 
-    from layertap import _convert
-
     partial = types.ModuleType("torch")  # no Tensor attribute yet
     monkeypatch.setitem(sys.modules, "torch", partial)
-    msg = _convert.encode_tensor(np.zeros((2, 3), np.float32))
+    msg = codec.encode_tensor(np.zeros((2, 3), np.float32))
     assert list(msg.shape) == [2, 3]

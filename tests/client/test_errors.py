@@ -5,14 +5,17 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.any_pb2 import Any as Any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 import layertap
 from layertap import (
+    AlreadyExists,
     CaptureTooLarge,
     ClientClosed,
     DeadlineExceeded,
@@ -33,13 +36,34 @@ UNKNOWN_LAYER = (
 
 
 class AbortingHandler(grpc.GenericRpcHandler):
-    """Answers every method by aborting with the configured status."""
+    """Answers every method by aborting with the configured status.
+
+    With a ``reason``, the status carries the details a layertap server sends:
+    an ErrorInfo (domain layertap.dev) and, given a ``violation``, a BadRequest.
+    """
 
     def __init__(self) -> None:
         self.code = grpc.StatusCode.INTERNAL
         self.details = "boom"
+        self.reason: str | None = None
+        self.metadata: dict[str, str] = {}
+        self.violation: tuple[str, str] | None = None
         self.delay = 0.0
         self.layer_names: list[str] | None = None
+
+    def rich_status(self) -> grpc.Status:
+        info = Any_pb2()
+        info.Pack(error_details_pb2.ErrorInfo(reason=self.reason, domain="layertap.dev", metadata=self.metadata))
+        details = [info]
+        if self.violation is not None:
+            bad = Any_pb2()
+            field, description = self.violation
+            bad.Pack(error_details_pb2.BadRequest(
+                field_violations=[error_details_pb2.BadRequest.FieldViolation(field=field, description=description)]
+            ))
+            details.append(bad)
+        status = status_pb2.Status(code=self.code.value[0], message=self.details, details=details)
+        return rpc_status.to_status(status)
 
     def service(self, call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         method = call_details.method.rsplit("/", 1)[-1]  # type: ignore[attr-defined]
@@ -54,6 +78,8 @@ class AbortingHandler(grpc.GenericRpcHandler):
         def abort(request: bytes, context: grpc.ServicerContext) -> Any:
             if self.delay:
                 time.sleep(self.delay)
+            if self.reason is not None:
+                context.abort_with_status(self.rich_status())
             context.abort(self.code, self.details)
 
         if method in ("Capture", "Subscribe"):
@@ -67,38 +93,37 @@ class AbortingHandler(grpc.GenericRpcHandler):
 
 
 @pytest.fixture()
-def server() -> Iterator[tuple[AbortingHandler, str]]:
+def server(grpc_server: Callable[..., str]) -> tuple[AbortingHandler, str]:
     handler = AbortingHandler()
-    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    srv.add_generic_rpc_handlers((handler,))
-    port = srv.add_insecure_port("127.0.0.1:0")
-    srv.start()
-    try:
-        yield handler, f"127.0.0.1:{port}"
-    finally:
-        srv.stop(0)
+    return handler, grpc_server(handler)
 
 
+#: (code, details, expected class, ErrorInfo reason and metadata the server attaches, or None)
 CASES = [
-    (grpc.StatusCode.NOT_FOUND, "unknown tap 'abc'", NotFound),
-    (grpc.StatusCode.NOT_FOUND, "no tap 'layer4-stats'; list taps with ListTaps", NotFound),
-    (grpc.StatusCode.NOT_FOUND, UNKNOWN_LAYER, LayerNotFound),
-    (grpc.StatusCode.INVALID_ARGUMENT, "expected 602112 bytes, got 12", InvalidArgument),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent captures (limit 4)", ResourceExhausted),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, "Capture too large: 300 MiB over the 256 MiB cap", CaptureTooLarge),
-    (grpc.StatusCode.FAILED_PRECONDITION, "TorchScript modules refuse hooks", FailedPrecondition),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, "server gave up", DeadlineExceeded),
-    (grpc.StatusCode.UNAVAILABLE, "shutting down", ServerUnavailable),
-    (grpc.StatusCode.CANCELLED, "cancelled", LayertapError),
-    (grpc.StatusCode.UNKNOWN, "what", LayertapError),
-    (grpc.StatusCode.ALREADY_EXISTS, "dup", LayertapError),
-    (grpc.StatusCode.PERMISSION_DENIED, "no", LayertapError),
-    (grpc.StatusCode.ABORTED, "aborted", LayertapError),
-    (grpc.StatusCode.OUT_OF_RANGE, "range", LayertapError),
-    (grpc.StatusCode.UNIMPLEMENTED, "not yet", LayertapError),
-    (grpc.StatusCode.INTERNAL, "bug", LayertapError),
-    (grpc.StatusCode.DATA_LOSS, "lost", LayertapError),
-    (grpc.StatusCode.UNAUTHENTICATED, "who", LayertapError),
+    (grpc.StatusCode.NOT_FOUND, "unknown tap 'abc'", NotFound, None),
+    (grpc.StatusCode.NOT_FOUND, "no tap 'layer4-stats'; list taps with ListTaps", NotFound, ("NOT_FOUND", {})),
+    (grpc.StatusCode.NOT_FOUND, UNKNOWN_LAYER, LayerNotFound, ("LAYER_NOT_FOUND", {"layer": "layer5"})),
+    # The class comes from the reason, never from the message text.
+    (grpc.StatusCode.NOT_FOUND, UNKNOWN_LAYER, NotFound, None),
+    (grpc.StatusCode.INVALID_ARGUMENT, "expected 602112 bytes, got 12", InvalidArgument, None),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent captures (limit 4)", ResourceExhausted, None),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "Capture too large: 300 MiB over the 256 MiB cap", CaptureTooLarge,
+     ("CAPTURE_TOO_LARGE", {"max_bytes": "268435456"})),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "capture too large (no details)", ResourceExhausted, None),
+    (grpc.StatusCode.FAILED_PRECONDITION, "TorchScript modules refuse hooks", FailedPrecondition, None),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, "server gave up", DeadlineExceeded, None),
+    (grpc.StatusCode.UNAVAILABLE, "shutting down", ServerUnavailable, None),
+    (grpc.StatusCode.CANCELLED, "cancelled", LayertapError, None),
+    (grpc.StatusCode.UNKNOWN, "what", LayertapError, None),
+    (grpc.StatusCode.ALREADY_EXISTS, "dup", AlreadyExists, ("ALREADY_EXISTS", {})),
+    (grpc.StatusCode.ALREADY_EXISTS, "dup", AlreadyExists, None),
+    (grpc.StatusCode.PERMISSION_DENIED, "no", LayertapError, None),
+    (grpc.StatusCode.ABORTED, "aborted", LayertapError, None),
+    (grpc.StatusCode.OUT_OF_RANGE, "range", LayertapError, None),
+    (grpc.StatusCode.UNIMPLEMENTED, "not yet", LayertapError, None),
+    (grpc.StatusCode.INTERNAL, "bug", LayertapError, ("INTERNAL", {})),
+    (grpc.StatusCode.DATA_LOSS, "lost", LayertapError, None),
+    (grpc.StatusCode.UNAUTHENTICATED, "who", LayertapError, None),
 ]
 
 CALLS: dict[str, Callable[[layertap.Client], object]] = {
@@ -109,28 +134,53 @@ CALLS: dict[str, Callable[[layertap.Client], object]] = {
 
 
 @pytest.mark.parametrize("call", sorted(CALLS))
-@pytest.mark.parametrize(("code", "details", "expected"), CASES, ids=lambda v: getattr(v, "name", None))
+@pytest.mark.parametrize(
+    ("code", "details", "expected", "info"), CASES, ids=lambda v: getattr(v, "name", None)
+)
 def test_status_code_maps_to_error_class(
     server: tuple[AbortingHandler, str],
     call: str,
     code: grpc.StatusCode,
     details: str,
     expected: type[LayertapError],
+    info: tuple[str, dict[str, str]] | None,
 ) -> None:
     handler, target = server
     handler.code, handler.details = code, details
-    with layertap.Client(target, timeout=5) as client, pytest.raises(LayertapError) as info:
+    if info is not None:
+        handler.reason, handler.metadata = info
+    with layertap.Client(target, timeout=5) as client, pytest.raises(LayertapError) as raised:
         CALLS[call](client)
-    err = info.value
+    err = raised.value
     assert type(err) is expected
     assert err.code == code.name
     assert err.details == details
     assert isinstance(err.__cause__, grpc.RpcError)
+    assert err.reason == (info[0] if info else "")
+    assert err.metadata == (info[1] if info else {})
+
+
+def test_invalid_argument_names_its_field(server: tuple[AbortingHandler, str]) -> None:
+    handler, target = server
+    handler.code, handler.details = grpc.StatusCode.INVALID_ARGUMENT, "spec.reducers[0]: unknown reducer 'mean'"
+    handler.reason, handler.metadata = "INVALID_ARGUMENT", {"field": "spec.reducers[0]"}
+    handler.violation = ("spec.reducers[0]", "unknown reducer 'mean'")
+    with layertap.Client(target) as client, pytest.raises(InvalidArgument) as raised:
+        client.create_tap("layer1")
+    assert raised.value.field == "spec.reducers[0]"
+    assert raised.value.reason == "INVALID_ARGUMENT"
+    # A BadRequest alone (no field in the ErrorInfo) names the field too.
+    handler.metadata = {}
+    with layertap.Client(target) as client, pytest.raises(InvalidArgument) as raised:
+        client.create_tap("layer1")
+    assert raised.value.field == "spec.reducers[0]"
 
 
 def test_layer_not_found_keeps_server_suggestions(server: tuple[AbortingHandler, str]) -> None:
     handler, target = server
     handler.code, handler.details = grpc.StatusCode.NOT_FOUND, UNKNOWN_LAYER
+    handler.reason = "LAYER_NOT_FOUND"
+    handler.metadata = {"layer": "layer5", "suggestions": "layer4,layer3"}
     with layertap.Client(target) as client, pytest.raises(LayerNotFound) as info:
         client.capture("layer5")
     err = info.value
@@ -145,6 +195,7 @@ def test_layer_not_found_computes_suggestions_when_server_gives_none(
 ) -> None:
     handler, target = server
     handler.code, handler.details = grpc.StatusCode.NOT_FOUND, "unknown layer 'layr4'"
+    handler.reason, handler.metadata = "LAYER_NOT_FOUND", {"layer": "layr4"}
     handler.layer_names = ["conv1", "layer1", "layer4", "fc"]
     with layertap.Client(target) as client, pytest.raises(LayerNotFound) as info:
         client.capture("layr4")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import subprocess
 import sys
 import typing
@@ -18,6 +19,7 @@ EXPECTED_ALL = {
     "NotFound",
     "LayerNotFound",
     "InvalidArgument",
+    "AlreadyExists",
     "ResourceExhausted",
     "CaptureTooLarge",
     "FailedPrecondition",
@@ -45,6 +47,9 @@ EXPECTED_ALL = {
     "BaselineInfo",
     "DriftThresholds",
     "LayerDrift",
+    "ReducerSpec",
+    "ReducerResult",
+    "Structured",
     "__version__",
 }
 
@@ -53,7 +58,10 @@ def test_exported_names_are_pinned() -> None:
     assert set(layertap.__all__) == EXPECTED_ALL
     assert len(layertap.__all__) == len(EXPECTED_ALL)
     for name in layertap.__all__:
-        assert getattr(layertap, name) is not None
+        assert hasattr(layertap, name), f"__all__ lists {name!r}, which layertap does not define"
+    # Nothing public leaks past __all__ (submodules such as layertap.cli aside).
+    public = {n for n, v in vars(layertap).items() if not n.startswith("_") and not inspect.ismodule(v)}
+    assert public <= EXPECTED_ALL, f"public but not in __all__: {sorted(public - EXPECTED_ALL)}"
 
 
 def test_version_matches_distribution() -> None:
@@ -63,7 +71,7 @@ def test_version_matches_distribution() -> None:
 
 
 def test_error_hierarchy() -> None:
-    errors = [layertap.LayerNotFound, layertap.CaptureTooLarge, layertap.ClientClosed]
+    errors = [layertap.LayerNotFound, layertap.CaptureTooLarge, layertap.ClientClosed, layertap.AlreadyExists]
     assert all(issubclass(e, layertap.LayertapError) for e in errors)
     assert issubclass(layertap.LayerNotFound, layertap.NotFound)
     assert issubclass(layertap.CaptureTooLarge, layertap.ResourceExhausted)
@@ -88,11 +96,11 @@ def test_client_works_when_torch_is_missing() -> None:
     _run(
         "import sys; sys.modules['torch'] = None\n"
         "import numpy as np, layertap\n"
-        "from layertap import _convert\n"
-        "t = _convert.encode_tensor(np.ones(3, np.float32))\n"
-        "assert _convert.decode_tensor(t).sum() == 3\n"
+        "from layertap import _codec\n"
+        "t = _codec.encode_tensor(np.ones(3, np.float32))\n"
+        "assert _codec.decode_tensor(t).sum() == 3\n"
         "try:\n"
-        "    _convert.decode_tensor(t, as_torch=True)\n"
+        "    _codec.decode_tensor(t, as_torch=True)\n"
         "except ImportError as e:\n"
         "    assert 'needs PyTorch' in str(e)\n"
         "else:\n"

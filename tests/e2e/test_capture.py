@@ -14,6 +14,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 import layertap
 from layertap.server.host.demo_model import build_demo_model
@@ -192,6 +194,73 @@ def test_over_the_cap_is_refused_before_any_data(make_server):
     channel.close()
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert received == []
+
+
+# ------------------------------------------------------------------ error details: the contract for any client
+
+
+def rich_details(exc: BaseException) -> tuple[error_details_pb2.ErrorInfo, list[tuple[str, str]]]:
+    """The ErrorInfo and BadRequest violations of a raw grpc.RpcError, as any gRPC client reads them."""
+    assert isinstance(exc, grpc.RpcError)
+    status = rpc_status.from_call(exc)  # also checks that code and message match the status
+    assert status is not None, "the status carries no google.rpc.Status details"
+    info, violations = error_details_pb2.ErrorInfo(), []
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            detail.Unpack(info)
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            violations += [(v.field, v.description) for v in bad.field_violations]
+    assert info.domain == "layertap.dev"
+    return info, violations
+
+
+def test_errors_carry_reason_and_field_as_data(make_server):
+    srv = make_server(max_capture_bytes=10_000)
+    x = batch(4)
+    with layertap.Client(f"127.0.0.1:{srv.port}") as client:
+        with pytest.raises(layertap.CaptureTooLarge) as too_large:
+            client.capture("layer1", input=x)
+        with pytest.raises(layertap.LayerNotFound) as unknown:
+            client.capture(["fc", "layer5"], input=x)
+        with pytest.raises(layertap.InvalidArgument) as invalid:
+            client.capture("fc", input=x, n=2)  # an active capture runs one pass: the server refuses
+        with pytest.raises(layertap.LayerNotFound) as no_match:
+            client.create_tap("head*")
+
+    assert too_large.value.reason == "CAPTURE_TOO_LARGE" and too_large.value.metadata["max_bytes"] == "10000"
+    info, violations = rich_details(too_large.value.__cause__)
+    assert info.reason == "CAPTURE_TOO_LARGE" and info.metadata["max_bytes"] == "10000" and not violations
+
+    err = unknown.value
+    assert (err.reason, err.field, err.layer) == ("LAYER_NOT_FOUND", "layers[1]", "layer5")
+    assert "layer4" in err.suggestions and "layer5" in err.details  # the message still says it
+    info, _ = rich_details(err.__cause__)
+    assert info.reason == "LAYER_NOT_FOUND"
+    assert dict(info.metadata) == {"field": "layers[1]", "layer": "layer5", "suggestions": ",".join(err.suggestions)}
+
+    assert invalid.value.reason == "INVALID_ARGUMENT" and invalid.value.field == "passes"
+    assert invalid.value.details.startswith("passes: ")  # the message still names the field
+    info, violations = rich_details(invalid.value.__cause__)
+    assert info.reason == "INVALID_ARGUMENT" and info.metadata["field"] == "passes"
+    assert violations == [("passes", "an active capture (with inputs) runs exactly one pass")]
+
+    assert (no_match.value.reason, no_match.value.field, no_match.value.layer) == (
+        "LAYER_NOT_FOUND", "spec.selector", "head*")
+    assert rich_details(no_match.value.__cause__)[0].metadata["field"] == "spec.selector"
+
+
+def test_a_taken_tap_name_is_already_exists(client):
+    client.create_tap("fc", name="fc-stats")
+    with pytest.raises(layertap.AlreadyExists) as taken:
+        client.create_tap("layer4", name="fc-stats")
+    assert taken.value.code == "ALREADY_EXISTS" and taken.value.reason == "ALREADY_EXISTS"
+    assert "fc-stats" in str(taken.value)
+    info, violations = rich_details(taken.value.__cause__)
+    assert info.reason == "ALREADY_EXISTS" and not violations
+    assert [t.id for t in client.taps()] == ["fc-stats"]  # the first one is untouched
+    client.delete_tap("fc-stats")
 
 
 def test_capture_limits(make_server):

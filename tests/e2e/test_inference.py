@@ -87,3 +87,19 @@ def test_oversized_request_is_resource_exhausted(make_server):
         with pytest.raises(layertap.ResourceExhausted, match="max-request-bytes"):
             client.infer(np.zeros((100, 3, 32, 32), np.float32))
         assert client.infer(np.zeros((2, 3, 32, 32), np.float32)).shape == (2, 10)
+
+
+def test_request_errors_name_the_field(make_server):
+    srv = make_server(max_request_bytes=1 << 20)
+    with layertap.Client(f"127.0.0.1:{srv.port}") as client:
+        with pytest.raises(layertap.InvalidArgument) as wrong_shape:
+            client.infer(np.zeros((2, 3, 16, 16), np.float32))
+        with pytest.raises(layertap.ResourceExhausted) as too_big:
+            client.infer(np.zeros((100, 3, 32, 32), np.float32))
+    err = wrong_shape.value
+    assert (err.reason, err.field) == ("INVALID_ARGUMENT", "inputs[0].shape")
+    assert err.details.startswith("inputs[0].shape: ")
+    assert type(too_big.value) is layertap.ResourceExhausted
+    assert (too_big.value.reason, too_big.value.field) == ("RESOURCE_EXHAUSTED", "inputs")
+    assert too_big.value.metadata["max_bytes"] == str(1 << 20)
+

@@ -1,0 +1,158 @@
+"""How the ``layertap`` CLI draws: tables, sparklines, the live watch view, progress.
+
+Rendering only (rich); :mod:`layertap.cli` parses arguments and talks to the server.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from ._types import Summary, TapEvent
+
+__all__ = ["CaptureProgress", "SPARK_WIDTH", "WatchRow", "shape_text", "sparkline", "update_row", "watch_table"]
+
+#: Captures at least this large get a progress bar.
+PROGRESS_MIN_BYTES = 8 << 20
+SPARK_CHARS = "▁▂▃▄▅▆▇█"
+SPARK_WIDTH = 30
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}"
+
+
+def shape_text(shapes: Sequence[tuple[int, ...]]) -> str:
+    return ", ".join("(" + ", ".join(str(d) for d in s) + ")" for s in shapes) or "-"
+
+
+def sparkline(values: Sequence[float], width: int = SPARK_WIDTH) -> str:
+    """Renders the last ``width`` values as unicode block characters.
+
+    Non-finite values show as spaces; a flat series sits mid-height.
+    """
+    tail = list(values)[-width:]
+    finite = [v for v in tail if math.isfinite(v)]
+    if not finite:
+        return " " * len(tail)
+    lo, hi = min(finite), max(finite)
+    top = len(SPARK_CHARS) - 1
+    out = []
+    for v in tail:
+        if not math.isfinite(v):
+            out.append(" ")
+        elif hi == lo:
+            out.append(SPARK_CHARS[top // 2])
+        else:
+            out.append(SPARK_CHARS[round((v - lo) / (hi - lo) * top)])
+    return "".join(out)
+
+
+class CaptureProgress:
+    """Progress callback that shows a bar once a capture turns out to be large."""
+
+    def __init__(self, console: Console) -> None:
+        self._console = console
+        self._progress: Progress | None = None
+        self._task: Any = None
+
+    def __call__(self, received: int, total: int) -> None:
+        if self._progress is None:
+            if total < PROGRESS_MIN_BYTES:
+                return
+            self._progress = Progress(
+                TextColumn("capture"),
+                BarColumn(),
+                DownloadColumn(binary_units=True),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=self._console,
+                transient=True,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("capture", total=total)
+        self._progress.update(self._task, completed=received, total=total)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+@dataclass
+class WatchRow:
+    summary: Summary
+    means: deque[float] = field(default_factory=lambda: deque(maxlen=SPARK_WIDTH))
+    nan: int = 0
+    inf: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def watch_table(
+    title: str,
+    rows: dict[tuple[str, int], WatchRow],
+    dropped: int,
+    events: Sequence[TapEvent],
+    spark_width: int = SPARK_WIDTH,
+) -> Table:
+    table = Table(title=title, caption=_watch_caption(dropped, events))
+    for column in ("layer", "pass", "mean", "std", "min", "max", "nan", "inf"):
+        table.add_column(column, justify="left" if column == "layer" else "right", no_wrap=True)
+    table.add_column(f"mean (last {spark_width})", no_wrap=True)
+    for (layer, index), row in sorted(rows.items()):
+        name = layer if index == 0 else f"{layer}[{index}]"
+        table.add_row(
+            name,
+            str(row.summary.pass_index),
+            _fmt(row.stats.get("mean")),
+            _fmt(row.stats.get("std")),
+            _fmt(row.stats.get("min")),
+            _fmt(row.stats.get("max")),
+            f"[bold red]{row.nan}[/]" if row.nan else "0",
+            f"[bold red]{row.inf}[/]" if row.inf else "0",
+            sparkline(row.means, spark_width),
+        )
+    return table
+
+
+def _watch_caption(dropped: int, events: Sequence[TapEvent]) -> str:
+    parts = [f"dropped {dropped}"]
+    if events:
+        last = events[-1]
+        parts.append(f"[yellow]{last.kind}[/] {last.tap}: {last.message}")
+    return " · ".join(parts)
+
+
+def update_row(rows: dict[tuple[str, int], WatchRow], s: Summary) -> None:
+    row = rows.setdefault((s.layer, s.output_index), WatchRow(summary=s))
+    row.summary = s
+    nonfinite = s.results.get("nonfinite")
+    if nonfinite is not None:
+        row.nan += getattr(nonfinite, "nan_count", 0)
+        row.inf += getattr(nonfinite, "inf_count", 0)
+    if s.unsampled:
+        return  # Only the always-on NaN counter ran on this pass.
+    moments = s.results.get("moments")
+    if moments is not None:
+        row.stats["mean"] = getattr(moments, "mean")
+        row.stats["std"] = getattr(moments, "std")
+        row.means.append(row.stats["mean"])
+    minmax = s.results.get("minmax")
+    if minmax is not None:
+        row.stats["min"] = getattr(minmax, "min")
+        row.stats["max"] = getattr(minmax, "max")

@@ -1,0 +1,121 @@
+"""The layout keeps its shape: no import cycles, no module that does everything.
+
+Both checks read the source with ``ast`` (nothing is imported), so they hold
+for imports under ``TYPE_CHECKING`` and inside functions too.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+#: Source tree -> the import name it installs as (see setup.py).
+TREES = {REPO / "client": "layertap", REPO / "server": "layertap.server"}
+GENERATED = REPO / "client" / "v1"
+#: Hand-written modules stay small enough to have one job.
+MAX_LINES = 500
+
+
+def _modules() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for root, name in TREES.items():
+        for path in root.rglob("*.py"):
+            if GENERATED in path.parents:
+                continue
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([name, *parts])] = path
+    return out
+
+
+def _imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The layertap modules ``module`` imports, resolved to module names."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in known else base)
+    return {m for m in found if m in known and m != module}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles() -> None:
+    known = _modules()
+    graph = {m: _imports(m, p, known) for m, p in known.items()}
+    assert graph["layertap.server.app"], "the resolver found no imports: the test is broken"
+    assert _cycles(graph) == []
+
+
+def test_cycle_detector_sees_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_client_never_imports_the_server() -> None:
+    known = _modules()
+    for module, path in known.items():
+        if not module.startswith("layertap.server"):
+            bad = {m for m in _imports(module, path, known) if m.startswith("layertap.server")}
+            assert not bad, f"{module} imports {bad}: the thin client must install without torch"
+
+
+def _source_files() -> list[Path]:
+    """Python files git tracks or would track (build output and venvs are ignored)."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return [REPO / line for line in out.splitlines() if (REPO / line).exists()]
+
+
+def test_hand_written_modules_stay_small() -> None:
+    skip = (REPO / "tests", GENERATED)
+    sizes = {
+        str(p.relative_to(REPO)): len(p.read_text().splitlines())
+        for p in _source_files()
+        if not any(s in p.parents for s in skip)
+    }
+    assert "server/app.py" in sizes
+    assert {path: n for path, n in sizes.items() if n > MAX_LINES} == {}
