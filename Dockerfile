@@ -40,5 +40,7 @@ HEALTHCHECK --interval=10s --timeout=3s --start-period=60s \
 s=g.HealthStub(grpc.insecure_channel('127.0.0.1:50051')).Check(h.HealthCheckRequest(), timeout=2); \
 sys.exit(0 if s.status == h.HealthCheckResponse.SERVING else 1)"
 
+# Protected mode: a server on 0.0.0.0 refuses to start without --auth-tokens and
+# --tls-cert/--tls-key, or an explicit --insecure (local use; see docs/security.md).
 ENTRYPOINT ["layertap", "serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9466"]
 CMD []

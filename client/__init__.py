@@ -19,9 +19,11 @@ from ._errors import (
     LayerNotFound,
     LayertapError,
     NotFound,
+    PermissionDenied,
     ProtocolError,
     ResourceExhausted,
     ServerUnavailable,
+    Unauthenticated,
 )
 from ._types import (
     AbsMax,
@@ -67,6 +69,8 @@ __all__ = [
     "FailedPrecondition",
     "DeadlineExceeded",
     "ServerUnavailable",
+    "Unauthenticated",
+    "PermissionDenied",
     "ProtocolError",
     "ClientClosed",
     # results

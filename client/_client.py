@@ -13,6 +13,7 @@ import grpc
 
 from . import _capture, _codec, _convert
 from ._capture import CaptureOptions, ProgressCallback
+from ._channel import TlsOption, open_channel
 from ._codec import Array
 from ._errors import ClientClosed, DeadlineExceeded, InvalidArgument, NotFound, from_rpc_error
 from ._taps import DurableTapOptions, SummaryStream, TapHandle, TapOptions, Unpack, tap_spec
@@ -63,6 +64,8 @@ class Client:
         timeout: Default deadline of a call, in seconds.
         max_message_bytes: gRPC send/receive limit; matches the server's
             default 256 MiB request cap plus envelope slack.
+        token: Bearer token sent on every call; default ``$LAYERTAP_TOKEN``.
+        tls: True (system roots), a CA bundle path, or ``grpc.ChannelCredentials``.
 
     Example:
         >>> with layertap.Client("localhost:50051") as client:
@@ -75,20 +78,18 @@ class Client:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        token: str | None = None,
+        tls: TlsOption = None,
     ) -> None:
         if not timeout > 0:
             raise InvalidArgument(f"timeout must be > 0 seconds, got {timeout}")
         self.target = normalize_target(target)
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(
-            self.target,
-            options=[
-                ("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.max_receive_message_length", max_message_bytes),
-            ],
-        )
-        self._inference = inference_pb2_grpc.InferenceServiceStub(self._channel)
-        self._telemetry = telemetry_pb2_grpc.TelemetryServiceStub(self._channel)
+        options = [("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.max_receive_message_length", max_message_bytes)]
+        self._channel, calls = open_channel(self.target, options, token, tls)
+        self._inference = inference_pb2_grpc.InferenceServiceStub(calls)
+        self._telemetry = telemetry_pb2_grpc.TelemetryServiceStub(calls)
         self._closed = False
         self._lock = threading.Lock()
 

@@ -13,6 +13,8 @@ Every server error is a gRPC status; the client translates it, in one place
     ├── FailedPrecondition        FAILED_PRECONDITION (e.g. TorchScript refuses hooks)
     ├── DeadlineExceeded          DEADLINE_EXCEEDED (the call's deadline passed)
     ├── ServerUnavailable         UNAVAILABLE (server down or unreachable)
+    ├── Unauthenticated           UNAUTHENTICATED (no, unknown or expired token)
+    ├── PermissionDenied          PERMISSION_DENIED (the token lacks the scope; .metadata["scope"])
     ├── ProtocolError             the server sent a malformed or incomplete stream
     └── ClientClosed              the Client was used after close(); a RuntimeError
 
@@ -46,9 +48,11 @@ __all__ = [
     "LayerNotFound",
     "LayertapError",
     "NotFound",
+    "PermissionDenied",
     "ProtocolError",
     "ResourceExhausted",
     "ServerUnavailable",
+    "Unauthenticated",
     "from_rpc_error",
 ]
 
@@ -176,6 +180,21 @@ class ServerUnavailable(LayertapError):
     default_code = "UNAVAILABLE"
 
 
+class Unauthenticated(LayertapError):
+    """The server wants a valid token: none was sent, or it is unknown or expired.
+
+    Pass ``token=`` to :class:`~layertap.Client` or set ``LAYERTAP_TOKEN``.
+    """
+
+    default_code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(LayertapError):
+    """The token is valid but lacks the scope this call needs (``.metadata["scope"]``)."""
+
+    default_code = "PERMISSION_DENIED"
+
+
 class ProtocolError(LayertapError):
     """The server's response broke the wire contract (missing or stray chunks, bad sizes)."""
 
@@ -196,6 +215,8 @@ _BY_CODE: dict[grpc.StatusCode, type[LayertapError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.UNAVAILABLE: ServerUnavailable,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 #: ErrorInfo reasons that refine their status code into a class of their own.
 _BY_REASON: dict[str, type[LayertapError]] = {

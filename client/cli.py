@@ -7,8 +7,10 @@ only then, so the base install (no torch) runs every other command.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import itertools
+import secrets
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -88,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
             default=DEFAULT_TIMEOUT,
             help=f"deadline of each call in seconds (default {DEFAULT_TIMEOUT:g})",
         )
+        p.add_argument("--token", help="bearer token (default: $LAYERTAP_TOKEN)")
+        p.add_argument("--tls", action="store_true", help="connect over TLS, trusting the system's roots")
+        p.add_argument("--tls-ca", metavar="CA_FILE", help="connect over TLS, trusting this CA bundle")
         return p
 
     p = command("layers", "List the model's modules with types, parameters and last shapes.")
@@ -136,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("stats", "Show the server's counters (hooks, passes, captures, subscribers).")
     p.set_defaults(func=_cmd_stats)
+
+    p = sub.add_parser("token", help="Manage access tokens for 'layertap serve --auth-tokens'.")
+    tok = p.add_subparsers(dest="token_command", metavar="ACTION", required=True)
+    p = tok.add_parser("new", help="Print a new random token and the token-file line that admits it.")
+    p.add_argument("--id", required=True, help="the token's id: the principal named in logs and tap owners")
+    p.add_argument("--scopes", required=True, help="comma-separated: infer,read,tap,capture,admin")
+    p.add_argument("--expires", help="RFC 3339 expiry, e.g. 2027-01-01T00:00:00Z")
+    p.set_defaults(func=_cmd_token_new)
 
     p = sub.add_parser(
         "serve",
@@ -198,7 +211,7 @@ def _flatten(value: Any, prefix: str, out: dict[str, np.ndarray[Any, Any]]) -> N
 
 
 def _client(args: argparse.Namespace) -> Client:
-    return Client(args.host, timeout=args.timeout)
+    return Client(args.host, timeout=args.timeout, token=args.token, tls=args.tls_ca or args.tls)
 
 
 def _cmd_layers(args: argparse.Namespace) -> int:
@@ -397,6 +410,25 @@ def _server_entry(module: str, what: str) -> Callable[[list[str]], Any] | None:
         )
         return None
     return entry
+
+
+_SCOPES = ("infer", "read", "tap", "capture", "admin")
+
+
+def _cmd_token_new(args: argparse.Namespace) -> int:
+    """The token goes to stdout once; only its digest goes into the server's file."""
+    scopes = [part.strip() for part in args.scopes.split(",") if part.strip()]
+    bad = [scope for scope in scopes if scope not in _SCOPES]
+    if bad or not scopes or not args.id or any(c.isspace() or c == "#" for c in args.id):
+        print(f"{PROG}: token new: --id must be one word; --scopes some of {','.join(_SCOPES)}", file=sys.stderr)
+        return 2
+    token = secrets.token_urlsafe(32)
+    line = f"{args.id} sha256:{hashlib.sha256(token.encode()).hexdigest()} {','.join(scopes)}"
+    if args.expires:
+        line += f" {args.expires}"
+    print(f"token: {token}")
+    print(f"add this line to the --auth-tokens file (then send SIGHUP to the server):\n{line}")
+    return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -33,7 +33,9 @@ from layertap.server.codec import DTYPE_BY_NAME
 from layertap.server.rpc.inference import InferenceService
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import LoadedModel, ModelLoadError, load_model
+from layertap.server.rpc.auth import SERVER_OWNER, Authenticator
 from layertap.server.rpc.state import ServerState, StateCell
+from layertap.server.tls import TlsFiles
 from layertap.server.rpc.telemetry import TelemetryService
 from layertap.v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 from layertap.v1 import telemetry_pb2 as pb
@@ -65,6 +67,8 @@ class LayertapServer:
     port: int
     health: health.HealthServicer
     metrics_port: int | None = None
+    auth: Authenticator | None = None
+    tls: TlsFiles | None = None
     _closers: list[Any] = field(default_factory=list)
     _stopped: threading.Event = field(default_factory=threading.Event)
 
@@ -87,6 +91,13 @@ class LayertapServer:
                 close()
             except Exception:  # noqa: BLE001 - shutdown must finish
                 log.exception("error during shutdown")
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the token file and the certificates; a bad file keeps the old ones."""
+        if self.auth is not None:
+            self.auth.reload()
+        if self.tls is not None:
+            self.tls.reload()
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()
@@ -136,7 +147,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     if config.tap_config:
         for i, spec in enumerate(load_tap_config(config.tap_config)):
             try:
-                taps.create(spec, kind=pb.TAP_KIND_DURABLE, forever=True, field_prefix=f"{config.tap_config}: taps[{i}]")
+                taps.create(spec, kind=pb.TAP_KIND_DURABLE, forever=True, field_prefix=f"{config.tap_config}: taps[{i}]",
+                            owner=SERVER_OWNER)
             except LayertapServerError as exc:
                 raise ModelLoadError(f"--taps {config.tap_config}: {exc}") from None
     return state
@@ -152,12 +164,15 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Lay
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
+    auth = Authenticator(config.auth_tokens) if config.auth_tokens else None  # ValueError names the line
+    tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert and config.tls_key else None
     # A thread pool sized for streaming: every Capture/Subscribe holds a worker
     # while it streams, so the pool must exceed captures + subscribers.
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="layertap-rpc"),
         options=options,
         maximum_concurrent_rpcs=config.workers,
+        interceptors=[auth] if auth is not None else None,
     )
     cell = StateCell()
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(cell), server)
@@ -167,7 +182,8 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Lay
     for name in ("", *SERVICE_NAMES):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     try:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        port = server.add_secure_port(address, tls.grpc_credentials()) if tls else server.add_insecure_port(address)
     except RuntimeError:  # newer grpcio raises instead of returning 0
         port = 0
     if port == 0:
@@ -181,17 +197,21 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Lay
         server.stop(0)
         raise
     cell.set(state)
-    running = LayertapServer(server, state, port, health_servicer)
+    running = LayertapServer(server, state, port, health_servicer, auth=auth, tls=tls)
     running._closers.append(state.taps.close)
     if state.registry is not None:
+        if auth is not None:
+            auth.register(state.registry)
         try:
-            mserver, mport = start_metrics_server(state.registry, config.host, config.metrics_port or 0)
+            mserver, mport = start_metrics_server(
+                state.registry, config.host, config.metrics_port or 0,
+                ssl_context=tls.ssl_context() if tls else None, authorize=_scrape_check(auth))
         except OSError as exc:
             running.stop(0)  # no half-started server left behind
             raise OSError(f"--metrics-port {config.metrics_port}: cannot bind {config.host}: {exc.strerror or exc}") from None
         running.metrics_port = mport
         running._closers.append(lambda: stop_metrics_server(mserver))
-        log.info("metrics on http://%s:%d/metrics", config.host, mport)
+        log.info("metrics on %s://%s:%d/metrics", "https" if tls else "http", config.host, mport)
     reaper = threading.Thread(target=_reap, args=(state, running._stopped), name="layertap-ttl", daemon=True)
     reaper.start()
     for name in ("", *SERVICE_NAMES):
@@ -201,6 +221,22 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Lay
     log.info("serving %s (%s) on %s:%d, device=%s dtype=%s", state.host.loaded.name,
              state.host.loaded.source, config.host, port, state.host.device, config.dtype)
     return running
+
+
+def _scrape_check(auth: Authenticator | None):  # type: ignore[no-untyped-def]
+    """/metrics needs a bearer token with the ``read`` scope when auth is on."""
+    if auth is None:
+        return None
+
+    def check(header: str | None) -> str | None:
+        principal, why = auth.check_bearer(header, "read")
+        if principal is None:
+            auth.count("UNAUTHENTICATED" if why != "missing scope read" else "PERMISSION_DENIED",
+                       "unknown", "GET /metrics", why)
+            return why
+        return None
+
+    return check
 
 
 def _reap(state: ServerState, stopped: threading.Event) -> None:
@@ -213,10 +249,16 @@ def _reap(state: ServerState, stopped: threading.Event) -> None:
 
 
 def install_signal_handlers(server: LayertapServer) -> None:
-    """SIGTERM/SIGINT: graceful shutdown (health goes NOT_SERVING first)."""
+    """SIGTERM/SIGINT: graceful shutdown (health goes NOT_SERVING first); SIGHUP: reload tokens and certificates."""
     def handle(signum: int, _frame: object) -> None:
         log.info("signal %d: shutting down (grace %.1fs)", signum, server.state.config.grace_seconds)
         threading.Thread(target=server.stop, daemon=True).start()
 
+    def hangup(_signum: int, _frame: object) -> None:
+        log.info("SIGHUP: reloading tokens and certificates")
+        threading.Thread(target=server.reload, name="layertap-reload", daemon=True).start()
+
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
+    if hasattr(signal, "SIGHUP"):  # not on Windows
+        signal.signal(signal.SIGHUP, hangup)

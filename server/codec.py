@@ -6,11 +6,13 @@ shape, like KServe v2 ``raw_input_contents``.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
 
 from layertap.server.errors import InvalidSpec
+from layertap.server.limits import MAX_TENSOR_DIMS, MAX_TENSOR_ELEMENTS
 from layertap.v1 import tensor_pb2
 
 DataType = tensor_pb2.DataType
@@ -74,8 +76,13 @@ def tensor_from_proto(msg: tensor_pb2.Tensor, field: str = "inputs[0]") -> torch
         raise InvalidSpec(f"{field}.dtype", f"unsupported or unset dtype; expected one of {valid}")
     dtype = TORCH_BY_WIRE[msg.dtype]
     shape = tuple(int(d) for d in msg.shape)
+    if len(shape) > MAX_TENSOR_DIMS:
+        raise InvalidSpec(f"{field}.shape", f"at most {MAX_TENSOR_DIMS} dimensions, got {len(shape)}")
     if any(d < 0 for d in shape):
         raise InvalidSpec(f"{field}.shape", f"negative dimension in shape {list(shape)}")
+    if math.prod(max(d, 1) for d in shape) > MAX_TENSOR_ELEMENTS:
+        raise InvalidSpec(f"{field}.shape", f"shape {list(shape)} is over {MAX_TENSOR_ELEMENTS} elements "
+                                            "(zero-sized dimensions counted as 1)")
     expected = tensor_nbytes(dtype, shape)
     if len(msg.raw_data) != expected:
         raise InvalidSpec(

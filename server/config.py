@@ -37,6 +37,15 @@ class ServerConfig:
     drift_window: int = 50
     max_export_layers: int = 200
     grace_seconds: float = 5.0
+    #: Token file (``id sha256:<hex> scopes [expiry]`` per line); None: no auth.
+    auth_tokens: str | None = None
+    #: PEM certificate chain and key: TLS for gRPC and /metrics.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: PEM CA bundle: clients must present a certificate it signed (mTLS).
+    tls_client_ca: str | None = None
+    #: Allow a non-loopback --host without both auth and TLS.
+    insecure: bool = False
 
     @property
     def max_message_bytes(self) -> int:

@@ -123,6 +123,8 @@ class Unavailable(LayertapServerError):
 
 
 LAYER_HINT = "Hint: list layers with ListLayers / client.layers()"
+#: Longest status message sent (see ``status_for``).
+MAX_MESSAGE_CHARS = 1024
 #: Longest excerpt of client input echoed back in an error message.
 ECHO_CHARS = 80
 
@@ -170,7 +172,9 @@ def no_layer_matches(selector: str, probe: str, known: Iterable[str], field: str
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """Map an exception raised by service code to (status code, details)."""
     if isinstance(exc, LayertapServerError):
-        return exc.code, str(exc)
+        # Bounded whatever the input: the message travels twice in trailers
+        # (grpc-message and the Status detail), which gRPC caps at 8 KiB.
+        return exc.code, str(exc)[:MAX_MESSAGE_CHARS]
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
 

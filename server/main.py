@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drift-window", type=int, default=d.drift_window, help="passes in the sliding drift window")
     p.add_argument("--max-export-layers", type=int, default=d.max_export_layers)
     p.add_argument("--grace", dest="grace_seconds", type=float, default=d.grace_seconds, help="seconds to drain on SIGTERM")
+    p.add_argument("--auth-tokens", help="token file: 'id sha256:<hex> scope,scope [RFC 3339 expiry]' per line; SIGHUP reloads")
+    p.add_argument("--tls-cert", help="PEM certificate chain for gRPC and /metrics (SIGHUP reloads)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", help="PEM CA bundle; clients must present a certificate it signed (mTLS)")
+    p.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without auth and TLS")
     p.add_argument("--smoke", action="store_true", help="start on a free port, capture layer4 once through the client, print it, exit")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -53,6 +58,24 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         cfg.port = 0
         cfg.metrics_port = None if cfg.metrics_port is None else 0
     return cfg
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def check_exposure(cfg: ServerConfig) -> str | None:
+    """Protected mode: why this config must not start (None: it may)."""
+    if (cfg.tls_cert is None) != (cfg.tls_key is None):
+        return "--tls-cert and --tls-key go together"
+    if cfg.tls_client_ca and not cfg.tls_cert:
+        return "--tls-client-ca needs --tls-cert and --tls-key"
+    if cfg.host in LOOPBACK or cfg.host.startswith("127.") or cfg.insecure:
+        return None
+    if cfg.auth_tokens and cfg.tls_cert:
+        return None
+    missing = " and ".join(m for m, ok in (("--auth-tokens", cfg.auth_tokens), ("--tls-cert/--tls-key", cfg.tls_cert)) if not ok)
+    return (f"--host {cfg.host} exposes the server beyond this machine without {missing}; "
+            "add them, or pass --insecure to accept the risk")
 
 
 def smoke(address: str) -> int:
@@ -82,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from layertap.server.host.sources import ModelLoadError
 
     config = config_from_args(args)
+    if (why := check_exposure(config)) is not None:
+        print(f"layertap serve: error: {why}", file=sys.stderr)
+        return 2
     try:
         server = start_server(config)
     except ModelLoadError as exc:
@@ -90,9 +116,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print(f"layertap serve: error: {exc}", file=sys.stderr)
         return 2
+    except ValueError as exc:  # a malformed --auth-tokens file or certificate
+        print(f"layertap serve: error: {exc}", file=sys.stderr)
+        return 2
     print(f"layertap: serving on {config.host}:{server.port}", flush=True)
     if server.metrics_port is not None:
-        print(f"layertap: metrics on http://{config.host}:{server.metrics_port}/metrics", flush=True)
+        print(f"layertap: metrics on {'https' if config.tls_cert else 'http'}://{config.host}:{server.metrics_port}/metrics", flush=True)
     if args.smoke:
         try:
             return smoke(f"{config.host}:{server.port}")

@@ -68,7 +68,7 @@ class ServerProcess:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
-            if m := re.search(r"metrics on http://[^:]+:(\d+)/metrics", line):
+            if m := re.search(r"metrics on https?://[^:]+:(\d+)/metrics", line):
                 self.metrics_port = int(m.group(1))
             if m := re.search(r"serving on [^\s]+:(\d+)", line):
                 self.port = int(m.group(1))

@@ -36,6 +36,7 @@ from layertap.server.host.hooks import POINT_BY_NAME, POINT_NAMES
 from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.host.model_host import PassContext
 from layertap.server.taps.selectors import select_layers
+from layertap.server.limits import check_name
 from layertap.server.stream.sinks import Sink
 from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.tap import Tap
@@ -81,6 +82,12 @@ def _results(summary: pb.Summary) -> dict[str, pb.ReducerResult]:
     return {r.WhichOneof("value"): r for r in summary.results}
 
 
+def baseline_tap_id(req: pb.SetBaselineRequest) -> str:
+    """The id of the durable tap a SetBaseline creates (or replaces)."""
+    point = req.point or pb.POINT_OUTPUT
+    return req.name or "baseline-" + hashlib.sha1(f"{req.selector}|{point}".encode()).hexdigest()[:8]
+
+
 class DriftMonitor(Sink):
     """Owns baseline taps, their builders and windows; a sink of the tap engine."""
 
@@ -118,7 +125,9 @@ class DriftMonitor(Sink):
         point = req.point or pb.POINT_OUTPUT
         if point not in POINT_NAMES:
             raise InvalidSpec("point", f"unknown point {req.point}")
-        tap_id = req.name or "baseline-" + hashlib.sha1(f"{req.selector}|{point}".encode()).hexdigest()[:8]
+        if req.name:
+            check_name(req.name, "name")
+        tap_id = baseline_tap_id(req)
         thresholds = DriftThresholds.from_message(req.thresholds)
         per_channel = all(self._channels(layer) is not None for layer in layers)
         spec = pb.TapSpec(name=tap_id, selector=req.selector, point=point, sampling=req.sampling,
@@ -206,7 +215,7 @@ class DriftMonitor(Sink):
                 for b in group:
                     self._layers[(tap_id, b.layer)] = _Layer(tap_id, b.layer, point, b.passes, b.window, b.thresholds)
             try:
-                self.engine.create(spec, forever=True)
+                self.engine.create(spec, forever=True, trusted_selector=True)
                 self._own.add(tap_id)
             except Exception as exc:  # noqa: BLE001 - one bad group must not stop start-up
                 msg = f"{tap_id}: cannot recreate its tap: {exc}"

@@ -14,6 +14,8 @@ import numpy as np
 import numpy.typing as npt
 
 from layertap.server.drift.baseline import Baseline
+from layertap.server.host.hooks import POINT_BY_NAME
+from layertap.server.reducers.spec import MAX_BINS
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 
 __all__ = [
@@ -104,12 +106,16 @@ def baseline_from_dict(d: Any, known_layers: KnownLayers | None = None) -> Basel
     for key in ("tap", "layer", "point"):
         if not isinstance(d.get(key), str) or not d[key]:
             raise BaselineFormatError(f"field {key!r} must be a non-empty string")
+    if d["point"] not in POINT_BY_NAME:
+        raise BaselineFormatError(f"point {d['point'][:40]!r} is not one of {', '.join(POINT_BY_NAME)}")
     layer = d["layer"]
     if known_layers is not None and layer not in known_layers:
         raise BaselineFormatError(f"unknown layer {layer!r}: the served model has no such module")
     edges = _floats(d, "edges")
     if edges.size == 0:
         raise BaselineFormatError("edges is empty")
+    if edges.size > MAX_BINS + 1:  # the histogram the baseline's tap will run
+        raise BaselineFormatError(f"{edges.size} edges, at most {MAX_BINS + 1}")
     if edges.size > 1 and not np.all(np.diff(edges) > 0):
         raise BaselineFormatError("edges are not strictly increasing")
     raw_counts = d.get("counts")

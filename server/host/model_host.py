@@ -8,6 +8,7 @@ pass finishes, still under the lock, so per-pass state never interleaves.
 from __future__ import annotations
 
 import contextlib
+import logging
 import itertools
 import math
 import threading
@@ -20,13 +21,30 @@ import torch
 from torch import nn
 
 from layertap.server.codec import dtype_name
-from layertap.server.errors import InvalidSpec
+from layertap.server.errors import InvalidSpec, LimitExceeded
 from layertap.server.host.hooks import HookRegistry, ParamGrad
 from layertap.server.host.sources import InputSpec, LoadedModel
 
 
+log = logging.getLogger(__name__)
+
 #: Most seconds between two shape recordings while traffic flows.
 PROBE_SECONDS = 1.0
+
+
+#: How much of a model's exception message reaches the client.
+MODEL_ERROR_CHARS = 200
+
+
+def model_raised(exc: BaseException) -> InvalidSpec:
+    """The forward raised on the caller's input: say what, briefly.
+
+    The first line of the message only, cut short: it names the problem
+    without echoing tensor data or internals at length.
+    """
+    first = (str(exc).strip().splitlines() or [""])[0][:MODEL_ERROR_CHARS]
+    log.info("forward raised %s on a request's input", type(exc).__name__)
+    return InvalidSpec("inputs", f"model raised {type(exc).__name__}: {first}".rstrip(": "))
 
 
 @dataclass
@@ -190,8 +208,13 @@ class ModelHost:
         """Validate, move to the device and run one inference pass."""
         self.validate_inputs(inputs)
         moved = [t.to(self.device, dtype=spec.dtype, non_blocking=True) for t, spec in zip(inputs, self.inputs)]
-        with self.pass_context(active_owner=active_owner) as ctx, torch.inference_mode():
-            out = self.module(*moved)
+        try:
+            with self.pass_context(active_owner=active_owner) as ctx, torch.inference_mode():
+                out = self.module(*moved)
+        except torch.OutOfMemoryError:
+            raise LimitExceeded("the device ran out of memory for this pass; send a smaller batch") from None
+        except Exception as exc:  # noqa: BLE001 - the caller's input made the model raise
+            raise model_raised(exc) from None
         return out, ctx
 
     def _start_probe(self) -> torch.utils.hooks.RemovableHandle:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from layertap.server.limits import MAX_REDUCERS_PER_TAP, MAX_SAMPLED_ELEMENTS
 from layertap.server.reducers.base import Reducer
 from layertap.server.reducers.basic import BASIC_REDUCERS, BasicReducer
 from layertap.server.reducers.distribution import HistogramReducer, PerChannelReducer, QuantilesReducer
@@ -68,6 +69,8 @@ def build_reducers(specs: Sequence[pb.ReducerSpec], field_prefix: str = "reducer
             given for a kind that takes none (or another kind's), or a
             duplicate reducer (same kind and same effective parameters).
     """
+    if len(specs) > MAX_REDUCERS_PER_TAP:
+        raise SpecError(field_prefix, f"at most {MAX_REDUCERS_PER_TAP} reducers per tap, got {len(specs)}")
     reducers: list[Reducer] = []
     seen: dict[tuple[object, ...], int] = {}
     for i, spec in enumerate(specs):
@@ -78,6 +81,11 @@ def build_reducers(specs: Sequence[pb.ReducerSpec], field_prefix: str = "reducer
             raise SpecError(field, f"duplicate of {field_prefix}[{seen[key]}] ({reducer.name})")
         seen[key] = i
         reducers.append(reducer)
+    # Reducers that sample at the same size share one sample (see Workspace).
+    sampled = sum({r.sample_size for r in reducers if isinstance(r, (HistogramReducer, QuantilesReducer))})
+    if sampled > MAX_SAMPLED_ELEMENTS:
+        raise SpecError(field_prefix, f"the reducers sample {sampled} elements per tensor together, "
+                                      f"the limit is {MAX_SAMPLED_ELEMENTS}; use fewer or smaller sample_size")
     return reducers
 
 

@@ -10,8 +10,17 @@ from typing import Any
 
 import grpc
 
-from layertap.server.taps.capture import CaptureSession, CaptureTooLarge, describe, encode_pass, parse_options
-from layertap.server.errors import InvalidSpec, NotFound, grpc_errors
+from layertap.server.taps.capture import (
+    CaptureSession,
+    CaptureTooLarge,
+    check_all_ran,
+    describe,
+    encode_pass,
+    parse_options,
+)
+from layertap.server.errors import InvalidSpec, NotFound, Unavailable, grpc_errors
+from layertap.server.drift.monitor import baseline_tap_id
+from layertap.server.rpc.auth import principal_of, require
 from layertap.server.rpc.inference import decode_inputs
 from layertap.server.rpc.state import ServerState, StateBacked
 from layertap.v1 import tensor_pb2
@@ -34,7 +43,8 @@ class TapMethods:
     @grpc_errors
     def CreateTap(self, request: pb.CreateTapRequest, context: grpc.ServicerContext) -> pb.CreateTapResponse:
         ttl = request.ttl.ToTimedelta().total_seconds() if request.HasField("ttl") else None
-        tap = self.state.taps.create(request.spec, kind=pb.TAP_KIND_DURABLE, ttl=ttl, forever=request.forever)
+        tap = self.state.taps.create(request.spec, kind=pb.TAP_KIND_DURABLE, ttl=ttl, forever=request.forever,
+                                     owner=principal_of(context).id)
         return pb.CreateTapResponse(tap=tap.info())
 
     @grpc_errors
@@ -42,6 +52,8 @@ class TapMethods:
         tap = self.state.taps.get(request.id)
         if not tap.durable:
             raise InvalidSpec("id", f"{request.id!r} is a stream tap; it ends with its Subscribe stream")
+        if tap.owner != principal_of(context).id:
+            require(context, "admin", f"deleting tap {request.id!r} of {tap.owner or 'the server'!r}")
         self.state.taps.delete(request.id)
         return pb.DeleteTapResponse()
 
@@ -60,10 +72,14 @@ class TapMethods:
                 engine.get(tap_id)
             except NotFound as exc:
                 raise NotFound(f"tap_ids[{i}]: {exc}", field=f"tap_ids[{i}]") from None
+        if request.stream_taps:
+            require(context, "tap", "Subscribe with stream_taps")
+        owner = principal_of(context).id
         stream_taps = []
         try:
             for i, spec in enumerate(request.stream_taps):
-                stream_taps.append(engine.create(spec, kind=pb.TAP_KIND_STREAM, field_prefix=f"stream_taps[{i}]"))
+                stream_taps.append(engine.create(spec, kind=pb.TAP_KIND_STREAM, field_prefix=f"stream_taps[{i}]",
+                                                 owner=owner))
             ids = [*request.tap_ids, *(t.id for t in stream_taps)]
             sub = broker.subscribe(ids or None, request.queue_size)
         except Exception:
@@ -91,6 +107,8 @@ class TapMethods:
                 batch = sub.get(timeout=POLL_SECONDS)
                 if batch is None:
                     if sub.closed:
+                        if broker.shutting_down:
+                            raise Unavailable("the server is shutting down; reconnect to another replica or retry")
                         return
                     continue
                 yield pb.SubscribeResponse(summaries=batch.summaries, events=batch.events, dropped=sub.dropped)
@@ -121,7 +139,15 @@ class TelemetryService(StateBacked, TapMethods, telemetry_pb2_grpc.TelemetryServ
 
     @grpc_errors
     def SetBaseline(self, request: pb.SetBaselineRequest, context: grpc.ServicerContext) -> pb.SetBaselineResponse:
+        me = principal_of(context).id
+        current = {t.id: t.owner for t in self.state.taps.all_taps()}.get(baseline_tap_id(request))
+        if current is not None and current != me:
+            require(context, "admin", f"replacing baseline {baseline_tap_id(request)!r} of {current or 'the server'!r}")
         tap, layers = self.state.drift.set_baseline(request)
+        try:
+            self.state.taps.get(tap).owner = me
+        except NotFound:  # deleted meanwhile
+            pass
         return pb.SetBaselineResponse(tap=tap, layers=layers)
 
     @grpc_errors
@@ -173,6 +199,7 @@ class TelemetryService(StateBacked, TapMethods, telemetry_pb2_grpc.TelemetryServ
                 if rec.too_large:
                     raise CaptureTooLarge(rec.too_large,
                                           metadata={"max_bytes": str(state.capture_limits.max_bytes)})
+                check_all_ran(rec, opts)
                 if rec.ordinal == opts.passes - 1:
                     session.close()  # the last pass is in hand: free the hooks now
                 for msg in encode_pass(rec, opts, ids):

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from layertap.server.errors import LimitExceeded, Unavailable
 from layertap.server.stream.sinks import Sinks
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -77,6 +78,8 @@ class Broker:
         self._lock = threading.Lock()
         self._subs: list[Subscription] = []
         self.dropped_total = 0
+        #: Set by ``close()``: open streams end UNAVAILABLE, new ones are refused.
+        self.shutting_down = False
         #: Told of each message queued, with how many it pushed out (0 or 1).
         self.sinks: Sinks = sinks if sinks is not None else Sinks()
 
@@ -87,10 +90,10 @@ class Broker:
 
     def subscribe(self, tap_ids: Iterable[str] | None = None, queue_size: int = 0) -> Subscription:
         """Register a subscriber; ``tap_ids=None`` follows every durable tap."""
-        from layertap.server.errors import LimitExceeded
-
         sub = Subscription(tap_ids, queue_size or self.default_queue_size)
         with self._lock:
+            if self.shutting_down:
+                raise Unavailable("the server is shutting down; reconnect to another replica or retry")
             if len(self._subs) >= self.max_subscribers:
                 raise LimitExceeded(f"{len(self._subs)} subscribers already, the server limit is {self.max_subscribers}")
             self._subs.append(sub)
@@ -137,7 +140,9 @@ class Broker:
                     sub.close()
 
     def close(self) -> None:
+        """Server shutdown: end every subscription now (their streams answer UNAVAILABLE)."""
         with self._lock:
+            self.shutting_down = True
             subs, self._subs = self._subs, []
         for sub in subs:
             sub.close()

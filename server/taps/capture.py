@@ -221,6 +221,20 @@ class CaptureSession:
             return None
 
 
+def check_all_ran(rec: CapturedPass, opts: CaptureOptions) -> None:
+    """Every requested layer produced a tensor in this pass, or FAILED_PRECONDITION.
+
+    A module the forward never calls (an auxiliary head, a branch not taken)
+    would otherwise end the stream with nothing for it.
+    """
+    seen = {c.layer for c in rec.tensors}
+    for i, layer in enumerate(opts.layers):
+        if layer not in seen:
+            raise Unsupported(
+                f"layers[{i}]: module {layer!r} did not run in pass {rec.ctx.index} (or gave no tensor at "
+                f"this point); the forward never calls it for this input", field=f"layers[{i}]")
+
+
 def encode_pass(rec: CapturedPass, opts: CaptureOptions, tensor_ids: Iterator[int]) -> Iterator[pb.CaptureResponse]:
     """Headers and <=1 MiB chunks for every tensor of a pass, in request order."""
     rank = {name: i for i, name in enumerate(opts.layers)}

@@ -22,13 +22,14 @@ from layertap.server.stream.broker import Broker
 from layertap.server.stream.sinks import Sinks
 from layertap.server.taps.tap import Tap, timestamp
 from layertap.server.reducers.transfer import HostTransfer, PassBuffer
-from layertap.server.errors import AlreadyExists, InvalidSpec, LimitExceeded, NotFound, Unsupported
+from layertap.server.errors import echo, AlreadyExists, InvalidSpec, LimitExceeded, NotFound, Unsupported
 from layertap.server.host.hooks import POINT_NAMES, ParamGrad
+from layertap.server.limits import check_name, check_ttl
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.spec import SpecError
 from layertap.server.taps.sampling import Clock, Sampler
-from layertap.server.taps.selectors import select_layers
+from layertap.server.taps.selectors import MAX_SELECTOR_BYTES, select_layers
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")
@@ -72,8 +73,12 @@ class TapEngine:
 
     # -- registry ------------------------------------------------------------
     def create(self, spec: pb.TapSpec, *, kind: int = pb.TAP_KIND_DURABLE, ttl: float | None = None,
-               forever: bool = False, field_prefix: str = "spec") -> Tap:
+               forever: bool = False, field_prefix: str = "spec", trusted_selector: bool = False,
+               owner: str = "") -> Tap:
         """Validate ``spec``, install hooks and return the new tap.
+
+        ``trusted_selector`` lifts the selector size cap for selectors the
+        server writes itself (a reloaded baseline lists all its layers).
 
         Raises:
             InvalidSpec: a field is wrong (the message names it).
@@ -82,7 +87,8 @@ class TapEngine:
         """
         if not self.host.loaded.hooks_supported:
             raise Unsupported(f"model source {self.host.loaded.source!r} does not support module hooks")
-        layers = select_layers(spec.selector, self.host.layer_names, f"{field_prefix}.selector")
+        layers = select_layers(spec.selector, self.host.layer_names, f"{field_prefix}.selector",
+                               max_bytes=None if trusted_selector else MAX_SELECTOR_BYTES)
         point = spec.point or pb.POINT_OUTPUT
         if point not in POINT_NAMES:
             raise InvalidSpec(f"{field_prefix}.point", f"unknown point {spec.point}")
@@ -92,8 +98,10 @@ class TapEngine:
             reducers = build_reducers(list(spec.reducers), f"{field_prefix}.reducers")
         except SpecError as exc:
             raise InvalidSpec(exc.field, str(exc)) from None
-        if ttl is not None and ttl <= 0:
-            raise InvalidSpec("ttl", f"must be positive, got {ttl}s")
+        if ttl is not None:
+            check_ttl(ttl)
+        if spec.name:
+            check_name(spec.name, f"{field_prefix}.name")
         sampler = Sampler(spec.sampling, clock=self.clock, rng=self._rng, field=f"{field_prefix}.sampling")
         plan = ReducerPlan(reducers)
         # Lock order everywhere: the model lock, then the engine lock. Hooks go
@@ -103,11 +111,12 @@ class TapEngine:
                 raise LimitExceeded(f"{len(self._taps)} taps exist, the server limit is {self.max_taps}")
             tap_id = spec.name or f"tap-{secrets.token_hex(4)}"
             if tap_id in self._taps:
-                raise AlreadyExists(f"a tap named {tap_id!r} exists; delete it or pick another name")
+                raise AlreadyExists(f"a tap named {echo(tap_id)} exists; delete it or pick another name")
             stored = pb.TapSpec()
             stored.CopyFrom(spec)
             stored.point = point
             tap = Tap(tap_id, stored, kind, layers, plan, plan.nonfinite_only(), sampler, self.wall())
+            tap.owner = owner
             if kind == pb.TAP_KIND_DURABLE and not forever:
                 life = DEFAULT_TTL_SECONDS if ttl is None else ttl
                 tap.expires_at = self.clock() + life
@@ -124,7 +133,7 @@ class TapEngine:
         with self._lock:
             tap = self._taps.pop(tap_id, None)
         if tap is None:
-            raise NotFound(f"no tap {tap_id!r}; list taps with ListTaps / client.taps()")
+            raise NotFound(f"no tap {echo(tap_id)}; list taps with ListTaps / client.taps()")
         self._unhook(tap)
         self.sinks.on_tap_removed(tap, reason)
         self._announce(tap, reason, f"tap {reason}")
@@ -150,7 +159,7 @@ class TapEngine:
         with self._lock:
             tap = self._taps.get(tap_id)
         if tap is None:
-            raise NotFound(f"no tap {tap_id!r}; list taps with ListTaps / client.taps()")
+            raise NotFound(f"no tap {echo(tap_id)}; list taps with ListTaps / client.taps()")
         return tap
 
     def all_taps(self) -> list[Tap]:

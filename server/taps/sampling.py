@@ -7,6 +7,7 @@ source are injectable so tests need no sleeps.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -22,10 +23,12 @@ class Sampler:
 
     def __init__(self, spec: pb.Sampling, *, clock: Clock = time.monotonic,
                  rng: random.Random | None = None, field: str = "sampling") -> None:
-        if spec.probability < 0 or spec.probability > 1:
+        # NaN compares false both ways, so it must be refused explicitly
+        # (it used to slip through and mean "always").
+        if not (0 <= spec.probability <= 1):
             raise InvalidSpec(f"{field}.probability", f"must be in [0, 1], got {spec.probability}")
-        if spec.max_per_second < 0:
-            raise InvalidSpec(f"{field}.max_per_second", f"must be >= 0, got {spec.max_per_second}")
+        if not (0 <= spec.max_per_second < math.inf):
+            raise InvalidSpec(f"{field}.max_per_second", f"must be finite and >= 0, got {spec.max_per_second}")
         self.every_n = max(1, spec.every_n)
         self.probability = spec.probability
         self.rate = spec.max_per_second

@@ -68,8 +68,13 @@ def _compile(pattern: str, selector: str, field: str, kind: str) -> "re2._Regexp
         raise InvalidSpec(field, f"bad {kind} {echo(selector)}: {why[:200]} (RE2 syntax: no backreferences or lookaround)") from None
 
 
-def select_layers(selector: str, names: Sequence[str], field: str = "selector") -> list[str]:
+def select_layers(selector: str, names: Sequence[str], field: str = "selector",
+                  max_bytes: int | None = MAX_SELECTOR_BYTES) -> list[str]:
     """Names matching ``selector``, in model order.
+
+    ``max_bytes=None`` lifts the size cap for selectors the server writes
+    itself (a reloaded baseline names each of its layers); RE2 keeps those
+    linear too.
 
     Raises:
         InvalidSpec: empty, too long or malformed selector.
@@ -78,8 +83,8 @@ def select_layers(selector: str, names: Sequence[str], field: str = "selector") 
     if not selector:
         raise InvalidSpec(field, "empty selector; give a layer name, a glob such as 'layer*' or 're:<regex>'")
     size = len(selector.encode("utf-8", errors="surrogatepass"))
-    if size > MAX_SELECTOR_BYTES:
-        raise InvalidSpec(field, f"selector is {size} bytes, the limit is {MAX_SELECTOR_BYTES}")
+    if max_bytes is not None and size > max_bytes:
+        raise InvalidSpec(field, f"selector is {size} bytes, the limit is {max_bytes}")
     if selector.startswith("re:"):
         rx = _compile(selector[3:], selector, field, "regex")
         matched = [n for n in names if rx.fullmatch(n)]

@@ -41,6 +41,8 @@ class Tap:
     errors: int = 0
     last_error: str = ""
     disabled: bool = False
+    #: The principal that created it ("" for the server's own: --taps, baselines).
+    owner: str = ""
     handles: list[HookHandle] = field(default_factory=list)
     #: Calls of each layer (point) seen in the current pass.
     calls: dict[str, int] = field(default_factory=dict)

@@ -117,13 +117,15 @@ CASES = [
     (grpc.StatusCode.UNKNOWN, "what", LayertapError, None),
     (grpc.StatusCode.ALREADY_EXISTS, "dup", AlreadyExists, ("ALREADY_EXISTS", {})),
     (grpc.StatusCode.ALREADY_EXISTS, "dup", AlreadyExists, None),
-    (grpc.StatusCode.PERMISSION_DENIED, "no", LayertapError, None),
+    (grpc.StatusCode.PERMISSION_DENIED, "no", layertap.PermissionDenied, None),
+    (grpc.StatusCode.PERMISSION_DENIED, "no", layertap.PermissionDenied, ("PERMISSION_DENIED", {"scope": "capture"})),
     (grpc.StatusCode.ABORTED, "aborted", LayertapError, None),
     (grpc.StatusCode.OUT_OF_RANGE, "range", LayertapError, None),
     (grpc.StatusCode.UNIMPLEMENTED, "not yet", LayertapError, None),
     (grpc.StatusCode.INTERNAL, "bug", LayertapError, ("INTERNAL", {})),
     (grpc.StatusCode.DATA_LOSS, "lost", LayertapError, None),
-    (grpc.StatusCode.UNAUTHENTICATED, "who", LayertapError, None),
+    (grpc.StatusCode.UNAUTHENTICATED, "who", layertap.Unauthenticated, None),
+    (grpc.StatusCode.UNAUTHENTICATED, "who", layertap.Unauthenticated, ("UNAUTHENTICATED", {"method": "/x/Y"})),
 ]
 
 CALLS: dict[str, Callable[[layertap.Client], object]] = {

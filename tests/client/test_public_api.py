@@ -25,6 +25,8 @@ EXPECTED_ALL = {
     "FailedPrecondition",
     "DeadlineExceeded",
     "ServerUnavailable",
+    "Unauthenticated",
+    "PermissionDenied",
     "ProtocolError",
     "ClientClosed",
     "ModelMetadata",
@@ -71,7 +73,8 @@ def test_version_matches_distribution() -> None:
 
 
 def test_error_hierarchy() -> None:
-    errors = [layertap.LayerNotFound, layertap.CaptureTooLarge, layertap.ClientClosed, layertap.AlreadyExists]
+    errors = [layertap.LayerNotFound, layertap.CaptureTooLarge, layertap.ClientClosed, layertap.AlreadyExists,
+              layertap.Unauthenticated, layertap.PermissionDenied]
     assert all(issubclass(e, layertap.LayertapError) for e in errors)
     assert issubclass(layertap.LayerNotFound, layertap.NotFound)
     assert issubclass(layertap.CaptureTooLarge, layertap.ResourceExhausted)

@@ -69,6 +69,14 @@ def test_compose_stack_is_consistent() -> None:
     cmd = svc["layertap"]["command"]
     assert cmd[:2] == ["layertap", "serve"] and cmd[cmd.index("--host") + 1] == "0.0.0.0"
     assert cmd[cmd.index("--metrics-port") + 1] == "9466"
+    assert "--insecure" in cmd  # explicit: local use only (protected mode refuses 0.0.0.0 otherwise)
+    for service in svc.values():  # published on loopback only
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:") and str(port).count(":") == 2, port
+    env = svc["grafana"]["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false" and "GF_AUTH_ANONYMOUS_ORG_ROLE" not in env
+    assert env["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")  # from the environment
+    assert "admin" not in env["GF_SECURITY_ADMIN_PASSWORD"].split("${")[0]
     assert (DEPLOY / svc["layertap"]["build"]["context"]).resolve() == DEPLOY.parent  # the repo root
     for service in ("prometheus", "grafana"):
         for vol in svc[service]["volumes"]:

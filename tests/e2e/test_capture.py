@@ -14,14 +14,12 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 import layertap
 from layertap.server.host.demo_model import build_demo_model
 from layertap.v1 import tensor_pb2, telemetry_pb2, telemetry_pb2_grpc
 
-from support.e2e import batch, wait_for  # noqa: E402
+from support.e2e import batch, rich_details, wait_for  # noqa: E402
 
 
 def reference(x: np.ndarray, layers: list[str], seed: int = 0) -> dict[str, np.ndarray]:
@@ -197,23 +195,6 @@ def test_over_the_cap_is_refused_before_any_data(make_server):
 
 
 # ------------------------------------------------------------------ error details: the contract for any client
-
-
-def rich_details(exc: BaseException) -> tuple[error_details_pb2.ErrorInfo, list[tuple[str, str]]]:
-    """The ErrorInfo and BadRequest violations of a raw grpc.RpcError, as any gRPC client reads them."""
-    assert isinstance(exc, grpc.RpcError)
-    status = rpc_status.from_call(exc)  # also checks that code and message match the status
-    assert status is not None, "the status carries no google.rpc.Status details"
-    info, violations = error_details_pb2.ErrorInfo(), []
-    for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            detail.Unpack(info)
-        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            violations += [(v.field, v.description) for v in bad.field_violations]
-    assert info.domain == "layertap.dev"
-    return info, violations
 
 
 def test_errors_carry_reason_and_field_as_data(make_server):

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import torch
 import pytest
 
 import layertap
-from support.e2e import scrape
+from support.e2e import scrape, wait_for
 from support.models import Perturbable, perturbable_loaded, pooled_loaded
 from layertap import InvalidArgument, LayerDrift, LayerNotFound
 from layertap.server.drift.builder import BaselineBuilder
@@ -224,6 +225,31 @@ def test_corrupt_and_mismatched_baselines_are_refused_cleanly(make_server, tmp_p
     assert corrupt.exists() and unknown.exists() and wrong_channels.exists()
 
 
+def test_baseline_files_with_a_bad_point_or_too_many_edges_are_skipped(make_server, tmp_path: Path, caplog) -> None:
+    bdir = tmp_path / "baselines"
+    good = _baseline_file(bdir, "baseline-good", "layer2", channels=16, seed=1)
+    bad_point = _baseline_file(bdir, "baseline-point", "layer1", channels=16, seed=2)
+    doc = json.loads(bad_point.read_text())
+    doc["point"] = "sideways"
+    bad_point.write_text(json.dumps(doc))
+    many_edges = _baseline_file(bdir, "baseline-edges", "layer1", channels=16, seed=3)
+    doc = json.loads(many_edges.read_text())
+    doc["edges"] = [float(i) for i in range(1026)]
+    doc["counts"] = [1] * 1027
+    many_edges.write_text(json.dumps(doc))
+
+    with caplog.at_level(logging.ERROR, logger="layertap.server"):
+        srv = make_server(perturbable_loaded(), metrics_port=0, baseline_dir=str(bdir))  # starts: not fatal
+    refused = [r.getMessage() for r in caplog.records if "baseline refused" in r.getMessage()]
+    assert len(refused) == 2, refused
+    assert any(str(bad_point) in m and "point 'sideways'" in m for m in refused), refused
+    assert any(str(many_edges) in m and "1026 edges" in m for m in refused), refused
+    assert scrape(srv.metrics_port)["layertap_baseline_load_errors_total"] == 2.0
+    with layertap.Client(f"127.0.0.1:{srv.port}") as client:
+        assert [t.id for t in client.taps()] == ["baseline-good"]
+    assert good.exists()
+
+
 # ------------------------------------------------------------------ (d) bad requests
 
 
@@ -260,3 +286,39 @@ def test_bad_set_baseline_requests(make_server) -> None:
             stub.SetBaseline(telemetry_pb2.SetBaselineRequest(selector="layer1", point=99), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert err.value.details().startswith("point:")
+
+
+class _Tall(torch.nn.Module):
+    """60 blocks with long names: a reloaded baseline's own selector passes 1 KiB."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.ModuleDict({"attention_projection": torch.nn.Linear(4, 4)}) for _ in range(60))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b["attention_projection"](x)
+        return x
+
+
+def test_a_baseline_over_many_long_layer_names_survives_a_restart(make_server, tmp_path: Path) -> None:
+    from layertap.server.host.sources import InputSpec, LoadedModel
+
+    torch.manual_seed(0)
+    loaded = LoadedModel(_Tall(), "tall", "factory", [InputSpec("x", torch.float32, (-1, 4))])
+    bdir = str(tmp_path / "baselines")
+    srv = make_server(loaded, baseline_dir=bdir)
+    rng = np.random.default_rng(0)
+    with layertap.Client(f"127.0.0.1:{srv.port}") as client:
+        info = client.set_baseline("**.attention_projection", passes=3, window=2)
+        assert len(info.layers) == 60
+        for _ in range(6):
+            client.infer(rng.standard_normal((8, 4)).astype(np.float32))
+        assert wait_for(lambda: all(d.state == "ready" for d in client.drift()), timeout=30)
+    srv.state.taps.close()
+    srv.stop(0)
+    again = make_server(loaded, baseline_dir=bdir)
+    with layertap.Client(f"127.0.0.1:{again.port}") as client:
+        assert len(client.drift()) == 60
+        assert [t.id for t in client.taps()] == [info.tap]

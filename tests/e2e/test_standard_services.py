@@ -85,3 +85,43 @@ def test_model_loading_is_not_serving_then_serving(tmp_path):
     channel.close()
     box["srv"].stop(0)
     sys.path.remove(str(tmp_path))
+
+
+def test_shutdown_ends_streams_unavailable_and_fast(make_server):
+    """A watcher sees the restart as UNAVAILABLE (reconnect), not as a finished stream."""
+    import threading
+    import time
+
+    import layertap
+
+    srv = make_server()
+    client = layertap.Client(f"127.0.0.1:{srv.port}")
+    got: list[BaseException] = []
+
+    def watch() -> None:
+        try:
+            for _ in client.watch("layer1", reducers=["moments"]):
+                pass
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            got.append(exc)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    assert _wait(lambda: srv.state.broker.subscriber_count == 1)
+    start = time.monotonic()
+    srv.stop(10)
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - start < 5  # the grace period is not used up
+    assert len(got) == 1 and isinstance(got[0], layertap.ServerUnavailable), got
+    client.close()
+
+
+def _wait(cond, timeout: float = 5.0) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False

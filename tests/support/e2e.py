@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -32,3 +33,24 @@ def scrape(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def rich_details(exc: BaseException) -> tuple[Any, list[tuple[str, str]]]:
+    """The ErrorInfo and BadRequest violations of a raw grpc.RpcError, as any gRPC client reads them."""
+    import grpc
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    assert isinstance(exc, grpc.RpcError)
+    status = rpc_status.from_call(exc)  # also checks that code and message match the status
+    assert status is not None, "the status carries no google.rpc.Status details"
+    info, violations = error_details_pb2.ErrorInfo(), []
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            detail.Unpack(info)
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            violations += [(v.field, v.description) for v in bad.field_violations]
+    assert info.domain == "layertap.dev"
+    return info, violations

@@ -61,6 +61,8 @@ class PrometheusServer:
         target: ``host:port`` of the ``/metrics`` endpoint to scrape.
         rule_files: Rule files to load (e.g. :data:`ALERTS`); evaluated every second.
         start_timeout: Seconds to wait for ``/-/ready``.
+        scrape_extra: More YAML lines of the scrape job, indented 4 spaces
+            (e.g. ``scheme: https`` and ``authorization:``).
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class PrometheusServer:
         *,
         rule_files: Sequence[Path] = (),
         start_timeout: float = 60.0,
+        scrape_extra: str = "",
     ) -> None:
         exe = prometheus_binary()
         self.workdir = Path(workdir)
@@ -84,7 +87,8 @@ class PrometheusServer:
             + (f"rule_files:\n{rules}" if rules else "")
             + "scrape_configs:\n"
             f"  - job_name: {JOB}\n"
-            "    static_configs:\n"
+            + scrape_extra
+            + "    static_configs:\n"
             f"      - targets: [{json.dumps(target)}]\n",
             encoding="utf-8",
         )

@@ -1,0 +1,304 @@
+"""Bearer tokens, scopes and the one interceptor that enforces them.
+
+``--auth-tokens FILE`` holds one token per line::
+
+    # id       digest of the token             scopes          expiry (optional, RFC 3339)
+    alice      sha256:9f86d08...               infer,read,tap  2027-01-01T00:00:00Z
+
+The file holds digests, never tokens. A request sends ``authorization: Bearer
+<token>``; the server hashes it and compares the digest with every entry
+(``hmac.compare_digest``). :data:`METHOD_SCOPES` is the one method → scope
+table; a method of a served service with no scope in it is refused, so an RPC
+added later cannot slip through. Health stays open; reflection needs any valid
+token. Without ``--auth-tokens`` no interceptor is installed and every caller
+is :data:`ANONYMOUS`, with every scope.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_status import rpc_status
+from prometheus_client import CollectorRegistry, Counter
+
+from layertap.server.errors import LayertapServerError, rich_status
+from layertap.v1 import inference_pb2, telemetry_pb2
+
+log = logging.getLogger("layertap.server.auth")
+
+SCOPES = ("infer", "read", "tap", "capture", "admin")
+
+#: The one method → scope table, per service (full names, as in the protos).
+METHOD_SCOPES: dict[str, dict[str, str]] = {
+    "layertap.v1.InferenceService": {
+        "Infer": "infer",
+        "GetModelMetadata": "infer",
+    },
+    "layertap.v1.TelemetryService": {
+        "ListLayers": "read",
+        "ListTaps": "read",
+        "Subscribe": "read",  # stream taps also need "tap" (checked by the service)
+        "GetDrift": "read",
+        "GetServerStats": "read",
+        "CreateTap": "tap",
+        "DeleteTap": "tap",  # another principal's tap also needs "admin"
+        "SetBaseline": "tap",  # replacing another principal's baseline also needs "admin"
+        "Capture": "capture",
+    },
+}
+#: Services that stay open without a token.
+OPEN_SERVICES = frozenset({"grpc.health.v1.Health"})
+#: Services that need a valid token but no scope.
+ANY_TOKEN_SERVICES = frozenset({"grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection"})
+SERVED_SERVICES = (
+    inference_pb2.DESCRIPTOR.services_by_name["InferenceService"],
+    telemetry_pb2.DESCRIPTOR.services_by_name["TelemetryService"],
+)
+
+
+def method_scopes() -> dict[str, str | None]:
+    """``/pkg.Service/Method`` → scope for every method of the served protos (None: unassigned)."""
+    out: dict[str, str | None] = {}
+    for service in SERVED_SERVICES:
+        table = METHOD_SCOPES.get(service.full_name, {})
+        for method in service.methods:
+            out[f"/{service.full_name}/{method.name}"] = table.get(method.name)
+    return out
+
+
+class Unauthenticated(LayertapServerError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+    reason = "UNAUTHENTICATED"
+
+
+class PermissionDenied(LayertapServerError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "PERMISSION_DENIED"
+
+
+class TokenFileError(ValueError):
+    """The token file is malformed; the message names the line."""
+
+
+@dataclass(frozen=True)
+class Principal:
+    id: str
+    scopes: frozenset[str]
+    expires: float | None = None  # epoch seconds
+
+    def has(self, scope: str) -> bool:
+        return scope in self.scopes
+
+
+#: Every caller when auth is off: all scopes, including admin.
+ANONYMOUS = Principal("anonymous", frozenset(SCOPES))
+#: The owner of taps the server creates itself (``--taps``, reloaded baselines).
+SERVER_OWNER = ""
+
+
+def digest(token: str) -> str:
+    return "sha256:" + hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token(token_id: str, scopes: Iterable[str]) -> tuple[str, str]:
+    """A new random token and the token-file line that admits it."""
+    scopes = list(scopes)
+    bad = [s for s in scopes if s not in SCOPES]
+    if bad or not scopes:
+        raise ValueError(f"scopes: expected some of {','.join(SCOPES)}, got {','.join(scopes) or 'none'}")
+    token = secrets.token_urlsafe(32)
+    return token, f"{token_id} {digest(token)} {','.join(scopes)}"
+
+
+def _parse_expiry(text: str) -> float:
+    when = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    if when.tzinfo is None:
+        raise ValueError("expiry needs a time zone (e.g. Z)")
+    return when.astimezone(timezone.utc).timestamp()
+
+
+def parse_token_file(path: str | Path) -> list[tuple[Principal, str]]:
+    """(principal, digest) per entry. Raises TokenFileError naming the line."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise TokenFileError(f"{path}: {exc.strerror or exc}") from None
+    entries: list[tuple[Principal, str]] = []
+    seen: set[str] = set()
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        where = f"{path}:{n}"
+        if len(parts) not in (3, 4):
+            raise TokenFileError(f"{where}: expected 'id sha256:<hex> scope,scope [expiry]', got {len(parts)} fields")
+        tid, dig, scope_text = parts[:3]
+        algo, _, hexd = dig.partition(":")
+        if algo != "sha256" or len(hexd) != 64 or any(c not in "0123456789abcdef" for c in hexd.lower()):
+            raise TokenFileError(f"{where}: digest must be sha256:<64 hex digits> (the token's digest, not the token)")
+        scopes = [s for s in scope_text.split(",") if s]
+        if not scopes or any(s not in SCOPES for s in scopes):
+            raise TokenFileError(f"{where}: scopes must be some of {','.join(SCOPES)}, got {scope_text!r}")
+        if tid in seen:
+            raise TokenFileError(f"{where}: token id {tid!r} appears twice")
+        seen.add(tid)
+        expires = None
+        if len(parts) == 4:
+            try:
+                expires = _parse_expiry(parts[3])
+            except ValueError as exc:
+                raise TokenFileError(f"{where}: expiry {parts[3]!r} is not RFC 3339: {exc}") from None
+        entries.append((Principal(tid, frozenset(scopes), expires), f"sha256:{hexd.lower()}"))
+    return entries
+
+
+_principals: weakref.WeakKeyDictionary[Any, Principal] = weakref.WeakKeyDictionary()
+
+
+def principal_of(context: grpc.ServicerContext) -> Principal:
+    """The authenticated caller of an RPC (ANONYMOUS when auth is off)."""
+    try:
+        return _principals.get(context, ANONYMOUS)
+    except TypeError:
+        return ANONYMOUS
+
+
+def require(context: grpc.ServicerContext, scope: str, why: str) -> None:
+    """Raise PermissionDenied unless the caller has ``scope``."""
+    p = principal_of(context)
+    if not p.has(scope):
+        raise PermissionDenied(f"{why} needs scope {scope!r}; {p.id!r} lacks it",
+                               metadata={"scope": scope, "principal": p.id})
+
+
+class Authenticator(grpc.ServerInterceptor):
+    """The token table (reloadable) and the interceptor that checks every call."""
+
+    def __init__(self, path: str, *, clock: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self.clock = clock
+        self._entries = parse_token_file(path)
+        self._lock = threading.Lock()
+        self._scopes = method_scopes()
+        self.failures = Counter("layertap_auth_failures_total", "Refused RPCs and scrapes, by reason",
+                                ["reason"], registry=CollectorRegistry())
+
+    def register(self, registry: CollectorRegistry) -> None:
+        """Count failures on the server's registry (exported on /metrics)."""
+        self.failures = Counter("layertap_auth_failures_total", "Refused RPCs and scrapes, by reason",
+                                ["reason"], registry=registry)
+
+    def reload(self) -> bool:
+        """Re-read the token file; a bad file keeps the old table and logs an error."""
+        try:
+            entries = parse_token_file(self.path)
+        except TokenFileError as exc:
+            log.error("--auth-tokens reload failed, keeping the old tokens: %s", exc)
+            return False
+        with self._lock:
+            self._entries = entries
+        log.info("--auth-tokens reloaded: %d tokens", len(entries))
+        return True
+
+    def authenticate(self, token: str | None) -> tuple[Principal | None, str]:
+        """(principal, "") or (None, why)."""
+        if not token:
+            return None, "missing token"
+        dig = digest(token)
+        found = None
+        with self._lock:
+            entries = self._entries
+        for principal, d in entries:  # no early exit: same work for every token
+            if hmac.compare_digest(d, dig):
+                found = principal
+        if found is None:
+            return None, "unknown token"
+        if found.expires is not None and self.clock() >= found.expires:
+            return None, f"expired token of {found.id!r}"
+        return found, ""
+
+    def check_bearer(self, header: str | None, scope: str) -> tuple[Principal | None, str]:
+        """For /metrics: an ``Authorization: Bearer`` header that has ``scope``."""
+        token = header[7:].strip() if header and header[:7].lower() == "bearer " else None
+        p, why = self.authenticate(token)
+        if p is not None and not p.has(scope):
+            return None, f"missing scope {scope}"
+        return p, why
+
+    def count(self, reason: str, principal: str, method: str, why: str) -> None:
+        self.failures.labels(reason=reason).inc()
+        log.warning("auth: refused %s for %s: %s", method, principal, why)
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        method: str = handler_call_details.method
+        service = method.lstrip("/").split("/", 1)[0]
+        handler = continuation(handler_call_details)
+        if service in OPEN_SERVICES or handler is None:
+            return handler
+        token = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
+                token = value[7:].strip()
+        principal, why = self.authenticate(token)
+        if principal is None:
+            self.count("UNAUTHENTICATED", "unknown", method, why)
+            return _refusal(handler, Unauthenticated(f"{method}: {why}; send 'authorization: Bearer <token>'",
+                                                     metadata={"method": method}))
+        if service not in ANY_TOKEN_SERVICES:
+            scope = self._scopes.get(method)
+            if scope is None:
+                self.count("PERMISSION_DENIED", principal.id, method, "no scope assigned")
+                return _refusal(handler, PermissionDenied(f"{method}: no scope allows this method",
+                                                          metadata={"method": method}))
+            if not principal.has(scope):
+                self.count("PERMISSION_DENIED", principal.id, method, f"missing scope {scope}")
+                return _refusal(handler, PermissionDenied(
+                    f"{method} needs scope {scope!r}; {principal.id!r} lacks it",
+                    metadata={"method": method, "scope": scope, "principal": principal.id}))
+        log.debug("auth: %s calls %s", principal.id, method)
+        return _bound(handler, principal)
+
+
+def _wrap(handler: grpc.RpcMethodHandler, behavior: Callable) -> grpc.RpcMethodHandler:  # type: ignore[type-arg]
+    kind = ("stream" if handler.request_streaming else "unary") + "_" + ("stream" if handler.response_streaming else "unary")
+    make = getattr(grpc, f"{kind}_rpc_method_handler")
+    return make(behavior, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+def _inner(handler: grpc.RpcMethodHandler) -> Callable:  # type: ignore[type-arg]
+    inner = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    assert inner is not None, "a method handler has one behaviour"
+    return inner
+
+
+def _refusal(handler: grpc.RpcMethodHandler, exc: LayertapServerError) -> grpc.RpcMethodHandler:
+    status = rpc_status.to_status(rich_status(exc))
+
+    def abort(_request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort_with_status(status)
+
+    return _wrap(handler, abort)
+
+
+def _bound(handler: grpc.RpcMethodHandler, principal: Principal) -> grpc.RpcMethodHandler:
+    inner = _inner(handler)
+
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        _principals[context] = principal
+        return inner(request, context)
+
+    return _wrap(handler, call)
