@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from layertap.server.stream.broker import Broker
 from layertap.server.stream.sinks import Sinks
 from layertap.server.export.sink import MetricsSink
-from layertap.server.config import ServerConfig
+from layertap.server.config import MODEL_DTYPES, ServerConfig
 from layertap.server.version import server_version
 from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.export.activations import ActivationCollector
@@ -118,8 +118,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     if loaded is None:
         loaded = load_model(config.model, seed=config.seed, weights=config.weights,
                             input_shape=config.input_shape, input_dtype=config.input_dtype)
-    if config.dtype not in ("float32", "float16", "bfloat16"):
-        raise ModelLoadError(f"--dtype {config.dtype!r}: expected float32, float16 or bfloat16")
+    if config.dtype not in MODEL_DTYPES:
+        raise ModelLoadError(f"--dtype {config.dtype!r}: expected one of {', '.join(MODEL_DTYPES)}")
     host = ModelHost(loaded, device=pick_device(config.device), dtype=DTYPE_BY_NAME[config.dtype])
     host.warm_up()
     version = server_version()

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+#: Dtypes a model can be served in (``--dtype``).
+MODEL_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+
+
 @dataclass
 class ServerConfig:
     """Every knob of a layertap server, with safe defaults.

@@ -25,6 +25,8 @@ import threading
 import time
 from collections.abc import Sequence
 from types import FrameType
+
+from layertap.server.drift.thresholds import DRIFT_METRICS
 from typing import Any, TextIO
 
 import numpy as np
@@ -125,9 +127,9 @@ def format_drift_table(drift: Sequence[Any], *, elapsed: float, phase: str, pass
         scored = d.window_passes > 0
         chan = "-" if d.channel_drift_fraction is None or not scored else f"{d.channel_drift_fraction:.0%}"
         if scored:
-            scores = " ".join(_fmt(getattr(d, m)) for m in ("psi", "js", "wasserstein", "mean_shift"))
+            scores = " ".join(_fmt(getattr(d, m)) for m in DRIFT_METRICS)
         else:
-            scores = " ".join(_fmt(math.nan) for _ in range(4))
+            scores = " ".join(_fmt(math.nan) for _ in DRIFT_METRICS)
         flag = "DRIFT" if d.drifted else ("ok" if scored else "")
         lines.append(f"  {d.layer:<24} {state:<16} {d.window_passes:>4} {scores} {chan:>5}  {flag}")
     return "\n".join(lines)

@@ -145,11 +145,6 @@ def _suggest(name: str, known: Iterable[str]) -> tuple[list[str], str]:
     return close, f"; did you mean: {', '.join(close)}?" if close else ""
 
 
-def close_names(name: str, known: Iterable[str]) -> str:
-    """``"; did you mean: a, b?"`` for the names closest to ``name`` (or "")."""
-    return _suggest(name, known)[1]
-
-
 def unknown_layer(name: str, known: Iterable[str], field: str = "") -> LayerNotFound:
     """Build the NOT_FOUND error for an unknown layer, with close names."""
     close, hint = _suggest(name, known)

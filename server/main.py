@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from layertap.server.config import ServerConfig
+from layertap.server.config import MODEL_DTYPES, ServerConfig
 
 log = logging.getLogger("layertap.server")
 
@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-shape", help="input shape for factory/export/TorchScript models, -1 for the batch (e.g. -1,3,224,224)")
     p.add_argument("--input-dtype", default=d.input_dtype)
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    p.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default=d.dtype, choices=MODEL_DTYPES)
     p.add_argument("--host", default=d.host, help="bind address (default loopback; 0.0.0.0 exposes the server)")
     p.add_argument("--port", type=int, default=d.port, help="gRPC port; 0 picks a free one")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port; 0 picks a free one")

@@ -97,7 +97,7 @@ class TapEngine:
         try:
             reducers = build_reducers(list(spec.reducers), f"{field_prefix}.reducers")
         except SpecError as exc:
-            raise InvalidSpec(exc.field, str(exc)) from None
+            raise InvalidSpec(exc.field, exc.message) from None
         if ttl is not None:
             check_ttl(ttl)
         if spec.name:
@@ -151,7 +151,7 @@ class TapEngine:
         try:
             plan = ReducerPlan(build_reducers(reducers, f"{tap_id}.{layer}.reducers"))
         except SpecError as exc:
-            raise InvalidSpec(exc.field, str(exc)) from None
+            raise InvalidSpec(exc.field, exc.message) from None
         with self.host.pass_lock():  # between passes: a pass never mixes plans
             tap.layer_plans[layer] = plan
 
