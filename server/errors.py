@@ -8,6 +8,8 @@ same way::
      ├── NotFound            NOT_FOUND
      │   └── LayerNotFound   NOT_FOUND / LAYER_NOT_FOUND
      ├── InvalidSpec         INVALID_ARGUMENT  (names the offending field)
+     ├── Unauthenticated     UNAUTHENTICATED
+     ├── PermissionDenied    PERMISSION_DENIED
      ├── AlreadyExists       ALREADY_EXISTS
      ├── LimitExceeded       RESOURCE_EXHAUSTED (/ CAPTURE_TOO_LARGE over the byte cap)
      ├── Unsupported         FAILED_PRECONDITION
@@ -100,6 +102,20 @@ class InvalidSpec(LayertapServerError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}", field=field)
         self.description = message
+
+
+class Unauthenticated(LayertapServerError):
+    """No token, an unknown one, or an expired one."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+    reason = "UNAUTHENTICATED"
+
+
+class PermissionDenied(LayertapServerError):
+    """A valid token without the scope the method (or the tap's owner) needs."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "PERMISSION_DENIED"
 
 
 class AlreadyExists(LayertapServerError):

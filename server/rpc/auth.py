@@ -33,7 +33,7 @@ import grpc
 from grpc_status import rpc_status
 from prometheus_client import CollectorRegistry, Counter
 
-from layertap.server.errors import LayertapServerError, rich_status
+from layertap.server.errors import LayertapServerError, PermissionDenied, Unauthenticated, rich_status
 from layertap.v1 import inference_pb2, telemetry_pb2
 
 log = logging.getLogger("layertap.server.auth")
@@ -76,16 +76,6 @@ def method_scopes() -> dict[str, str | None]:
         for method in service.methods:
             out[f"/{service.full_name}/{method.name}"] = table.get(method.name)
     return out
-
-
-class Unauthenticated(LayertapServerError):
-    code = grpc.StatusCode.UNAUTHENTICATED
-    reason = "UNAUTHENTICATED"
-
-
-class PermissionDenied(LayertapServerError):
-    code = grpc.StatusCode.PERMISSION_DENIED
-    reason = "PERMISSION_DENIED"
 
 
 class TokenFileError(ValueError):
