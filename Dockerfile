@@ -13,10 +13,15 @@ ARG TORCH_VERSION=2.13.0
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 
 # CUDA bases ship without Python; slim bases already have it.
-RUN if ! command -v python3 >/dev/null; then \
-        apt-get update && apt-get install -y --no-install-recommends python3 python3-pip python3-venv \
-        && rm -rf /var/lib/apt/lists/*; \
+# g++: inductor compiles the reducers' statistics kernel to C++ on CPU (and
+# Triton's launcher needs a C compiler on CUDA). Without it the server logs
+# the failure once and uses the eager kernels (or pass --no-compile).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && if ! command -v python3 >/dev/null; then \
+        apt-get install -y --no-install-recommends python3 python3-pip python3-venv python3-dev; \
     fi \
+    && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/layertap
 ENV PATH=/opt/layertap/bin:$PATH
 
@@ -33,14 +38,20 @@ RUN pip install ".[server]" && rm -rf /src
 RUN useradd --system --uid 10001 layertap
 USER layertap
 WORKDIR /home/layertap
+# Inductor's persistent cache: mount a volume here so a restarted container
+# reuses its compiled kernels (seconds instead of tens of seconds).
+ENV TORCHINDUCTOR_CACHE_DIR=/home/layertap/.cache/torchinductor
 
 EXPOSE 50051 9466
+# The probe dials the plaintext, Health-only listener on the container's
+# loopback (--health-address below), so it works when the main port speaks TLS.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s \
     CMD python -c "import grpc,sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; \
-s=g.HealthStub(grpc.insecure_channel('127.0.0.1:50051')).Check(h.HealthCheckRequest(), timeout=2); \
+s=g.HealthStub(grpc.insecure_channel('127.0.0.1:50052')).Check(h.HealthCheckRequest(), timeout=2); \
 sys.exit(0 if s.status == h.HealthCheckResponse.SERVING else 1)"
 
 # Protected mode: a server on 0.0.0.0 refuses to start without --auth-tokens and
 # --tls-cert/--tls-key, or an explicit --insecure (local use; see docs/security.md).
-ENTRYPOINT ["layertap", "serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9466"]
+ENTRYPOINT ["layertap", "serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9466", \
+            "--health-address", "127.0.0.1:50052"]
 CMD []

@@ -10,6 +10,8 @@ Variants:
   b  layertap taps: moments, minmax, zero_fraction, nonfinite on every block-level module
   c  b + histogram + quantiles
   d  b with every=10 (nonfinite still on every pass)
+  e, f, g  b, c, d with the compiled (inductor) basic-statistics kernel, after
+     its background compiles finished (``--no-compile`` drops these rows)
   r:<name>  one reducer alone (``--reducers`` adds these rows)
 
 CPU default: the demo model, batch 32. GPU: ``--model resnet50 --dtype bfloat16
@@ -20,6 +22,7 @@ CPU default: the demo model, batch 32. GPU: ``--model resnet50 --dtype bfloat16
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import statistics
 import time
@@ -28,6 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.stream.broker import Broker
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import load_model
@@ -74,6 +78,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--reducers", action="store_true", help="also time each reducer alone")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled-kernel variants")
     args = ap.parse_args()
 
     dtype = getattr(torch, args.dtype)
@@ -121,12 +126,39 @@ def main() -> None:
         "c b + histogram + quantiles": lambda: taps(BASIC + ["histogram", "quantiles"]),
         "d b with every=10": lambda: taps(BASIC, every=10),
     }
+    compiled_variants: list[str] = []
+    if not args.no_compile:
+        def with_compiled(install: Callable[[], Callable[[], None]]) -> Callable[[], Callable[[], None]]:
+            def installed() -> Callable[[], None]:
+                COMPILED_STATS.set_enabled(True)
+                remove = install()
+
+                def undo() -> None:
+                    remove()
+                    COMPILED_STATS.set_enabled(False)
+                return undo
+            return installed
+
+        for key, label, base_variant in (("e", "b", BASIC), ("f", "c", BASIC + ["histogram", "quantiles"]),
+                                         ("g", "d", BASIC)):
+            name = f"{key} {label}, compiled basic statistics"
+            variants[name] = with_compiled(functools.partial(taps, base_variant, 10 if label == "d" else 0))
+            compiled_variants.append(name)
     if args.reducers:
         for r in ALL:
             variants[f"r {r} alone"] = lambda r=r: taps([r])
 
     for _ in range(3):  # warm up
         step_time()
+    for name in compiled_variants:  # first sightings queue compiles; none is timed
+        remove = variants[name]()
+        try:
+            step_time()
+            COMPILED_STATS.wait_idle(600)
+            step_time()
+        finally:
+            remove()
+    first_calls = COMPILED_STATS.counters()
     ratios: dict[str, list[float]] = {k: [] for k in variants}
     base_times: list[float] = []
     for _ in range(args.repeats):
@@ -149,6 +181,11 @@ def main() -> None:
     print(f"{'variant':52s} {'median':>7s}  spread")
     for name, rs in ratios.items():
         print(f"{name:52s} {statistics.median(rs):6.2f}x  [{min(rs):.2f}..{max(rs):.2f}]")
+    if compiled_variants:
+        timed = {k: v - first_calls[k] for k, v in COMPILED_STATS.counters().items()}
+        print(f"compiled kernel: {len(COMPILED_STATS.states())} signatures {set(COMPILED_STATS.states().values())}; "
+              f"during timing {timed}")
+    COMPILED_STATS.close()
     engine.close()
 
 

@@ -1,17 +1,17 @@
 """Captures: the request, reassembling the chunked stream, shaping the result.
 
-:func:`capture_request` validates the options client-side. A Capture stream sends, per tensor, a header (layer, placement, dtype, shape,
-byte count) and then its bytes in chunks, possibly interleaved with other
-tensors' chunks. :class:`CaptureAssembler` writes each chunk at its offset
-into one preallocated buffer per tensor and checks every step against the
-header; :func:`shape_capture` then arranges the tensors the way
-``Client.capture`` returns them.
+:func:`capture_request` validates the options client-side. A Capture stream
+sends, per tensor, a header (layer, placement, dtype, shape, byte count) and
+then its bytes in order, in chunks. :class:`CaptureAssembler` checks each
+header's claim before allocating the tensor's buffer, and each chunk against
+the header and the bytes so far; :func:`shape_capture` then arranges the
+tensors the way ``Client.capture`` returns them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import numpy as np
@@ -92,8 +92,16 @@ class CapturedTensor:
     value: TensorValue = None
 
 
+#: Bytes the headers of one capture stream may claim in all. The server sends
+#: at most --max-capture-bytes (256 MiB by default) per pass and 16 passes by
+#: default; 64 GiB leaves room to raise both, while a hostile or broken server
+#: can no longer make the client reserve an absurd buffer.
+MAX_CAPTURE_BYTES = 64 << 30
+
+
 @dataclass
 class _Pending:
+    tensor_id: int
     tensor: CapturedTensor
     code: DType
     shape: tuple[int, ...]
@@ -101,22 +109,34 @@ class _Pending:
     num_chunks: int
     buffer: Array
     received: int = 0
-    chunks: set[int] = field(default_factory=set)
+    chunks: int = 0
 
 
 class CaptureAssembler:
-    """Reassembles a Capture stream (headers, then chunks written by offset).
+    """Reassembles a Capture stream: each header, then its chunks in order.
 
-    Each tensor's bytes go straight into one preallocated buffer of
-    ``total_bytes``; the decoded array is a view of it (bf16 aside, which is
-    widened). Every chunk is checked against its header, and :meth:`finish`
-    verifies that every byte arrived.
+    The wire contract is strict so that a result never holds a byte the
+    server did not send: a tensor's chunks follow its header with indexes
+    0, 1, 2... and each starts where the previous one ended, with no gap,
+    overlap or empty chunk; the tensor is complete (all ``total_bytes`` in
+    exactly ``num_chunks`` chunks) before the next header or the end of the
+    stream. A header's claim is checked (dtype, shape, total against
+    dtype x shape, the sum against ``max_bytes``) before its buffer is
+    allocated; the decoded array is a view of that buffer (bf16 aside, which
+    is widened). Any breach raises :class:`ProtocolError`.
     """
 
-    def __init__(self, *, as_torch: bool = False, progress: ProgressCallback | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        as_torch: bool = False,
+        progress: ProgressCallback | None = None,
+        max_bytes: int = MAX_CAPTURE_BYTES,
+    ) -> None:
         self._as_torch = as_torch
         self._progress = progress
-        self._pending: dict[int, _Pending] = {}
+        self._max_bytes = max_bytes
+        self._open: _Pending | None = None
         self._seen: set[int] = set()
         self._done: list[CapturedTensor] = []
         self._received = 0
@@ -139,17 +159,27 @@ class CaptureAssembler:
             self._progress(self._received, self._expected)
 
     def _header(self, h: telemetry_pb2.CaptureHeader) -> None:
+        what = f"layer {h.layer!r} tensor {h.tensor_id}"
+        if self._open is not None:
+            raise ProtocolError(
+                f"capture stream sent the header of {what} before {self._incomplete(self._open)}"
+            )
         if h.tensor_id in self._seen:
             raise ProtocolError(f"capture stream repeated header of tensor {h.tensor_id}")
-        what = f"layer {h.layer!r} tensor {h.tensor_id}"
         shape, nbytes = layout(h.dtype, h.shape, what)
         if nbytes != h.total_bytes:
             raise ProtocolError(
                 f"{what}: total_bytes {h.total_bytes} does not match "
-                f"{dtype_name(h.dtype)} x {list(shape)}"
+                f"{dtype_name(h.dtype)} x {list(shape)} ({nbytes} bytes)"
             )
-        if (h.num_chunks == 0) != (h.total_bytes == 0):
-            raise ProtocolError(f"{what}: {h.num_chunks} chunks for {h.total_bytes} bytes")
+        # Every chunk carries at least one byte, so a tensor has 1..total_bytes chunks.
+        if (h.num_chunks == 0) != (nbytes == 0) or h.num_chunks > nbytes:
+            raise ProtocolError(f"{what}: {h.num_chunks} chunks for {nbytes} bytes")
+        if self._expected + nbytes > self._max_bytes:
+            raise ProtocolError(
+                f"{what}: {nbytes} bytes on top of {self._expected} already announced exceed the "
+                f"client's cap of {self._max_bytes} bytes per capture"
+            )
         tensor = CapturedTensor(
             layer=h.layer,
             point=point_name(h.point),
@@ -163,41 +193,65 @@ class CaptureAssembler:
             dtype=dtype_name(h.dtype),
             call_index=h.call_index,
         )
+        try:
+            buffer = np.empty(nbytes, dtype=np.uint8)  # only after every check above
+        except MemoryError:
+            raise ProtocolError(
+                f"tensor {h.tensor_id} ({tensor.layer!r}) claims {nbytes} bytes, more than this "
+                "machine can allocate; capture fewer passes, a max_batch or a float16 downcast"
+            ) from None
         pending = _Pending(
+            tensor_id=h.tensor_id,
             tensor=tensor,
             code=h.dtype,
             shape=shape,
-            total=h.total_bytes,
+            total=nbytes,
             num_chunks=h.num_chunks,
-            buffer=np.empty(h.total_bytes, dtype=np.uint8),
+            buffer=buffer,
         )
         self._seen.add(h.tensor_id)
-        self._expected += h.total_bytes
-        if h.total_bytes == 0:
+        self._expected += nbytes
+        if nbytes == 0:
             self._complete(pending)
         else:
-            self._pending[h.tensor_id] = pending
+            self._open = pending
 
     def _chunk(self, c: telemetry_pb2.CaptureChunk) -> None:
-        p = self._pending.get(c.tensor_id)
-        if p is None:
-            raise ProtocolError(f"capture chunk for unknown or finished tensor {c.tensor_id}")
+        p = self._open
+        if p is None or p.tensor_id != c.tensor_id:
+            state = "finished" if c.tensor_id in self._seen else "unannounced"
+            during = "" if p is None else f" before {self._incomplete(p)}"
+            raise ProtocolError(f"capture chunk for {state} tensor {c.tensor_id}{during}")
         what = f"layer {p.tensor.layer!r} tensor {c.tensor_id}"
+        if c.chunk_index != p.chunks:
+            raise ProtocolError(f"{what}: chunk {c.chunk_index} arrived where chunk {p.chunks} was due")
+        if c.offset != p.received:
+            raise ProtocolError(
+                f"{what}: chunk {c.chunk_index} starts at byte {c.offset}, not at {p.received} "
+                f"where the previous one ended ({'gap' if c.offset > p.received else 'overlap'})"
+            )
         data = c.data  # each access copies the bytes out of the message: once only
         n = len(data)
-        if c.chunk_index >= p.num_chunks or c.chunk_index in p.chunks:
-            raise ProtocolError(f"{what}: unexpected chunk {c.chunk_index} of {p.num_chunks}")
-        if c.offset + n > p.total:
+        if n == 0:
+            raise ProtocolError(f"{what}: chunk {c.chunk_index} is empty")
+        if p.received + n > p.total:
             raise ProtocolError(f"{what}: chunk at {c.offset}+{n} overruns {p.total} bytes")
-        p.buffer[c.offset : c.offset + n] = np.frombuffer(data, dtype=np.uint8)
-        p.chunks.add(c.chunk_index)
+        p.buffer[p.received : p.received + n] = np.frombuffer(data, dtype=np.uint8)
+        p.chunks += 1
         p.received += n
         self._received += n
-        if len(p.chunks) == p.num_chunks:
-            if p.received != p.total:
-                raise ProtocolError(f"{what}: {p.received} of {p.total} bytes in {p.num_chunks} chunks")
-            del self._pending[c.tensor_id]
+        if p.chunks == p.num_chunks or p.received == p.total:
+            if (p.chunks, p.received) != (p.num_chunks, p.total):
+                raise ProtocolError(
+                    f"{what}: {p.received} of {p.total} bytes in {p.chunks} of {p.num_chunks} chunks"
+                )
+            self._open = None
             self._complete(p)
+
+    @staticmethod
+    def _incomplete(p: _Pending) -> str:
+        return (f"layer {p.tensor.layer!r} tensor {p.tensor_id} was complete "
+                f"({p.received} of {p.total} bytes, {p.chunks} of {p.num_chunks} chunks)")
 
     def _complete(self, p: _Pending) -> None:
         p.tensor.value = decode_array(
@@ -211,11 +265,11 @@ class CaptureAssembler:
         Raises:
             ProtocolError: The stream ended before every byte arrived.
         """
-        if self._pending:
-            p = next(iter(self._pending.values()))
+        p = self._open
+        if p is not None:
             raise ProtocolError(
-                f"capture ended early: layer {p.tensor.layer!r} got {p.received} of "
-                f"{p.total} bytes ({len(self._pending)} tensor(s) incomplete)"
+                f"capture ended early: layer {p.tensor.layer!r} got {p.received} of {p.total} bytes "
+                f"({p.chunks} of {p.num_chunks} chunks)"
             )
         return list(self._done)
 

@@ -51,6 +51,11 @@ _FROM_NUMPY: dict[tuple[str, int], DType] = {
     if code != _DT.DATA_TYPE_BFLOAT16
 }
 
+#: Bounds on a shape the server sends: numpy allows 64 dimensions, no model
+#: output needs half of that, and 2**48 elements is 256 TiB even as uint8.
+MAX_DIMS = 32
+MAX_ELEMENTS = 1 << 48
+
 
 def dtype_name(code: DType) -> str:
     """Returns the numpy-style name of a wire dtype (``"unspecified"`` for 0)."""
@@ -105,15 +110,25 @@ def _is_torch_tensor(x: object) -> bool:
 def layout(code: DType, shape: Sequence[int], what: str) -> tuple[tuple[int, ...], int]:
     """Checks a wire dtype and shape; returns the dims and the byte count they need.
 
+    Sizes come from the server, so they are bounded here, in Python ints that
+    cannot overflow, before numpy or torch sees them.
+
     Raises:
-        ProtocolError: Unknown dtype or a negative dimension.
+        ProtocolError: Unknown dtype, a negative dimension, more than
+            ``MAX_DIMS`` dimensions, or more than ``MAX_ELEMENTS`` elements.
     """
     entry = _DTYPES.get(code)
     if entry is None:
         raise ProtocolError(f"{what}: unsupported wire dtype {code}")
+    if len(shape) > MAX_DIMS:
+        raise ProtocolError(f"{what}: {len(shape)} dimensions, at most {MAX_DIMS} are supported")
     dims = tuple(int(d) for d in shape)
     if any(d < 0 for d in dims):
         raise ProtocolError(f"{what}: negative dimension in shape {list(dims)}")
+    # A zero dimension makes any product 0: count the others too, so an empty
+    # tensor cannot claim a shape whose strides overflow numpy's size checks.
+    if math.prod(max(d, 1) for d in dims) > MAX_ELEMENTS:
+        raise ProtocolError(f"{what}: shape {list(dims)} has more than {MAX_ELEMENTS} elements")
     return dims, math.prod(dims) * entry[1].itemsize
 
 

@@ -134,7 +134,9 @@ class TapInfo:
     """A tap as the server reports it, with its counters.
 
     ``kind`` is ``"durable"`` or ``"stream"``; ``expires_at`` is None for taps
-    that never expire. Times are timezone-aware UTC datetimes.
+    that never expire. Times are timezone-aware UTC datetimes. ``owner`` is
+    the token id that created the tap (``"anonymous"`` without auth, ``""``
+    for taps the server owns); deleting another owner's tap needs ``admin``.
     """
 
     id: str
@@ -148,6 +150,7 @@ class TapInfo:
     disabled: bool
     expires_at: _dt.datetime | None
     created_at: _dt.datetime | None
+    owner: str = ""
 
 
 @dataclass(frozen=True)

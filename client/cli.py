@@ -370,13 +370,14 @@ def _cmd_taps(args: argparse.Namespace) -> int:
     with _client(args) as client:
         taps = client.taps()
     table = Table(title=f"{len(taps)} taps at {args.host}")
-    for column in ("id", "name", "kind", "selector", "point", "layers", "hits", "drops", "errors", "expires"):
+    for column in ("id", "name", "owner", "kind", "selector", "point", "layers", "hits", "drops", "errors", "expires"):
         table.add_column(column, justify="right" if column in ("layers", "hits", "drops", "errors") else "left")
     for tap in taps:
         status = f"[red]{tap.errors}[/]" if tap.errors else "0"
         table.add_row(
             tap.id,
             tap.spec.name,
+            tap.owner or "(server)",
             tap.kind + (" [red](disabled)[/]" if tap.disabled else ""),
             tap.spec.selector,
             tap.spec.point,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 import torch
@@ -25,6 +25,7 @@ from layertap.server.export.activations import ActivationCollector
 from layertap.server.export.endpoint import start_metrics_server, stop_metrics_server
 from layertap.server.export.health import ServerMetrics
 from layertap.server.export.pipeline import PipelineCollector
+from layertap.server.export.streams import StreamsCollector
 from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.errors import LayertapServerError
 from layertap.server.taps.tap_files import load_tap_config
@@ -33,7 +34,10 @@ from layertap.server.codec import DTYPE_BY_NAME
 from layertap.server.rpc.inference import InferenceService
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import LoadedModel, ModelLoadError, load_model
+from layertap.server.rpc.admission import StreamAdmission
 from layertap.server.rpc.auth import SERVER_OWNER, Authenticator
+from layertap.server.reducers.compiled import COMPILED_STATS
+from layertap.server.rpc.health import HealthServicer
 from layertap.server.rpc.state import ServerState, StateCell
 from layertap.server.tls import TlsFiles
 from layertap.server.rpc.telemetry import TelemetryService
@@ -46,6 +50,15 @@ SERVICE_NAMES = (
     inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
     telemetry_pb2.DESCRIPTOR.services_by_name["TelemetryService"].full_name,
 )
+#: Seconds each shutdown step after the gRPC drain (metrics server, host-transfer
+#: thread, expiry thread) may take before the process exits without it.
+STOP_STEP_SECONDS = 3.0
+#: The health listener's pool: Check is quick and Watch holds no worker.
+HEALTH_WORKERS = 4
+#: Health.Watch streams open at once on the health listener.
+HEALTH_MAX_STREAMS = 16
+#: Receive limit of the health listener: a HealthCheckRequest is one short name.
+HEALTH_MAX_MESSAGE_BYTES = 4096
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -69,28 +82,52 @@ class LayertapServer:
     metrics_port: int | None = None
     auth: Authenticator | None = None
     tls: TlsFiles | None = None
-    _closers: list[Any] = field(default_factory=list)
+    #: Admission of long streams (``--max-streams``).
+    streams: StreamAdmission | None = None
+    #: The plaintext Health-only listener (``--health-address``) and its port.
+    health_server: grpc.Server | None = None
+    health_port: int | None = None
+    #: Shutdown steps after the gRPC drain, run in reverse order: (what, how).
+    _closers: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
     _stopped: threading.Event = field(default_factory=threading.Event)
+    _finished: threading.Event = field(default_factory=threading.Event)
+    _stop_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def address(self) -> str:
         return f"{self.state.config.host}:{self.port}"
 
     def stop(self, grace: float | None = None) -> None:
-        """Stop accepting work, drain in-flight RPCs for ``grace`` seconds, close."""
-        if self._stopped.is_set():
+        """Stop accepting work, drain in-flight RPCs for ``grace`` seconds, close.
+
+        Then stop the health listener, the metrics server and the threads,
+        each bounded by ``STOP_STEP_SECONDS``, so a SIGTERM ends in bounded
+        time with every step logged (or logged as abandoned).
+        """
+        with self._stop_lock:  # exactly one caller runs the steps
+            first = not self._stopped.is_set()
+            self._stopped.set()
+        if not first:
+            # A second stop() (SIGTERM racing a `with` exit) returns only once
+            # the first has finished, so the interpreter never exits mid-step.
+            self._finished.wait()
             return
-        self._stopped.set()
-        self.health.enter_graceful_shutdown()
-        # End Subscribe streams first: they never finish on their own, so the
-        # grace period would otherwise always run out on them.
-        self.state.broker.close()
-        self.grpc_server.stop(self.state.config.grace_seconds if grace is None else grace).wait()
-        for close in reversed(self._closers):
-            try:
-                close()
-            except Exception:  # noqa: BLE001 - shutdown must finish
-                log.exception("error during shutdown")
+        try:
+            # Both listeners serve this servicer: probes read NOT_SERVING on
+            # either port for the whole drain.
+            self.health.enter_graceful_shutdown()
+            # End Subscribe streams first: they never finish on their own, so the
+            # grace period would otherwise always run out on them.
+            self.state.broker.close()
+            self.grpc_server.stop(self.state.config.grace_seconds if grace is None else grace).wait()
+            if self.health_server is not None:
+                self.health_server.stop(0).wait()
+                log.info("health listener stopped")
+            for what, close in reversed(self._closers):
+                _run_bounded(what, close, STOP_STEP_SECONDS)
+            log.info("shutdown complete")
+        finally:
+            self._finished.set()
 
     def reload(self) -> None:
         """SIGHUP: re-read the token file and the certificates; a bad file keeps the old ones."""
@@ -100,7 +137,16 @@ class LayertapServer:
             self.tls.reload()
 
     def wait(self) -> None:
+        """Block until the server is stopped and ``stop()`` has finished.
+
+        gRPC terminates as soon as its calls drain; the rest of ``stop()`` (the
+        metrics server, the host-transfer thread) runs on the signal handler's
+        thread and must finish before the caller returns and the interpreter
+        kills daemon threads mid-step.
+        """
         self.grpc_server.wait_for_termination()
+        if self._stopped.is_set():
+            self._finished.wait()
 
     def __enter__(self) -> LayertapServer:
         return self
@@ -122,9 +168,12 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
         raise ModelLoadError(f"--dtype {config.dtype!r}: expected one of {', '.join(MODEL_DTYPES)}")
     host = ModelHost(loaded, device=pick_device(config.device), dtype=DTYPE_BY_NAME[config.dtype])
     host.warm_up()
+    # One process-wide switch: inductor's caches are process-wide too.
+    COMPILED_STATS.set_enabled(config.compile_reducers)
     version = server_version()
     sinks = Sinks()
-    broker = Broker(default_queue_size=config.subscriber_queue, max_subscribers=config.max_subscribers, sinks=sinks)
+    broker = Broker(default_queue_size=config.subscriber_queue, max_subscribers=config.max_subscribers, sinks=sinks,
+                    queue_bytes=config.subscriber_queue_bytes)
     taps = TapEngine(host, broker, max_taps=config.max_taps, sinks=sinks)
     registry = metrics = snapshots = None
     if config.metrics_port is not None:
@@ -140,7 +189,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
                                    on_load_error=(lambda _why: metrics.baseline_load_errors.inc()) if metrics else None))
     if registry is not None:
         registry.register(PipelineCollector(loaded.name, transfer=taps.transfer.stats,
-                                            baseline_skipped=drift.skipped_passes))
+                                            baseline_skipped=drift.skipped_passes,
+                                            compiled=COMPILED_STATS.counters if config.compile_reducers else None))
     state = ServerState(config=config, host=host, version=version, taps=taps, broker=broker,
                         drift=drift, metrics=metrics, snapshots=snapshots, registry=registry)
     drift.load()
@@ -164,20 +214,25 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Lay
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
+    if not 0 < config.max_streams < config.workers:
+        raise ValueError(f"--max-streams {config.max_streams} must be at least 1 and below --workers {config.workers}: "
+                         "the workers it leaves free serve unary calls and health probes")
     auth = Authenticator(config.auth_tokens) if config.auth_tokens else None  # ValueError names the line
     tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert and config.tls_key else None
-    # A thread pool sized for streaming: every Capture/Subscribe holds a worker
-    # while it streams, so the pool must exceed captures + subscribers.
+    streams = StreamAdmission(config.max_streams, callback_limit=config.max_streams)
+    # Every open stream holds a worker, so at most max_streams of them are
+    # admitted and workers - max_streams threads stay for unary calls. Auth
+    # runs first: a refused caller never takes a stream slot.
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="layertap-rpc"),
         options=options,
-        maximum_concurrent_rpcs=config.workers,
-        interceptors=[auth] if auth is not None else None,
+        maximum_concurrent_rpcs=rpc_limit(config.workers),
+        interceptors=[i for i in (auth, streams) if i is not None],
     )
     cell = StateCell()
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(cell), server)
     telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(TelemetryService(cell), server)
-    health_servicer = health.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", *SERVICE_NAMES):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -191,17 +246,29 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Lay
     if config.reflection:
         reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     server.start()
+    health_server = health_port = None
     try:
+        if config.health_address:
+            health_server, health_port = start_health_listener(config.health_address, health_servicer)
         state = build_state(config, loaded)
     except BaseException:
         server.stop(0)
+        if health_server is not None:
+            health_server.stop(0)
         raise
     cell.set(state)
-    running = LayertapServer(server, state, port, health_servicer, auth=auth, tls=tls)
-    running._closers.append(state.taps.close)
+    running = LayertapServer(server, state, port, health_servicer, auth=auth, tls=tls, streams=streams,
+                             health_server=health_server, health_port=health_port)
+    running._closers.append(("host-transfer thread", state.taps.close))
     if state.registry is not None:
         if auth is not None:
             auth.register(state.registry)
+        callbacks = streams.callbacks
+        assert callbacks is not None
+        state.registry.register(StreamsCollector(state.host.loaded.name, {
+            "workers": lambda: (streams.open_streams, streams.refused),
+            "callbacks": lambda: (callbacks.open_streams, callbacks.refused),
+        }))
         try:
             mserver, mport = start_metrics_server(
                 state.registry, config.host, config.metrics_port or 0,
@@ -210,10 +277,11 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Lay
             running.stop(0)  # no half-started server left behind
             raise OSError(f"--metrics-port {config.metrics_port}: cannot bind {config.host}: {exc.strerror or exc}") from None
         running.metrics_port = mport
-        running._closers.append(lambda: stop_metrics_server(mserver))
+        running._closers.append(("metrics server", lambda: stop_metrics_server(mserver)))
         log.info("metrics on %s://%s:%d/metrics", "https" if tls else "http", config.host, mport)
     reaper = threading.Thread(target=_reap, args=(state, running._stopped), name="layertap-ttl", daemon=True)
     reaper.start()
+    running._closers.append(("tap expiry thread", lambda: reaper.join(STOP_STEP_SECONDS)))
     for name in ("", *SERVICE_NAMES):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     for note in state.host.loaded.notes:
@@ -221,6 +289,73 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Lay
     log.info("serving %s (%s) on %s:%d, device=%s dtype=%s", state.host.loaded.name,
              state.host.loaded.source, config.host, port, state.host.device, config.dtype)
     return running
+
+
+def rpc_limit(workers: int) -> int:
+    """``maximum_concurrent_rpcs``: every worker may have one call waiting.
+
+    Bounded, so a flood gets RESOURCE_EXHAUSTED instead of a queue without
+    end. Streams count too, but never hold more than ``--max-streams`` workers.
+    Not a defence against calls that never send their request: the sync
+    server reads the message on a worker, before any interceptor, so such a
+    call holds that worker until its deadline or its connection ends
+    (docs/security.md, "Not protected against").
+    """
+    return 2 * workers
+
+
+def start_health_listener(address: str, servicer: health.HealthServicer) -> tuple[grpc.Server, int]:
+    """``--health-address``: a plaintext listener serving only ``grpc.health.v1.Health``.
+
+    Docker HEALTHCHECK and kubelet gRPC probes cannot speak TLS. This server
+    shares the main server's servicer, so it reports the same status and goes
+    NOT_SERVING with it; it serves nothing else (any other method is
+    UNIMPLEMENTED) and needs no token, like Health on the main port. Any
+    address is accepted: kubelet probes dial the pod IP, and the listener
+    reveals only what the open Health service does (see docs/security.md).
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=HEALTH_WORKERS, thread_name_prefix="layertap-health"),
+        # A health request is a service name: a few KiB is plenty, and a
+        # stranger cannot make the probe port buffer megabytes.
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", HEALTH_MAX_MESSAGE_BYTES)],
+        maximum_concurrent_rpcs=rpc_limit(HEALTH_WORKERS),
+        interceptors=[StreamAdmission(HEALTH_MAX_STREAMS, flag="the health listener's stream limit")],
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:  # newer grpcio raises instead of returning 0
+        port = 0
+    if port == 0:
+        raise OSError(f"--health-address {address}: cannot bind (in use, or not HOST:PORT?)")
+    server.start()
+    log.info("health listener (plaintext, grpc.health.v1.Health only) on %s", address)
+    return server, port
+
+
+def _run_bounded(what: str, step: Callable[[], None], timeout: float) -> None:
+    """Run one shutdown step on its own thread, waiting ``timeout`` seconds at most.
+
+    A stuck step (a callback that never returns) must not keep a SIGTERMed
+    process alive; it is logged and abandoned instead.
+    """
+    ok: list[bool] = []
+
+    def run() -> None:
+        try:
+            step()
+            ok.append(True)
+        except Exception:  # noqa: BLE001 - shutdown must finish
+            log.exception("error stopping the %s", what)
+
+    thread = threading.Thread(target=run, name="layertap-stop", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        log.warning("%s did not stop within %.1fs; exiting without it", what, timeout)
+    elif ok:
+        log.info("%s stopped", what)
 
 
 def _scrape_check(auth: Authenticator | None):  # type: ignore[no-untyped-def]

@@ -2,14 +2,25 @@
 
 Tensors travel as raw little-endian row-major bytes with a dtype and an int64
 shape, like KServe v2 ``raw_input_contents``.
+
+Decoding copies a request's bytes once. Reading ``raw_data`` of a (upb)
+message already returns a fresh ``bytes`` copy on every access, so the codec
+reads it once and views that copy as a tensor (``torch.frombuffer``) instead
+of copying it again. The copy belongs to this request alone: a model that
+writes its input in place writes into a buffer nobody else sees. Tensors under
+``VIEW_MIN_BYTES`` are copied into a ``bytearray`` instead, which costs
+nothing and keeps interpreter-shared ``bytes`` objects (``b""``, single
+bytes) out of reach of such a model.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import warnings
 
 import torch
+from google.protobuf.internal import api_implementation
 
 from layertap.server.errors import InvalidSpec
 from layertap.server.limits import MAX_TENSOR_DIMS, MAX_TENSOR_ELEMENTS
@@ -44,6 +55,21 @@ DTYPE_BY_NAME: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 
+#: Smallest tensor decoded as a view of the request's bytes rather than a copy.
+VIEW_MIN_BYTES = 4096
+#: upb returns a fresh ``bytes`` on each read of a bytes field, private to the
+#: caller, so a tensor may view it. The pure-Python protobuf returns the
+#: message's own object: there, copy, or a model writing its input in place
+#: would change the request.
+_FIELD_READS_COPY = api_implementation.Type() == "upb"
+
+# The views are of private, read-only ``bytes`` copies (see the module doc).
+# torch warns about that once per process; spend the warning here, at import,
+# rather than on some request's thread (warning filters are not thread-safe).
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(bytes(4), dtype=torch.uint8)
+
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
     raise ImportError("layertap's wire format assumes a little-endian host")
 
@@ -69,8 +95,16 @@ def tensor_nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return n * torch.empty((), dtype=dtype).element_size()
 
 
-def tensor_from_proto(msg: tensor_pb2.Tensor, field: str = "inputs[0]") -> torch.Tensor:
-    """Decode a wire tensor into a CPU torch tensor, validating bytes vs shape."""
+def tensor_from_proto(msg: tensor_pb2.Tensor, field: str = "inputs[0]", raw: bytes | None = None) -> torch.Tensor:
+    """Decode a wire tensor into a CPU torch tensor, validating bytes vs shape.
+
+    Args:
+        msg: The wire tensor.
+        field: Its request field, for errors.
+        raw: ``msg.raw_data`` when the caller already read it: each read of a
+            bytes field copies it, so read it once.
+    """
+    data = msg.raw_data if raw is None else raw
     if msg.dtype not in TORCH_BY_WIRE:
         valid = ", ".join(tensor_pb2.DataType.Name(k) for k in TORCH_BY_WIRE)
         raise InvalidSpec(f"{field}.dtype", f"unsupported or unset dtype; expected one of {valid}")
@@ -84,16 +118,17 @@ def tensor_from_proto(msg: tensor_pb2.Tensor, field: str = "inputs[0]") -> torch
         raise InvalidSpec(f"{field}.shape", f"shape {list(shape)} is over {MAX_TENSOR_ELEMENTS} elements "
                                             "(zero-sized dimensions counted as 1)")
     expected = tensor_nbytes(dtype, shape)
-    if len(msg.raw_data) != expected:
+    if len(data) != expected:
         raise InvalidSpec(
             f"{field}.raw_data",
-            f"got {len(msg.raw_data)} bytes but {dtype_name(dtype)} x {list(shape)} "
+            f"got {len(data)} bytes but {dtype_name(dtype)} x {list(shape)} "
             f"needs {expected} bytes",
         )
     if expected == 0:
         return torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(bytearray(msg.raw_data), dtype=dtype)
-    return flat.reshape(shape)
+    private = len(data) >= VIEW_MIN_BYTES and isinstance(data, bytes) and _FIELD_READS_COPY
+    buffer = data if private else bytearray(data)
+    return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
 
 
 def tensor_to_bytes(t: torch.Tensor) -> bytes:

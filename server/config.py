@@ -31,10 +31,25 @@ class ServerConfig:
     max_capture_bytes: int = 256 << 20
     max_capture_passes: int = 16
     max_concurrent_captures: int = 8
+    #: Device bytes that all captures in flight may hold in clones together.
+    capture_budget_bytes: int = 1 << 30
+    #: Seconds a passive capture waits for live traffic before DEADLINE_EXCEEDED.
+    max_capture_wait: float = 60.0
     max_subscribers: int = 32
     subscriber_queue: int = 256
+    #: Bytes of summaries one subscriber's queue may hold before it drops the oldest.
+    subscriber_queue_bytes: int = 16 << 20
     max_taps: int = 64
     workers: int = 64
+    #: Long streams (Subscribe, Capture, Health.Watch, reflection) in flight at once;
+    #: the rest of the worker pool stays free for unary calls and probes.
+    max_streams: int = 48
+    #: Basic statistics from one compiled (inductor) kernel per signature,
+    #: compiled in the background; False (``--no-compile``): eager torch ops only.
+    compile_reducers: bool = True
+    #: Plaintext gRPC health listener (e.g. 127.0.0.1:50052) for probes that
+    #: cannot speak TLS (Docker HEALTHCHECK, kubelet); None: none.
+    health_address: str | None = None
     reflection: bool = True
     tap_config: str | None = None
     baseline_dir: str | None = None

@@ -11,7 +11,9 @@ same way::
      ├── Unauthenticated     UNAUTHENTICATED
      ├── PermissionDenied    PERMISSION_DENIED
      ├── AlreadyExists       ALREADY_EXISTS
-     ├── LimitExceeded       RESOURCE_EXHAUSTED (/ CAPTURE_TOO_LARGE over the byte cap)
+     ├── LimitExceeded       RESOURCE_EXHAUSTED (/ CAPTURE_TOO_LARGE over the byte cap,
+     │                       CAPTURE_BUDGET_EXHAUSTED, CAPTURE_OUT_OF_MEMORY)
+     ├── DeadlineExceeded    DEADLINE_EXCEEDED (the server stopped waiting, e.g. for traffic)
      ├── Unsupported         FAILED_PRECONDITION
      └── Unavailable         UNAVAILABLE
     anything else            INTERNAL
@@ -49,6 +51,10 @@ from grpc_status import rpc_status
 DOMAIN = "layertap.dev"
 #: The reason of a capture over the server's byte cap (a LimitExceeded).
 CAPTURE_TOO_LARGE = "CAPTURE_TOO_LARGE"
+#: The reason of a capture refused because all captures' clones fill ``--capture-budget-bytes``.
+CAPTURE_BUDGET_EXHAUSTED = "CAPTURE_BUDGET_EXHAUSTED"
+#: The reason of a capture whose device copy ran out of memory (the model's pass was unaffected).
+CAPTURE_OUT_OF_MEMORY = "CAPTURE_OUT_OF_MEMORY"
 
 
 class LayertapServerError(Exception):
@@ -126,6 +132,13 @@ class AlreadyExists(LayertapServerError):
 class LimitExceeded(LayertapServerError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "RESOURCE_EXHAUSTED"
+
+
+class DeadlineExceeded(LayertapServerError):
+    """The server stopped waiting (a passive capture that saw no traffic), not the client's deadline."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "DEADLINE_EXCEEDED"
 
 
 class Unsupported(LayertapServerError):

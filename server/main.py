@@ -31,8 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-capture-bytes", type=int, default=d.max_capture_bytes)
     p.add_argument("--max-capture-passes", type=int, default=d.max_capture_passes)
     p.add_argument("--max-concurrent-captures", type=int, default=d.max_concurrent_captures)
+    p.add_argument("--capture-budget-bytes", type=int, default=d.capture_budget_bytes,
+                   help="device bytes all captures in flight may hold in clones together")
+    p.add_argument("--max-capture-wait", type=float, default=d.max_capture_wait,
+                   help="seconds a passive capture waits for live traffic")
     p.add_argument("--max-subscribers", type=int, default=d.max_subscribers)
+    p.add_argument("--subscriber-queue-bytes", type=int, default=d.subscriber_queue_bytes,
+                   help="bytes one subscriber's queue may hold before it drops the oldest")
     p.add_argument("--workers", type=int, default=d.workers, help="RPC worker threads (streams hold one each)")
+    p.add_argument("--max-streams", type=int, default=d.max_streams,
+                   help="long streams in flight at once; the other workers stay free for unary calls and probes")
+    p.add_argument("--health-address", default=d.health_address,
+                   help="plaintext gRPC health-only listener for probes that cannot speak TLS (e.g. 127.0.0.1:50052)")
+    p.add_argument("--no-compile", dest="compile_reducers", action="store_false",
+                   help="never torch.compile the reducers' statistics kernel (eager torch ops only)")
     p.add_argument("--taps", dest="tap_config", help="YAML or JSON file of durable taps to create at start")
     p.add_argument("--baseline-dir", help="directory where drift baselines are saved and reloaded")
     p.add_argument("--drift-window", type=int, default=d.drift_window, help="passes in the sliding drift window")

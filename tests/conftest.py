@@ -26,7 +26,8 @@ def make_server():
     started = []
 
     def make(loaded=None, **overrides):
-        cfg = ServerConfig(port=0, metrics_port=None)
+        # Compiling off: background compiles would steal CPU from timing-sensitive tests.
+        cfg = ServerConfig(port=0, metrics_port=None, compile_reducers=False)
         for k, v in overrides.items():
             setattr(cfg, k, v)
         srv = start_server(cfg, loaded)
@@ -59,7 +60,7 @@ class ServerProcess:
         full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
         full_env.update(env or {})
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "layertap.cli", "serve", "--port", "0", *args],
+            [sys.executable, "-m", "layertap.cli", "serve", "--port", "0", "--no-compile", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
         )
         self.lines: list[str] = []

@@ -549,6 +549,7 @@ class TapInfo(_message.Message):
     DISABLED_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     kind: Global___TapKind.ValueType
     hits: _builtins.int
@@ -556,6 +557,10 @@ class TapInfo(_message.Message):
     errors: _builtins.int
     last_error: _builtins.str
     disabled: _builtins.bool
+    owner: _builtins.str
+    """The token id (principal) that created the tap: "anonymous" when auth is
+    off, empty for taps the server owns (--taps files, reloaded baselines).
+    """
     @_builtins.property
     def spec(self) -> Global___TapSpec: ...
     @_builtins.property
@@ -580,10 +585,11 @@ class TapInfo(_message.Message):
         disabled: _builtins.bool = ...,
         expires_at: _timestamp_pb2.Timestamp | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "disabled", b"disabled", "drops", b"drops", "errors", b"errors", "expires_at", b"expires_at", "hits", b"hits", "id", b"id", "kind", b"kind", "last_error", b"last_error", "layers", b"layers", "spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "disabled", b"disabled", "drops", b"drops", "errors", b"errors", "expires_at", b"expires_at", "hits", b"hits", "id", b"id", "kind", b"kind", "last_error", b"last_error", "layers", b"layers", "owner", b"owner", "spec", b"spec"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

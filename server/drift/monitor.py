@@ -31,7 +31,7 @@ from layertap.server.drift.files import baseline_filename, load_baselines, save_
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.drift.window import SlidingWindow
-from layertap.server.errors import AlreadyExists, InvalidSpec
+from layertap.server.errors import AlreadyExists, InvalidSpec, NotFound
 from layertap.server.host.hooks import POINT_BY_NAME, POINT_NAMES
 from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.host.model_host import PassContext
@@ -76,6 +76,8 @@ class _Layer:
     baseline: Baseline | None = None
     window: SlidingWindow | None = None
     score: DriftScore | None = None
+    #: The tap this entry was made for: a replacement under the same id is another tap.
+    handle: Tap | None = None
 
 
 def _results(summary: pb.Summary) -> dict[str, pb.ReducerResult]:
@@ -143,7 +145,7 @@ class DriftMonitor(Sink):
         with self._lock:
             self._layers.update({(tap_id, layer): e for layer, e in entries.items()})
         try:
-            self.engine.create(spec, forever=True)
+            tap = self.engine.create(spec, forever=True)
         except Exception:
             with self._lock:
                 for layer in layers:
@@ -151,6 +153,7 @@ class DriftMonitor(Sink):
             raise
         self._own.add(tap_id)
         for entry in entries.values():
+            entry.handle = tap
             self._export(entry)
         log.info("baseline %s collecting %d passes over %d layer(s)", tap_id, passes, len(layers))
         return tap_id, layers
@@ -215,7 +218,7 @@ class DriftMonitor(Sink):
                 for b in group:
                     self._layers[(tap_id, b.layer)] = _Layer(tap_id, b.layer, point, b.passes, b.window, b.thresholds)
             try:
-                self.engine.create(spec, forever=True, trusted_selector=True)
+                tap = self.engine.create(spec, forever=True, trusted_selector=True)
                 self._own.add(tap_id)
             except Exception as exc:  # noqa: BLE001 - one bad group must not stop start-up
                 msg = f"{tap_id}: cannot recreate its tap: {exc}"
@@ -227,8 +230,10 @@ class DriftMonitor(Sink):
                         self._layers.pop((tap_id, b.layer), None)
                 continue
             for b in group:
-                self._install(self._layers[(tap_id, b.layer)], b)
-                loaded += 1
+                entry = self._layers[(tap_id, b.layer)]
+                entry.handle = tap
+                if self._install(entry, b):
+                    loaded += 1
         if loaded:
             log.info("reloaded %d baseline(s) from %s", loaded, self.baseline_dir)
         return loaded
@@ -271,21 +276,35 @@ class DriftMonitor(Sink):
         self._skipped += builder.skipped_passes - before
         if builder.done:
             baseline = builder.freeze(window=entry.window_len, thresholds=entry.thresholds)
-            if self.baseline_dir:
-                try:
-                    save_baseline(self.baseline_dir, baseline)
-                except OSError as exc:
-                    log.error("cannot save baseline %s/%s: %s", entry.tap, entry.layer, exc)
-            self._install(entry, baseline)
-            log.info("baseline %s/%s frozen after %d passes", entry.tap, entry.layer, baseline.passes)
+            with self._lock:
+                # A DeleteTap (or a replacing SetBaseline) may have landed since this
+                # summary was read: then freeze nothing and save nothing, or the
+                # deleted baseline would come back at the next start. Saved under
+                # the lock, with ``entry.baseline`` set, so that a removal that comes
+                # after this sees the file and deletes it.
+                if self._layers.get((entry.tap, entry.layer)) is not entry:
+                    return
+                entry.baseline = baseline
+                if self.baseline_dir:
+                    try:
+                        save_baseline(self.baseline_dir, baseline)
+                    except OSError as exc:
+                        log.error("cannot save baseline %s/%s: %s", entry.tap, entry.layer, exc)
+            if self._install(entry, baseline):
+                log.info("baseline %s/%s frozen after %d passes", entry.tap, entry.layer, baseline.passes)
 
-    def _install(self, entry: _Layer, baseline: Baseline) -> None:
+    def _install(self, entry: _Layer, baseline: Baseline) -> bool:
+        """Switch the layer to the frozen edges; False when its tap went meanwhile."""
         entry.baseline = baseline
         entry.builder = None
         entry.window = SlidingWindow.for_baseline(baseline, entry.window_len)
-        self.engine.set_layer_reducers(entry.tap, entry.layer, _reducers(
-            per_channel=baseline.channel_mean is not None, edges=baseline.edges))
+        try:
+            self.engine.set_layer_reducers(entry.tap, entry.layer, _reducers(
+                per_channel=baseline.channel_mean is not None, edges=baseline.edges), tap=entry.handle)
+        except NotFound:  # deleted or replaced: on_tap_removed forgot the entry and its file
+            return False
         self._export(entry)
+        return True
 
     def _observe(self, entry: _Layer, res: dict[str, pb.ReducerResult]) -> None:
         baseline, window = entry.baseline, entry.window

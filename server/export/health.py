@@ -61,6 +61,16 @@ class ServerMetrics:
         self.capture_bytes = Counter(
             "layertap_capture_bytes", "Tensor bytes sent by Capture.", m, registry=r
         ).labels(model_name)
+        self.capture_budget_held = Gauge(
+            "layertap_capture_budget_held_bytes",
+            "Bytes of captured clones held now against --capture-budget-bytes; at the budget, passive captures skip passes.",
+            m, registry=r,
+        ).labels(model_name)
+        self.capture_skipped_passes = Counter(
+            "layertap_capture_skipped_passes",
+            "Live passes passive captures skipped because captures in flight held the whole capture budget.",
+            m, registry=r,
+        ).labels(model_name)
         self.stream_messages = Counter(
             "layertap_stream_messages", "Subscribe messages sent.", m, registry=r
         ).labels(model_name)

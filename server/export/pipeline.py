@@ -8,7 +8,7 @@ pipeline visible, instead of layer series that merely stop moving.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol, TypeVar
 
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
@@ -60,6 +60,17 @@ _TRANSFER_COUNTERS: tuple[tuple[str, str, str], ...] = (
         "Pinned host buffers allocated for transfers; should level off after warm-up, steady growth means buffers are not reused.",
     ),
 )
+#: (counters() key, exposed name, HELP) of the compiled statistics kernel.
+_COMPILE_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("compiles", "layertap_reducer_compiles_total",
+     "Statistics kernels compiled in the background (one per dtype, layout and mode); should stop rising after warm-up."),
+    ("compile_failures", "layertap_reducer_compile_failures_total",
+     "Statistics kernels that failed to compile; those tensors use the eager path (slower, same results), see the log."),
+    ("compiled_calls", "layertap_reducer_compiled_calls_total",
+     "Tapped tensors summarised by a compiled kernel."),
+    ("eager_calls", "layertap_reducer_eager_calls_total",
+     "Tapped tensors that fell back to the eager path (kernel not ready, failed, or a guard miss); rising after warm-up costs overhead."),
+)
 _BASELINE_SKIPPED = (
     "layertap_baseline_skipped_passes_total",
     "Passes the baseline builders left out (non-finite or empty); rising means baselines collect slower or from partial data.",
@@ -80,6 +91,7 @@ class PipelineCollector(Collector):
         model: str,
         transfer: Callable[[], TransferStatsLike] | None = None,
         baseline_skipped: Callable[[], int] | None = None,
+        compiled: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         """Create the collector (register it with ``registry.register(c)``).
 
@@ -87,10 +99,12 @@ class PipelineCollector(Collector):
             model: Value of the ``model`` label.
             transfer: Returns the transfer's current counts, e.g. ``host_transfer.stats``.
             baseline_skipped: Returns the passes skipped by the baseline builders so far.
+            compiled: Returns the compiled kernel's counters, e.g. ``COMPILED_STATS.counters``.
         """
         self.model = model
         self._transfer = transfer
         self._baseline_skipped = baseline_skipped
+        self._compiled = compiled
         self._failing: set[str] = set()
 
     def describe(self) -> list[Metric]:
@@ -107,11 +121,18 @@ class PipelineCollector(Collector):
             skipped = self._read("baseline_skipped", self._baseline_skipped)
             if skipped is not None:
                 yield self._family(*_BASELINE_SKIPPED, int(skipped))
+        if self._compiled is not None:
+            counts = self._read("compiled", self._compiled)
+            if counts is not None:
+                for key, name, doc in _COMPILE_COUNTERS:
+                    yield self._family(name, doc, int(counts[key]))
 
     def _exported(self) -> list[tuple[str, str]]:
         out = [(name, doc) for _, name, doc in _TRANSFER_COUNTERS] if self._transfer is not None else []
         if self._baseline_skipped is not None:
             out.append(_BASELINE_SKIPPED)
+        if self._compiled is not None:
+            out += [(name, doc) for _, name, doc in _COMPILE_COUNTERS]
         return out
 
     def _family(self, name: str, doc: str, value: int | None = None) -> CounterMetricFamily:

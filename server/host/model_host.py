@@ -205,11 +205,15 @@ class ModelHost:
                     obs.pass_finished(ctx)
 
     def run(self, inputs: Sequence[torch.Tensor], *, active_owner: object | None = None) -> tuple[Any, PassContext]:
-        """Validate, move to the device and run one inference pass."""
+        """Validate, move to the device and run one inference pass.
+
+        The move happens under the model lock: requests waiting for the model
+        hold host tensors only, not a device copy each.
+        """
         self.validate_inputs(inputs)
-        moved = [t.to(self.device, dtype=spec.dtype, non_blocking=True) for t, spec in zip(inputs, self.inputs)]
         try:
             with self.pass_context(active_owner=active_owner) as ctx, torch.inference_mode():
+                moved = [t.to(self.device, dtype=spec.dtype, non_blocking=True) for t, spec in zip(inputs, self.inputs)]
                 out = self.module(*moved)
         except torch.OutOfMemoryError:
             raise LimitExceeded("the device ran out of memory for this pass; send a smaller batch") from None

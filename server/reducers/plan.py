@@ -19,6 +19,7 @@ import torch
 from layertap.server.limits import MAX_REDUCERS_PER_TAP, MAX_SAMPLED_ELEMENTS
 from layertap.server.reducers.base import Reducer
 from layertap.server.reducers.basic import BASIC_REDUCERS, BasicReducer
+from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.distribution import HistogramReducer, PerChannelReducer, QuantilesReducer
 from layertap.server.reducers.kernels import StatNeeds, fused_basic_stats
 from layertap.server.reducers.spec import (
@@ -107,6 +108,8 @@ class ReducerPlan:
             needs = needs | r.needs
         self._needs = needs
         self._needs_any = needs.any()  # dataclasses.astuple per run costs ~30 us on the hot path
+        #: Whether runs compute the basic-statistics vector (the compiled kernel's work).
+        self.needs_basic_stats = self._needs_any
         self._sorted_sizes = frozenset(r.sample_size for r in self.reducers if isinstance(r, QuantilesReducer))
         self._share_xd = any(r.reads_upcast for r in self.reducers)
         # Only shape-dependent reducers (per_channel) check anything per tensor.
@@ -170,7 +173,9 @@ class ReducerPlan:
             ws = Workspace(x.detach() if x.requires_grad else x, self._generator(x.device),
                            self._sorted_sizes, self._share_xd)
             if self._needs_any:
-                ws.basic = fused_basic_stats(ws, self._needs)
+                # The compiled kernel once its signature is ready, else eager.
+                basic = COMPILED_STATS.stats(ws, self._needs)
+                ws.basic = basic if basic is not None else fused_basic_stats(ws, self._needs)
             if self._basic_slots is not None:
                 assert ws.basic is not None
                 slots = device_constant(self._slot_cache, self._basic_slots, x.device, torch.int64)

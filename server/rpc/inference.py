@@ -18,14 +18,20 @@ API_VERSION = "layertap.v1"
 
 
 def decode_inputs(inputs: list[tensor_pb2.Tensor], state: ServerState, field: str = "inputs") -> list[torch.Tensor]:
-    """Wire tensors -> validated CPU tensors, enforcing the request byte cap."""
-    total = sum(len(t.raw_data) for t in inputs)
+    """Wire tensors -> validated CPU tensors, enforcing the request byte cap.
+
+    Each tensor's bytes are copied once (reading ``raw_data`` copies, so it is
+    read once) and the tensors are views of those copies; the model host
+    moves them to the device under its lock (``ModelHost.run``).
+    """
+    raws = [t.raw_data for t in inputs]
+    total = sum(len(r) for r in raws)
     if total > state.config.max_request_bytes:
         raise LimitExceeded(
             f"request carries {total} tensor bytes, over --max-request-bytes={state.config.max_request_bytes}",
             field=field, metadata={"max_bytes": str(state.config.max_request_bytes)},
         )
-    tensors = [tensor_from_proto(t, f"{field}[{i}]") for i, t in enumerate(inputs)]
+    tensors = [tensor_from_proto(t, f"{field}[{i}]", raw) for i, (t, raw) in enumerate(zip(inputs, raws))]
     state.host.validate_inputs(tensors, field)
     return tensors
 

@@ -12,7 +12,7 @@ from layertap.server.export.health import ServerMetrics
 from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.host.model_host import ModelHost
 from layertap.server.stream.broker import Broker
-from layertap.server.taps.capture import CaptureLimits, CaptureSlots
+from layertap.server.taps.capture_limits import CaptureBudget, CaptureLimits, CaptureSlots
 from layertap.server.taps.engine import TapEngine
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -31,14 +31,26 @@ class ServerState:
     registry: CollectorRegistry | None = None
     captures: CaptureSlots = field(init=False)
     capture_limits: CaptureLimits = field(init=False)
+    #: Bytes every capture's live clones hold together, against ``--capture-budget-bytes``.
+    capture_budget: CaptureBudget = field(init=False)
 
     def __post_init__(self) -> None:
         self.capture_limits = CaptureLimits(
             max_bytes=self.config.max_capture_bytes,
             max_passes=self.config.max_capture_passes,
             max_concurrent=self.config.max_concurrent_captures,
+            budget_bytes=self.config.capture_budget_bytes,
+            max_wait=self.config.max_capture_wait,
         )
         self.captures = CaptureSlots(self.capture_limits.max_concurrent)
+        metrics = self.metrics
+        self.capture_budget = CaptureBudget(
+            self.capture_limits.budget_bytes,
+            on_skip=metrics.capture_skipped_passes.inc if metrics is not None else None,
+        )
+        if metrics is not None:
+            budget = self.capture_budget
+            metrics.capture_budget_held.set_function(lambda: budget.held)
 
     def count_capture(self, code: str, nbytes: int) -> None:
         """Record a finished capture in the metrics, when metrics are on."""

@@ -5,19 +5,21 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Iterator
-from typing import Any
+import time
+from collections.abc import Iterator, Sequence
 
 import grpc
+import torch
 
 from layertap.server.taps.capture import (
+    CapturedPass,
     CaptureSession,
-    CaptureTooLarge,
     check_all_ran,
     describe,
     encode_pass,
     parse_options,
 )
+from layertap.server.taps.capture_limits import CaptureSlot
 from layertap.server.errors import InvalidSpec, NotFound, Unavailable, grpc_errors
 from layertap.server.drift.monitor import baseline_tap_id
 from layertap.server.rpc.auth import principal_of, require
@@ -42,7 +44,9 @@ class TapMethods:
 
     @grpc_errors
     def CreateTap(self, request: pb.CreateTapRequest, context: grpc.ServicerContext) -> pb.CreateTapResponse:
-        ttl = request.ttl.ToTimedelta().total_seconds() if request.HasField("ttl") else None
+        # Not ToTimedelta(): seconds beyond timedelta's range raise OverflowError;
+        # check_ttl refuses what is out of range, naming the field.
+        ttl = request.ttl.seconds + request.ttl.nanos / 1e9 if request.HasField("ttl") else None
         tap = self.state.taps.create(request.spec, kind=pb.TAP_KIND_DURABLE, ttl=ttl, forever=request.forever,
                                      owner=principal_of(context).id)
         return pb.CreateTapResponse(tap=tap.info())
@@ -164,53 +168,99 @@ class TelemetryService(StateBacked, TapMethods, telemetry_pb2_grpc.TelemetryServ
         try:
             opts = parse_options(request, state.host, state.capture_limits)
             inputs = decode_inputs(list(request.inputs), state) if request.inputs else None
-            state.captures.acquire()
+            slot = state.captures.acquire()
         except Exception as exc:
             state.count_capture(_code_of(exc), 0)
             raise
-        session = CaptureSession(state.host, opts, max_bytes=state.capture_limits.max_bytes, active=inputs is not None)
-        outcome: dict[str, Any] = {"code": "CANCELLED", "sent": 0}
-        finished = threading.Event()
-
-        def finish() -> None:
-            # Runs once: on normal end, on error, or from gRPC's callback when
-            # the client vanishes (a cancelled generator is never resumed).
-            if finished.is_set():
-                return
-            finished.set()
-            session.close()
-            state.captures.release()
-            state.count_capture(outcome["code"], outcome["sent"])
-            log.info("capture end: code=%s bytes=%d", outcome["code"], outcome["sent"])
-
+        session = CaptureSession(state.host, opts, max_bytes=state.capture_limits.max_bytes,
+                                 active=inputs is not None, budget=state.capture_budget)
+        call = CaptureCall(state, session, slot)
         log.info("capture start: %s active=%s", describe(opts), inputs is not None)
-        context.add_callback(finish)
+        # A cancelled streaming generator is never resumed, so `finally` alone
+        # would leak the hooks, the slot and the budget when the client vanishes.
+        if not context.add_callback(call.finish):
+            call.finish()  # the client left before the callback could be registered: run nothing
+            return
         try:
-            session.open()
-            if inputs is not None:
-                state.host.run(inputs, active_owner=session)
-            ids = itertools.count()
-            for _ in range(opts.passes):
-                rec = None
-                while rec is None:
-                    if not context.is_active():
-                        return
-                    rec = session.next_pass(POLL_SECONDS)
-                if rec.too_large:
-                    raise CaptureTooLarge(rec.too_large,
-                                          metadata={"max_bytes": str(state.capture_limits.max_bytes)})
-                check_all_ran(rec, opts)
-                if rec.ordinal == opts.passes - 1:
-                    session.close()  # the last pass is in hand: free the hooks now
-                for msg in encode_pass(rec, opts, ids):
-                    outcome["sent"] += len(msg.chunk.data)
-                    yield msg
-            outcome["code"] = "OK"
+            yield from call.stream(context, inputs)
         except Exception as exc:
-            outcome["code"] = _code_of(exc)
+            call.code = _code_of(exc)
             raise
         finally:
-            finish()
+            call.finish()
+
+
+class CaptureCall:
+    """One Capture call's resources: its session (hooks, clones, budget) and its slot.
+
+    :meth:`finish` runs from whichever comes first, the generator's
+    ``finally`` or gRPC's callback thread when the client vanishes, and does
+    its work exactly once.
+    """
+
+    def __init__(self, state: ServerState, session: CaptureSession, slot: CaptureSlot) -> None:
+        self.state = state
+        self.session = session
+        self.slot = slot
+        #: The final status code name, for the log and the metrics.
+        self.code = "CANCELLED"
+        self.sent = 0
+        # Acquired without blocking and never released: an atomic test-and-set.
+        self._once = threading.Lock()
+
+    def finish(self) -> None:
+        """End the call: close the session, free the slot, count it; later calls do nothing."""
+        if not self._once.acquire(blocking=False):
+            return
+        try:
+            self.session.close()
+        finally:
+            self.slot.release()
+            self.state.count_capture(self.code, self.sent)
+            log.info("capture end: code=%s bytes=%d", self.code, self.sent)
+
+    def stream(self, context: grpc.ServicerContext, inputs: Sequence[torch.Tensor] | None) -> Iterator[pb.CaptureResponse]:
+        """Run the capture and yield its messages; sets ``code`` to OK when every pass was sent."""
+        session, opts = self.session, self.session.opts
+        if not session.open():
+            return  # ended (the client left) before it began
+        if inputs is not None:
+            self.state.host.run(inputs, active_owner=session)
+        ids = itertools.count()
+        for _ in range(opts.passes):
+            rec = self._wait_for_pass(context)
+            if rec is None:
+                return  # the client is gone
+            try:
+                if rec.error is not None:
+                    raise rec.error
+                check_all_ran(rec, opts)
+                if rec.ordinal == opts.passes - 1:
+                    session.remove_hooks()  # the last pass is in hand: free the hooks now
+                for msg in encode_pass(rec, opts, ids):
+                    self.sent += len(msg.chunk.data)
+                    yield msg
+            finally:
+                session.release(rec)  # sent, failed or abandoned: its clones and budget go now
+        self.code = "OK"
+
+    def _wait_for_pass(self, context: grpc.ServicerContext) -> CapturedPass | None:
+        """The next captured pass; None if the client left. A passive capture
+        gives up after ``--max-capture-wait`` seconds without one."""
+        session = self.session
+        max_wait = self.state.capture_limits.max_wait
+        start, skipped = time.monotonic(), session.skipped
+        while context.is_active():
+            rec = session.next_pass(max(0.0, min(POLL_SECONDS, max_wait)))
+            if rec is not None:
+                return rec
+            waited = time.monotonic() - start
+            if not session.active and waited >= max_wait:
+                raise session.wait_exceeded(waited, max_wait, session.skipped - skipped)
+            if self.state.broker.shutting_down:
+                # Like Subscribe: end now rather than hold the drain for its whole grace period.
+                raise Unavailable("the server is shutting down; retry the capture on another replica")
+        return None
 
 
 def _code_of(exc: BaseException) -> str:

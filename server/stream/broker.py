@@ -1,7 +1,11 @@
 """Fan-out of summary batches to subscribers, never blocking the model.
 
-Each subscriber has a bounded queue; when it is full the oldest message is
-dropped and counted. Publishing is O(subscribers) appends under short locks.
+Each subscriber has a queue bounded in messages and in bytes (the summaries'
+wire size): past either bound the oldest messages are dropped and counted, so
+a slow reader of a wide tap (big histograms on many layers) holds at most
+``queue_bytes``, not ``queue_size`` large messages. Publishing is
+O(subscribers) appends under short locks; each summary's size is computed
+once per pass, however many subscribers receive it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from layertap.server.errors import LimitExceeded, Unavailable
 from layertap.server.stream.sinks import Sinks
 from layertap.v1 import telemetry_pb2 as pb
 
+#: Bytes one subscriber's queue may hold by default (``--subscriber-queue-bytes``).
+DEFAULT_QUEUE_BYTES = 16 << 20
+
 
 @dataclass
 class Batch:
@@ -22,15 +29,23 @@ class Batch:
 
     summaries: list[pb.Summary] = field(default_factory=list)
     events: list[pb.TapEvent] = field(default_factory=list)
+    #: Wire size of the summaries and events, what the byte bound counts.
+    nbytes: int = 0
 
 
 class Subscription:
-    """A subscriber's bounded, drop-oldest queue."""
+    """A subscriber's drop-oldest queue, bounded in messages and in bytes.
 
-    def __init__(self, tap_ids: Iterable[str] | None, queue_size: int) -> None:
+    The newest message is always kept, so one message larger than
+    ``max_bytes`` is held alone rather than lost.
+    """
+
+    def __init__(self, tap_ids: Iterable[str] | None, queue_size: int, max_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
         self.tap_ids: set[str] | None = set(tap_ids) if tap_ids is not None else None
         self.queue_size = queue_size
+        self.max_bytes = max_bytes
         self._queue: collections.deque[Batch] = collections.deque()
+        self._bytes = 0
         self._cond = threading.Condition()
         self.dropped = 0
         self.closed = False
@@ -39,14 +54,16 @@ class Subscription:
         return durable if self.tap_ids is None else tap_id in self.tap_ids
 
     def put(self, batch: Batch) -> int:
-        """Enqueue; returns how many old messages were dropped (0 or 1)."""
+        """Enqueue; returns how many old messages were dropped to make room."""
         with self._cond:
             dropped = 0
-            if len(self._queue) >= self.queue_size:
-                self._queue.popleft()
-                self.dropped += 1
-                dropped = 1
+            while self._queue and (len(self._queue) >= self.queue_size
+                                   or self._bytes + batch.nbytes > self.max_bytes):
+                self._bytes -= self._queue.popleft().nbytes
+                dropped += 1
+            self.dropped += dropped
             self._queue.append(batch)
+            self._bytes += batch.nbytes
             self._cond.notify()
             return dropped
 
@@ -57,11 +74,18 @@ class Subscription:
                 self._cond.wait(timeout)
             if not self._queue:
                 return None
-            return self._queue.popleft()
+            batch = self._queue.popleft()
+            self._bytes -= batch.nbytes
+            return batch
 
     def pending(self) -> int:
         with self._cond:
             return len(self._queue)
+
+    def pending_bytes(self) -> int:
+        """Bytes of the messages queued, as the byte bound counts them."""
+        with self._cond:
+            return self._bytes
 
     def close(self) -> None:
         with self._cond:
@@ -72,15 +96,20 @@ class Subscription:
 class Broker:
     """Routes per-pass summaries to every interested subscription."""
 
-    def __init__(self, default_queue_size: int = 256, max_subscribers: int = 32, sinks: Sinks | None = None) -> None:
+    def __init__(self, default_queue_size: int = 256, max_subscribers: int = 32, sinks: Sinks | None = None,
+                 queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
+        if queue_bytes < 1:
+            raise ValueError(f"--subscriber-queue-bytes {queue_bytes}: must be at least 1")
         self.default_queue_size = default_queue_size
+        #: Bytes each subscriber's queue may hold (``--subscriber-queue-bytes``).
+        self.queue_bytes = queue_bytes
         self.max_subscribers = max_subscribers
         self._lock = threading.Lock()
         self._subs: list[Subscription] = []
         self.dropped_total = 0
         #: Set by ``close()``: open streams end UNAVAILABLE, new ones are refused.
         self.shutting_down = False
-        #: Told of each message queued, with how many it pushed out (0 or 1).
+        #: Told of each message queued, with how many it pushed out.
         self.sinks: Sinks = sinks if sinks is not None else Sinks()
 
     @property
@@ -90,7 +119,7 @@ class Broker:
 
     def subscribe(self, tap_ids: Iterable[str] | None = None, queue_size: int = 0) -> Subscription:
         """Register a subscriber; ``tap_ids=None`` follows every durable tap."""
-        sub = Subscription(tap_ids, queue_size or self.default_queue_size)
+        sub = Subscription(tap_ids, queue_size or self.default_queue_size, self.queue_bytes)
         with self._lock:
             if self.shutting_down:
                 raise Unavailable("the server is shutting down; reconnect to another replica or retry")
@@ -116,12 +145,18 @@ class Broker:
         events = list(events)
         with self._lock:
             subs = list(self._subs)
+        if not subs:
+            return
+        # Sizes once per pass, not once per subscriber: ByteSize walks the message.
+        sized = [(s, s.ByteSize()) for s in summaries]
+        sized_events = [(e, e.ByteSize()) for e in events]
         for sub in subs:
-            mine = [s for s in summaries if sub.wants(s.tap, durable.get(s.tap, False))]
-            evs = [e for e in events if sub.wants(e.tap, durable.get(e.tap, False))]
+            mine = [(s, n) for s, n in sized if sub.wants(s.tap, durable.get(s.tap, False))]
+            evs = [(e, n) for e, n in sized_events if sub.wants(e.tap, durable.get(e.tap, False))]
             if not mine and not evs:
                 continue
-            dropped = sub.put(Batch(mine, evs))
+            nbytes = sum(n for _, n in mine) + sum(n for _, n in evs)
+            dropped = sub.put(Batch([s for s, _ in mine], [e for e, _ in evs], nbytes))
             with self._lock:
                 self.dropped_total += dropped
             self.sinks.on_delivery(dropped)

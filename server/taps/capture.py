@@ -4,10 +4,19 @@ A :class:`CaptureSession` installs hooks for the duration of one ``Capture``
 call. Hooks clone the (sliced, downcast) tensor on its device; the byte cap is
 checked from shapes first, so an oversized pass copies nothing. The RPC
 thread, not the model thread, moves the tensors to the host and chunks them.
+
+Every clone also counts against the server-wide :class:`CaptureBudget` until
+its pass is sent, dropped or its capture ends. Past the budget a passive
+capture skips the pass (live traffic: another pass comes; the skip is counted
+and the next header's ``pass_index`` shows the gap) while an active capture
+fails with RESOURCE_EXHAUSTED (its one pass will not come again). A hook never
+raises into the model's forward, which may be another client's ``Infer``: a
+failed clone (out of memory included) fails only this capture.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Iterator
@@ -17,13 +26,33 @@ from typing import Any
 import torch
 
 from layertap.server.codec import TORCH_BY_WIRE, dtype_name, wire_dtype
-from layertap.server.errors import CAPTURE_TOO_LARGE, InvalidSpec, LimitExceeded, Unsupported, unknown_layer
+from layertap.server.errors import (
+    CAPTURE_BUDGET_EXHAUSTED,
+    CAPTURE_OUT_OF_MEMORY,
+    CAPTURE_TOO_LARGE,
+    DeadlineExceeded,
+    InvalidSpec,
+    LayertapServerError,
+    LimitExceeded,
+    Unsupported,
+    unknown_layer,
+)
 from layertap.server.host.hooks import HookHandle
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
+from layertap.server.taps.capture_limits import CaptureBudget, CaptureLimits, CaptureSlots, Reservation
 from layertap.v1 import tensor_pb2
 from layertap.v1 import telemetry_pb2 as pb
 
+__all__ = [
+    "CaptureBudget", "CaptureLimits", "CaptureSession", "CaptureSlots", "CaptureTooLarge", "check_all_ran",
+    "describe", "encode_pass", "parse_options",
+]
+
+log = logging.getLogger("layertap.server")
+
 CHUNK_BYTES = 1 << 20
+#: Passes one capture may hold clones for at once (one being sent, one queued).
+MAX_HELD_PASSES = 2
 DOWNCASTS = {tensor_pb2.DATA_TYPE_FLOAT16, tensor_pb2.DATA_TYPE_BFLOAT16}
 
 
@@ -39,11 +68,26 @@ class CaptureTooLarge(LimitExceeded):
     reason = CAPTURE_TOO_LARGE
 
 
-@dataclass
-class CaptureLimits:
-    max_bytes: int = 256 << 20
-    max_passes: int = 16
-    max_concurrent: int = 8
+class CaptureBudgetExhausted(LimitExceeded):
+    """Captures in flight hold ``--capture-budget-bytes``; this capture's pass did not fit."""
+
+    reason = CAPTURE_BUDGET_EXHAUSTED
+
+
+class CaptureOutOfMemory(LimitExceeded):
+    """The device ran out of memory cloning for this capture; the model's pass went on."""
+
+    reason = CAPTURE_OUT_OF_MEMORY
+
+
+class CaptureCopyFailed(LayertapServerError):
+    """Cloning a captured tensor raised something other than out-of-memory (INTERNAL)."""
+
+    reason = "CAPTURE_COPY_FAILED"
+
+
+class CaptureWaitExceeded(DeadlineExceeded):
+    """A passive capture saw no live pass within ``--max-capture-wait``."""
 
 
 @dataclass
@@ -57,14 +101,19 @@ class CapturedTensor:
     tensor: torch.Tensor
 
 
-@dataclass
+@dataclass(eq=False)
 class CapturedPass:
     ctx: PassContext
     ordinal: int
+    #: This pass's share of the capture budget; returned once (``CaptureSession.release``).
+    held: Reservation
     tensors: list[CapturedTensor] = field(default_factory=list)
     calls: dict[str, int] = field(default_factory=dict)
     nbytes: int = 0
-    too_large: str | None = None
+    #: Why this pass cannot be sent (over the cap, out of memory...): the RPC raises it.
+    error: LayertapServerError | None = None
+    #: Over the budget in a passive capture: the pass is dropped, not sent.
+    skipped: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,45 +158,88 @@ def parse_options(req: pb.CaptureRequest, host: ModelHost, limits: CaptureLimits
     return CaptureOptions(tuple(dict.fromkeys(req.layers)), point, passes, req.max_batch, dtype)
 
 
-class CaptureSession:
-    """Hooks for one Capture call; yields :class:`CapturedPass` objects."""
+def clone_for_capture(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The device copy a capture keeps (a seam: tests make it raise out-of-memory).
 
-    def __init__(self, host: ModelHost, opts: CaptureOptions, *, max_bytes: int, active: bool) -> None:
+    A copy, so later in-place ops in the model cannot change what we send.
+    """
+    return src.to(dtype=dtype, copy=True) if dtype != src.dtype else src.clone()
+
+
+class CaptureSession:
+    """Hooks for one Capture call; yields :class:`CapturedPass` objects.
+
+    Threads: hooks and :meth:`pass_finished` run on the model thread, under
+    the model lock; :meth:`next_pass` and :meth:`release` on the RPC thread;
+    :meth:`close` on whichever ends the call (gRPC's callback thread when the
+    client vanishes). ``_lock`` orders them: once closed, no hook reserves
+    budget, and close returns every reservation still held.
+    """
+
+    def __init__(self, host: ModelHost, opts: CaptureOptions, *, max_bytes: int, active: bool,
+                 budget: CaptureBudget | None = None) -> None:
         self.host = host
         self.opts = opts
         self.max_bytes = max_bytes
         self.active = active
+        self.budget = budget if budget is not None else CaptureBudget(1 << 62)
+        #: Passes this capture skipped over the budget.
+        self.skipped = 0
         self._passes: queue.Queue[CapturedPass] = queue.Queue()
         self._pending: CapturedPass | None = None
         self._taken = 0
         self._handles: list[HookHandle] = []
+        self._lock = threading.Lock()
+        self._held: set[CapturedPass] = set()
         self._closed = False
 
     # -- lifecycle -----------------------------------------------------------
-    def open(self) -> None:
-        """Install hooks between passes (the model lock keeps passes whole)."""
-        with self.host.pass_lock():
+    def open(self) -> bool:
+        """Install hooks between passes (the model lock keeps passes whole).
+
+        False, installing nothing, when :meth:`close` came first: a client
+        that cancels at once can end the call before its generator opens.
+        """
+        with self.host.pass_lock(), self._lock:
+            if self._closed:
+                return False
             for layer in self.opts.layers:
                 self._handles.append(
                     self.host.hooks.add(layer, self.opts.point, lambda ctx, v, _l=layer: self._on_hook(_l, ctx, v))
                 )
             self.host.add_observer(self)
+            return True
 
-    def close(self) -> None:
-        """Remove every hook; safe to call more than once, from any thread.
+    def remove_hooks(self) -> None:
+        """Stop watching passes; passes already captured stay. Safe from any thread, any number of times.
 
         Never takes the model lock, so gRPC's callback thread never waits for a pass.
         """
-        if self._closed:
-            return
-        self._closed = True
         self.host.remove_observer(self)
         for h in self._handles:
             h.remove()
-        self._handles.clear()
+
+    def close(self) -> None:
+        """Remove every hook and return the budget of every pass still held; idempotent."""
+        with self._lock:
+            self._closed = True
+            held, self._held = self._held, set()
+            self._pending = None
+        self.remove_hooks()
+        for rec in held:
+            rec.held.release()
+            rec.tensors.clear()
+
+    def release(self, rec: CapturedPass) -> None:
+        """Free a pass's clones and return its budget (sent, failed or dropped); any thread."""
+        rec.held.release()
+        rec.tensors.clear()
+        with self._lock:
+            self._held.discard(rec)
 
     def __enter__(self) -> CaptureSession:
-        self.open()
+        if not self.open():
+            raise RuntimeError("this capture session was closed before it opened")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -159,16 +251,48 @@ class CaptureSession:
             return ctx.active_owner is self
         return not ctx.active and self._taken < self.opts.passes
 
+    def _pass_for(self, ctx: PassContext) -> CapturedPass | None:
+        with self._lock:
+            if self._closed or not self._wants(ctx):
+                return None
+            if self._pending is None or self._pending.ctx is not ctx:
+                self._pending = CapturedPass(ctx, self._taken, self.budget.reservation())
+            return self._pending
+
     def _on_hook(self, layer: str, ctx: PassContext, value: Any) -> None:
-        if not self._wants(ctx):
-            return
-        if self._pending is None or self._pending.ctx is not ctx:
-            self._pending = CapturedPass(ctx, self._taken)
-        rec = self._pending
-        call = rec.calls.get(layer, 0)
-        rec.calls[layer] = call + 1
-        if rec.too_large:
-            return
+        # Never raises: the forward this hook runs in may be another client's
+        # Infer, which must not fail because this capture could not copy.
+        rec = None
+        try:
+            rec = self._pass_for(ctx)
+            if rec is None:
+                return
+            call = rec.calls.get(layer, 0)
+            rec.calls[layer] = call + 1
+            if rec.error is None and not rec.skipped:
+                self._copy(rec, layer, call, value)
+        except Exception as exc:  # noqa: BLE001 - fails this capture, not the pass
+            if rec is None:
+                log.exception("capture hook failed at layer %r", layer)
+                return
+            rec.error = self._copy_failed(exc, layer, ctx)
+            self.release(rec)
+
+    def _copy_failed(self, exc: Exception, layer: str, ctx: PassContext) -> LayertapServerError:
+        if isinstance(exc, torch.OutOfMemoryError):
+            log.warning("capture: out of memory cloning layer %r in pass %d; only this capture fails",
+                        layer, ctx.index)
+            return CaptureOutOfMemory(
+                f"the device ran out of memory copying layer {layer!r} of pass {ctx.index} for this capture "
+                "(the model's pass itself went on); capture fewer layers, use max_batch or a "
+                "float16/bfloat16 downcast, or retry", metadata={"layer": layer})
+        log.exception("capture: copying layer %r in pass %d failed; only this capture fails", layer, ctx.index)
+        return CaptureCopyFailed(
+            f"copying layer {layer!r} of pass {ctx.index} failed ({type(exc).__name__}) and was logged on the "
+            "server; the model's pass itself went on", metadata={"layer": layer})
+
+    def _copy(self, rec: CapturedPass, layer: str, call: int, value: Any) -> None:
+        ctx = rec.ctx
         items = flatten_tensors(value)
         # A one-argument input comes back like an output; several as a list.
         is_container = not isinstance(value, torch.Tensor) and not (
@@ -182,36 +306,77 @@ class CaptureSession:
             dtype = self.opts.dtype if (self.opts.dtype and t.dtype.is_floating_point) else t.dtype
             n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
             planned.append((key, t, dtype, n))
-        need = rec.nbytes + sum(p[3] for p in planned)
+        more = sum(p[3] for p in planned)
+        need = rec.nbytes + more
         if need > self.max_bytes:
-            rec.too_large = (
+            rec.error = CaptureTooLarge(
                 f"capture too large: pass {ctx.index} needs at least {need} bytes by layer {layer!r}, "
                 f"over the server cap of {self.max_bytes} bytes (--max-capture-bytes); "
-                "use max_batch or a float16/bfloat16 downcast"
-            )
-            rec.tensors.clear()  # free device copies already made for this pass
+                "use max_batch or a float16/bfloat16 downcast", metadata={"max_bytes": str(self.max_bytes)})
+            self.release(rec)  # free device copies already made for this pass
+            return
+        if not self._reserve(rec, layer, need, more):
             return
         rec.nbytes = need
         for i, (key, t, dtype, _n) in enumerate(planned):
             src = t.detach()
             if self.opts.max_batch and src.dim():
                 src = src[: self.opts.max_batch]
-            # clone() so later in-place ops in the model cannot change what we send.
-            copy = src.to(dtype=dtype, copy=True) if dtype != src.dtype else src.clone()
             rec.tensors.append(CapturedTensor(layer, call, i, key if isinstance(value, dict) else "",
-                                              len(planned), is_container, copy))
+                                              len(planned), is_container, clone_for_capture(src, dtype)))
+
+    def _reserve(self, rec: CapturedPass, layer: str, need: int, more: int) -> bool:
+        """Take ``more`` bytes of the budget for this pass, or apply the policy past it.
+
+        One capture holds at most ``MAX_HELD_PASSES`` passes (one being sent,
+        one queued): a client that reads slowly must not pin the whole
+        server-wide budget with passes queued ahead of it. A passive capture
+        skips passes past that, as past the budget.
+        """
+        with self._lock:
+            if self._closed:
+                return False
+            if rec not in self._held and len(self._held) >= MAX_HELD_PASSES and not self.active:
+                rec.skipped = True
+                return False
+            if rec.held.grow(more):
+                self._held.add(rec)
+                return True
+        budget = self.budget
+        if need > budget.limit or self.active:
+            why = (f"pass {rec.ctx.index} needs at least {need} bytes by layer {layer!r}, more than the whole "
+                   if need > budget.limit else
+                   f"captures in flight hold {budget.held} bytes and pass {rec.ctx.index} needs {need} more of the ")
+            rec.error = CaptureBudgetExhausted(
+                f"capture budget exhausted: {why}server-wide budget of {budget.limit} bytes "
+                "(--capture-budget-bytes); retry when other captures finish, or capture less "
+                "(max_batch, a float16/bfloat16 downcast)", metadata={"budget_bytes": str(budget.limit)})
+        else:
+            rec.skipped = True  # live traffic: a later pass will come
+        self.release(rec)
+        return False
 
     def pass_finished(self, ctx: PassContext) -> None:
-        if self._closed or not self._wants(ctx):
-            return
-        if ctx.failed:
-            # The forward raised: a passive capture waits for the next good pass.
+        drop = None
+        with self._lock:
+            if self._closed or not self._wants(ctx):
+                return
+            rec = self._pending if self._pending is not None and self._pending.ctx is ctx else None
             self._pending = None
-            return
-        rec = self._pending if self._pending is not None and self._pending.ctx is ctx else CapturedPass(ctx, self._taken)
-        self._pending = None
-        self._taken += 1
-        self._passes.put(rec)
+            if ctx.failed:
+                # The forward raised: a passive capture waits for the next good pass.
+                drop = rec
+            elif rec is not None and rec.skipped:
+                self.skipped += 1
+            else:
+                if rec is None:
+                    rec = CapturedPass(ctx, self._taken, self.budget.reservation())
+                self._taken += 1
+                self._passes.put(rec)
+        if drop is not None:
+            self.release(drop)
+        elif rec is not None and rec.skipped:
+            self.budget.count_skipped()
 
     # -- RPC thread ----------------------------------------------------------
     def next_pass(self, timeout: float) -> CapturedPass | None:
@@ -219,6 +384,24 @@ class CaptureSession:
             return self._passes.get(timeout=timeout)
         except queue.Empty:
             return None
+
+    def wait_exceeded(self, waited: float, max_wait: float, skipped: int) -> LayertapServerError:
+        """The error for a passive capture that got no pass in ``max_wait`` seconds.
+
+        ``skipped`` passes came meanwhile but did not fit the budget: then it
+        is the budget, not the traffic, that ran out.
+        """
+        if skipped:
+            return CaptureBudgetExhausted(
+                f"capture budget exhausted: waited {waited:.1f} s (--max-capture-wait {max_wait:g} s) and "
+                f"skipped {skipped} live pass(es) because captures in flight held the server-wide budget of "
+                f"{self.budget.limit} bytes (--capture-budget-bytes); retry later, or capture less "
+                "(max_batch, a float16/bfloat16 downcast)",
+                metadata={"budget_bytes": str(self.budget.limit), "skipped_passes": str(skipped)})
+        return CaptureWaitExceeded(
+            f"no live forward pass within {waited:.1f} s (--max-capture-wait {max_wait:g} s) for this passive "
+            "capture; send Infer traffic while capturing, or pass inputs for an active capture",
+            metadata={"max_wait_seconds": f"{max_wait:g}"})
 
 
 def check_all_ran(rec: CapturedPass, opts: CaptureOptions) -> None:
@@ -263,27 +446,6 @@ def encode_pass(rec: CapturedPass, opts: CaptureOptions, tensor_ids: Iterator[in
             chunk.offset = off
             chunk.data = data[off:off + CHUNK_BYTES].tobytes()
             yield msg
-
-
-class CaptureSlots:
-    """Counts concurrent captures against the server limit."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._lock = threading.Lock()
-        self.active = 0
-
-    def acquire(self) -> None:
-        with self._lock:
-            if self.active >= self.limit:
-                raise LimitExceeded(
-                    f"{self.active} captures already running, the server limit is {self.limit}; retry later"
-                )
-            self.active += 1
-
-    def release(self) -> None:
-        with self._lock:
-            self.active -= 1
 
 
 def describe(opts: CaptureOptions) -> str:

@@ -26,6 +26,8 @@ from layertap.server.errors import echo, AlreadyExists, InvalidSpec, LimitExceed
 from layertap.server.host.hooks import POINT_NAMES, ParamGrad
 from layertap.server.limits import check_name, check_ttl
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
+from layertap.server.reducers.compiled import COMPILED_STATS
+from layertap.server.reducers.compiled_kernel import DENSE, Signature
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.spec import SpecError
 from layertap.server.taps.sampling import Clock, Sampler
@@ -126,6 +128,12 @@ class TapEngine:
                     layer, point, lambda ctx, v, _t=tap, _l=layer: self._on_hook(_t, _l, ctx, v)))
             self._taps[tap_id] = tap
         self.sinks.on_tap_created(tap)
+        if plan.needs_basic_stats:
+            # Compile ahead for what the hooked layers produce in a server pass
+            # (the model's dtype, dense, inference mode), so the first passes
+            # already run compiled; other signatures are queued when first seen.
+            COMPILED_STATS.compile_ahead(Signature(self.host.device, self.host.dtype, DENSE,
+                                                   grad=False, inference=True, autocast=None))
         log.info("tap %s created: kind=%s layers=%d point=%s", tap_id, pb.TapKind.Name(kind), len(layers), POINT_NAMES[point])
         return tap
 
@@ -145,15 +153,25 @@ class TapEngine:
         """Tell the tap's subscribers now (the broker never blocks)."""
         self.broker.publish([], {tap.id: tap.durable}, [pb.TapEvent(tap=tap.id, kind=kind, message=message)])
 
-    def set_layer_reducers(self, tap_id: str, layer: str, reducers: list[pb.ReducerSpec]) -> None:
-        """Give one layer of a tap its own reducers (e.g. frozen histogram edges)."""
-        tap = self.get(tap_id)
+    def set_layer_reducers(self, tap_id: str, layer: str, reducers: list[pb.ReducerSpec], *,
+                           tap: Tap | None = None) -> None:
+        """Give one layer of a tap its own reducers (e.g. frozen histogram edges).
+
+        Args:
+            tap: The tap the caller means. A tap deleted and re-created under the
+                same id (a replaced baseline) is another tap and must not get
+                the old one's plan: NotFound, as when the id is gone.
+        """
+        current: Tap = tap if tap is not None else self.get(tap_id)
         try:
             plan = ReducerPlan(build_reducers(reducers, f"{tap_id}.{layer}.reducers"))
         except SpecError as exc:
             raise InvalidSpec(exc.field, exc.message) from None
-        with self.host.pass_lock():  # between passes: a pass never mixes plans
-            tap.layer_plans[layer] = plan
+        with self.host.pass_lock(), self._lock:  # between passes: a pass never mixes plans
+            live = self._taps.get(tap_id)
+            if live is None or live is not current:
+                raise NotFound(f"no tap {echo(tap_id)} (deleted or replaced meanwhile)")
+            live.layer_plans[layer] = plan
 
     def get(self, tap_id: str) -> Tap:
         with self._lock:

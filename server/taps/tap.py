@@ -60,7 +60,7 @@ class Tap:
         msg = pb.TapInfo(
             id=self.id, spec=self.spec, kind=self.kind, layers=self.layers, hits=self.hits,
             drops=self.drops, errors=self.errors, last_error=self.last_error, disabled=self.disabled,
-            created_at=timestamp(self.created_wall),
+            created_at=timestamp(self.created_wall), owner=self.owner,
         )
         if self.expires_wall is not None:
             msg.expires_at.CopyFrom(timestamp(self.expires_wall))

@@ -16,6 +16,7 @@ from layertap import _capture as capture
 from layertap import _codec as codec
 from layertap import _convert as convert
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc, tensor_pb2
+from support.capture_script import CaptureScript
 
 DT = tensor_pb2.DataType
 MiB = 1 << 20
@@ -167,12 +168,12 @@ def _chunks(tid: int, arr: np.ndarray, chunk: int = MiB) -> list[telemetry_pb2.C
     ]
 
 
-def test_assembler_writes_chunks_by_offset_in_any_order() -> None:
+def test_assembler_writes_chunks_in_order() -> None:
     x = np.random.default_rng(1).standard_normal((3, 1000)).astype(np.float32)
     seen: list[tuple[int, int]] = []
     asm = capture.CaptureAssembler(progress=lambda r, t: seen.append((r, t)))
     asm.feed(_header(7, "layer4", x, chunk=1000))
-    for msg in reversed(_chunks(7, x, chunk=1000)):
+    for msg in _chunks(7, x, chunk=1000):  # out of order is a ProtocolError: test_capture_protocol
         asm.feed(msg)
     (out,) = asm.finish()
     assert out.layer == "layer4" and out.dtype == "float32"
@@ -213,28 +214,6 @@ def test_assembler_rejects_malformed_streams(fault: str) -> None:
             asm.feed(chunks[0])
         elif fault == "empty":
             asm.feed(telemetry_pb2.CaptureResponse())
-
-
-class CaptureScript(grpc.GenericRpcHandler):
-    """A Capture endpoint that replays a scripted response stream."""
-
-    def __init__(self) -> None:
-        self.responses: list[telemetry_pb2.CaptureResponse] = []
-        self.requests: list[telemetry_pb2.CaptureRequest] = []
-
-    def service(self, call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        if not call_details.method.endswith("/Capture"):  # type: ignore[attr-defined]
-            return None
-
-        def stream(request: telemetry_pb2.CaptureRequest, context: Any) -> Iterator[Any]:
-            self.requests.append(request)
-            yield from self.responses
-
-        return grpc.unary_stream_rpc_method_handler(
-            stream,
-            request_deserializer=telemetry_pb2.CaptureRequest.FromString,
-            response_serializer=lambda m: m.SerializeToString(),
-        )
 
 
 @pytest.fixture()

@@ -160,6 +160,8 @@ def test_health_open_and_reflection_needs_a_token(secured):
 def test_taps_belong_to_their_creator(secured):
     with client(secured, "alice") as alice, client(secured, "bob") as bob, client(secured, "root") as root:
         tap = alice.create_tap("layer1", reducers=["moments"], name="alices")
+        assert tap.owner == "alice"
+        assert [t.owner for t in bob.taps()] == ["alice"]
         with pytest.raises(layertap.PermissionDenied) as err:
             bob.delete_tap(tap.id)
         assert err.value.metadata["scope"] == "admin"
@@ -234,6 +236,7 @@ def test_anonymous_without_auth(make_server):
     srv = make_server()
     with layertap.Client(f"127.0.0.1:{srv.port}", token="whatever") as c:
         tap = c.create_tap("layer1", reducers=["moments"])
+        assert tap.owner == "anonymous"
         c.delete_tap(tap.id)
 
 

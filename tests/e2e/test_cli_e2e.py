@@ -60,9 +60,11 @@ def test_serve_then_layers_capture_taps_stats(serve_process, tmp_path):
 
     out = cli("taps", addr)
     assert out.returncode == 0 and "blocks" in out.stdout and "durable" in out.stdout
+    assert "(server)" in out.stdout  # the owner column
     with layertap.Client(addr) as client:
         (tap,) = client.taps()
         assert tap.expires_at is None  # config-file taps live until deleted
+        assert tap.owner == ""  # the server owns config-file taps
     out = cli("stats", addr)
     assert out.returncode == 0 and "active_hooks" in out.stdout
 

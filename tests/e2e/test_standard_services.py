@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
@@ -16,9 +17,17 @@ def test_health_serving_and_graceful_shutdown(make_server):
     for name in ("", *SERVICE_NAMES):
         resp = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    listed = stub.List(health_pb2.HealthListRequest(), timeout=5).statuses
+    assert {name: r.status for name, r in listed.items()} == {
+        name: health_pb2.HealthCheckResponse.SERVING for name in ("", *SERVICE_NAMES)}
     srv.health.enter_graceful_shutdown()
     resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    listed = stub.List(health_pb2.HealthListRequest(), timeout=5).statuses
+    assert {r.status for r in listed.values()} == {health_pb2.HealthCheckResponse.NOT_SERVING}
+    srv.health.set("", health_pb2.HealthCheckResponse.SERVING)  # ignored after shutdown began
+    assert stub.List(health_pb2.HealthListRequest(), timeout=5).statuses[""].status == \
+        health_pb2.HealthCheckResponse.NOT_SERVING
     channel.close()
 
 
@@ -65,7 +74,8 @@ def test_model_loading_is_not_serving_then_serving(tmp_path):
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    cfg = ServerConfig(port=port, metrics_port=None, model="slow_model:build", input_shape="-1,4")
+    cfg = ServerConfig(port=port, metrics_port=None, model="slow_model:build", input_shape="-1,4",
+                       compile_reducers=False)
     box: dict = {}
     t = threading.Thread(target=lambda: box.setdefault("srv", start_server(cfg)))
     t.start()
@@ -125,3 +135,36 @@ def _wait(cond, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def test_health_refuses_long_service_names(make_server):
+    """Health needs no token and Watch keeps its name for the whole stream: names are capped."""
+    from layertap.server.rpc.health import MAX_SERVICE_NAME
+
+    srv = make_server()
+    channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    stub = health_pb2_grpc.HealthStub(channel)
+    long_name = health_pb2.HealthCheckRequest(service="x" * (MAX_SERVICE_NAME + 1))
+    for call in (lambda: stub.Check(long_name, timeout=5), lambda: next(stub.Watch(long_name, timeout=5))):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "service" in err.value.details()
+    ok = health_pb2.HealthCheckRequest(service="x" * MAX_SERVICE_NAME)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Check(ok, timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND  # accepted, just unknown
+    assert srv.streams is not None and srv.streams.callbacks is not None
+    assert srv.streams.callbacks.open_streams == 0  # the refused Watch gave its slot back
+    channel.close()
+
+
+def test_a_second_stop_waits_for_the_first(make_server):
+    import threading
+
+    srv = make_server()
+    first = threading.Thread(target=srv.stop, args=(1.0,))
+    first.start()
+    assert srv._stopped.wait(5)
+    srv.stop(0)
+    assert srv._finished.is_set(), "stop() returned while the first stop was still running"
+    first.join(10)

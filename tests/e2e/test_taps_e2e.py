@@ -11,24 +11,11 @@ import threading
 
 import numpy as np
 import pytest
-import torch
 
 import layertap
-from layertap.server.host.demo_model import build_demo_model
 
-from support.e2e import batch, wait_for  # noqa: E402
-
-
-def layer_outputs(x: np.ndarray, names: list[str]) -> dict[str, np.ndarray]:
-    model = build_demo_model(0)
-    got: dict[str, np.ndarray] = {}
-    hs = [model.get_submodule(n).register_forward_hook(
-        lambda _m, _a, o, _n=n: got.__setitem__(_n, o.detach().double().numpy().copy())) for n in names]
-    with torch.inference_mode():
-        model(torch.from_numpy(x))
-    for h in hs:
-        h.remove()
-    return got
+from support.e2e import assert_basic_summaries, batch, first_per_layer, wait_for  # noqa: E402
+from support.models import layer_outputs
 
 
 def test_watch_streams_correct_summaries(client, demo_server):
@@ -37,18 +24,8 @@ def test_watch_streams_correct_summaries(client, demo_server):
     with client.watch("layer*", reducers=["moments", "minmax", "nonfinite"], timeout=60) as stream:
         assert wait_for(lambda: client.stats().active_hooks == 4)
         client.infer(x)
-        got = {}
-        for s in stream:
-            got[s.layer] = s
-            if len(got) == 4:
-                break
-    for name, s in got.items():
-        r = ref[name]
-        assert s.results["moments"].count == r.size
-        np.testing.assert_allclose(s.results["moments"].mean, r.mean(), rtol=1e-9, atol=1e-12)
-        np.testing.assert_allclose(s.results["moments"].std, r.std(), rtol=1e-9)
-        assert s.results["minmax"].max == r.max()
-        assert s.results["nonfinite"].nan_count == 0
+        got = first_per_layer(stream, 4)
+    assert_basic_summaries(got, ref)
     assert wait_for(lambda: client.stats().active_hooks == 0)  # stream tap ended with the stream
     assert client.taps() == []
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
 
 from layertap.server.stream.broker import Broker
+from layertap.server.drift.builder import BaselineBuilder
 from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.errors import AlreadyExists, LimitExceeded
 from layertap.server.host.model_host import ModelHost
@@ -132,3 +135,51 @@ def test_skipped_passes_count_refused_passes_and_never_go_back(rig):
     engine.flush(10)
     engine.delete("b1")
     assert monitor.skipped_passes() == 4
+
+
+def freeze_then(monkeypatch, action) -> None:
+    """Run ``action`` once, as a baseline freezes: a request that lands after the
+    collector read the pass's summaries but before it installed the frozen edges."""
+    freeze = BaselineBuilder.freeze
+    pending = [action]
+
+    def racing(self, **kw):  # type: ignore[no-untyped-def]
+        while pending:
+            pending.pop()()
+        return freeze(self, **kw)
+
+    monkeypatch.setattr(BaselineBuilder, "freeze", racing)
+
+
+def test_a_baseline_deleted_as_it_freezes_is_not_saved_or_revived(tmp_path, monkeypatch, caplog):
+    host = ModelHost(load_model("demo"))
+    host.warm_up()
+    engine = TapEngine(host, Broker())
+    monitor = engine.sinks.add(DriftMonitor(engine, baseline_dir=str(tmp_path), default_window=5))
+    try:
+        tap, _ = monitor.set_baseline(pb.SetBaselineRequest(selector="layer1", passes=1))
+        freeze_then(monkeypatch, lambda: engine.delete(tap))
+        feed(host, 1)
+        assert engine.flush(10)
+        assert list(tmp_path.glob("*.json")) == []  # would be reloaded at the next start
+        assert monitor.drift() == []
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    finally:
+        engine.close()
+
+
+def test_a_baseline_replaced_as_it_freezes_leaves_the_new_one_collecting(rig, monkeypatch, caplog):
+    host, engine, monitor = rig
+    monitor.set_baseline(pb.SetBaselineRequest(selector="layer1", name="b1", passes=1))
+    freeze_then(monkeypatch, lambda: monitor.set_baseline(pb.SetBaselineRequest(selector="layer1", name="b1",
+                                                                                 passes=2)))
+    feed(host, 1)
+    assert engine.flush(10)
+    assert engine.get("b1").layer_plans == {}  # the old edges did not land on the new tap
+    (d,) = monitor.drift()
+    assert d.state == pb.BASELINE_STATE_COLLECTING
+    feed(host, 2, seed=1)
+    assert engine.flush(10)
+    (d,) = monitor.drift()
+    assert d.state == pb.BASELINE_STATE_READY and d.baseline_passes == 2
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

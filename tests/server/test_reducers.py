@@ -34,6 +34,7 @@ from layertap.server.reducers.spec import (
 )
 from layertap.server.reducers.workspace import flat_view, gather_flat
 from support.sync_guard import NoSyncMode
+from support.tensors import gen, plant_nonfinite
 from layertap.v1 import telemetry_pb2 as pb
 
 ALL = "moments,minmax,abs_max,zero_fraction,nonfinite,norm,histogram,quantiles,per_channel"
@@ -41,40 +42,32 @@ SUM_RTOL = 1e-9
 EDGES = [-3.0, -1.0, -0.25, 0.0, 0.5, 2.0, 10.0]
 
 
-def _gen(seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 def _with_nonfinite(n: int) -> torch.Tensor:
-    x = torch.randn(n, generator=_gen(1))
-    x[::7] = math.nan
-    x[3::11] = math.inf
-    x[5::13] = -math.inf
-    return x
+    return plant_nonfinite(torch.randn(n, generator=gen(1)))
 
 
 # Every case is built lazily so collection stays cheap; ids read as documentation.
 CASES: dict[str, Callable[[], torch.Tensor]] = {
-    "f32_random": lambda: torch.randn(4, 8, 5, 5, generator=_gen()) * 3 + 0.5,
-    "f64_random": lambda: torch.randn(300, dtype=torch.float64, generator=_gen()),
-    "f16": lambda: (torch.randn(6, 50, generator=_gen()) * 4).half(),
-    "bf16": lambda: (torch.randn(6, 50, generator=_gen()) * 4).bfloat16(),
+    "f32_random": lambda: torch.randn(4, 8, 5, 5, generator=gen()) * 3 + 0.5,
+    "f64_random": lambda: torch.randn(300, dtype=torch.float64, generator=gen()),
+    "f16": lambda: (torch.randn(6, 50, generator=gen()) * 4).half(),
+    "bf16": lambda: (torch.randn(6, 50, generator=gen()) * 4).bfloat16(),
     "zeros": lambda: torch.zeros(3, 40),
     "neg_zero": lambda: torch.tensor([-0.0, 0.0, 1.0, -0.0]),
     "nan_inf_mixed": lambda: _with_nonfinite(500).reshape(5, 100),
     "all_nan": lambda: torch.full((2, 9), math.nan),
     "only_inf": lambda: torch.tensor([[math.inf, -math.inf], [math.inf, math.inf]]),
-    "huge_f32": lambda: torch.randn(2, 4000, generator=_gen()) * 1e30,
-    "huge_bf16": lambda: (torch.randn(3, 200, generator=_gen()) * 1e30).bfloat16(),
-    "offset_f32": lambda: torch.randn(5, 2000, generator=_gen()) + 1e6,
-    "int8": lambda: torch.randint(-128, 128, (4, 33), dtype=torch.int8, generator=_gen()),
-    "int64": lambda: torch.randint(-(10**12), 10**12, (3, 70), dtype=torch.int64, generator=_gen()),
-    "uint8": lambda: torch.randint(0, 256, (5, 20), dtype=torch.uint8, generator=_gen()),
-    "bool": lambda: torch.rand(4, 30, generator=_gen()) > 0.3,
-    "transposed": lambda: torch.randn(30, 20, generator=_gen()).t(),
-    "sliced": lambda: torch.randn(4, 9, 8, generator=_gen())[::2, 1:, ::3],
-    "expanded": lambda: torch.randn(3, 1, 5, generator=_gen()).expand(3, 4, 5),
-    "channels_last": lambda: torch.randn(2, 6, 5, 7, generator=_gen()).to(memory_format=torch.channels_last),
+    "huge_f32": lambda: torch.randn(2, 4000, generator=gen()) * 1e30,
+    "huge_bf16": lambda: (torch.randn(3, 200, generator=gen()) * 1e30).bfloat16(),
+    "offset_f32": lambda: torch.randn(5, 2000, generator=gen()) + 1e6,
+    "int8": lambda: torch.randint(-128, 128, (4, 33), dtype=torch.int8, generator=gen()),
+    "int64": lambda: torch.randint(-(10**12), 10**12, (3, 70), dtype=torch.int64, generator=gen()),
+    "uint8": lambda: torch.randint(0, 256, (5, 20), dtype=torch.uint8, generator=gen()),
+    "bool": lambda: torch.rand(4, 30, generator=gen()) > 0.3,
+    "transposed": lambda: torch.randn(30, 20, generator=gen()).t(),
+    "sliced": lambda: torch.randn(4, 9, 8, generator=gen())[::2, 1:, ::3],
+    "expanded": lambda: torch.randn(3, 1, 5, generator=gen()).expand(3, 4, 5),
+    "channels_last": lambda: torch.randn(2, 6, 5, 7, generator=gen()).to(memory_format=torch.channels_last),
     "scalar": lambda: torch.tensor(2.5),
     "scalar_nan": lambda: torch.tensor(math.nan),
     "empty_1d": lambda: torch.empty(0),
@@ -238,7 +231,7 @@ def test_per_channel_matches_numpy(case: str) -> None:
 def test_std_is_accurate_with_large_offset() -> None:
     # mean 1e6, std ~1: E[x^2] - E[x]^2 in float64 loses ~1e-4 relative here;
     # the shifted sums keep std to float64 accuracy relative to std itself.
-    x = torch.randn(100_000, generator=_gen()) + 1e6
+    x = torch.randn(100_000, generator=gen()) + 1e6
     f = _np(x)
     (m,) = run(x, "moments")
     assert m.moments.std == pytest.approx(f.std(), rel=1e-9)
@@ -247,7 +240,7 @@ def test_std_is_accurate_with_large_offset() -> None:
 
 def test_huge_float32_moments_do_not_overflow() -> None:
     # Squares of 1e30 overflow float32 (3.4e38); float64 accumulation must not.
-    x = torch.randn(10_000, generator=_gen()) * 1e30
+    x = torch.randn(10_000, generator=gen()) * 1e30
     f = _np(x)
     m, n = run(x, "moments,norm")
     assert math.isfinite(m.moments.std) and math.isfinite(n.norm.l2)
@@ -262,7 +255,7 @@ def test_zero_fraction_counts_negative_zero() -> None:
 
 @pytest.mark.parametrize("shared_sort", [False, True], ids=["bucketize", "sorted"])
 def test_sampled_histogram_sums_to_sample_size(shared_sort: bool) -> None:
-    x = torch.randn(40, 5000, generator=_gen()) * 2
+    x = torch.randn(40, 5000, generator=gen()) * 2
     extra = [quant_spec(None, 1000)] if shared_sort else []
     h = run(x, [hist_spec(EDGES, sample_size=1000)] + extra)[0]
     h = h.histogram
@@ -292,12 +285,12 @@ def test_sampled_histogram_excludes_nan_from_sample_size(shared_sort: bool) -> N
 @pytest.mark.parametrize(
     "name, make",
     [
-        ("normal", lambda: torch.randn(200_000, generator=_gen())),
-        ("ties", lambda: torch.randint(0, 5, (200_000,), generator=_gen()).float()),
+        ("normal", lambda: torch.randn(200_000, generator=gen())),
+        ("ties", lambda: torch.randint(0, 5, (200_000,), generator=gen()).float()),
         ("nonfinite", lambda: _with_nonfinite(200_000)),
-        ("channels_last_bf16", lambda: torch.randn(8, 16, 40, 40, generator=_gen())
+        ("channels_last_bf16", lambda: torch.randn(8, 16, 40, 40, generator=gen())
          .bfloat16().to(memory_format=torch.channels_last)),
-        ("sliced", lambda: torch.randn(600, 700, generator=_gen())[::2, 100:]),
+        ("sliced", lambda: torch.randn(600, 700, generator=gen())[::2, 100:]),
     ],
 )
 def test_sampled_quantiles_within_rank_error(name: str, make: Callable[[], torch.Tensor]) -> None:
@@ -318,7 +311,7 @@ def test_sampled_quantiles_within_rank_error(name: str, make: Callable[[], torch
 
 
 def test_histogram_and_quantiles_share_one_sorted_sample() -> None:
-    x = torch.randn(100_000, generator=_gen())
+    x = torch.randn(100_000, generator=gen())
     plan = ReducerPlan(build_reducers([hist_spec(EDGES, 5000), quant_spec(None, 5000)]))
     with NoSyncMode() as mode:
         plan.run(x)
@@ -341,7 +334,7 @@ class _SizeRecorder(NoSyncMode):
 
 
 def test_reducers_share_one_upcast_and_one_finite_mask() -> None:
-    x = torch.randn(10, 100, generator=_gen()).bfloat16()
+    x = torch.randn(10, 100, generator=gen()).bfloat16()
     x[0, 0] = math.nan
     plan = ReducerPlan(build_reducers(parse_reducer_names("moments,norm,minmax,per_channel")))
     with _SizeRecorder() as rec:
@@ -355,18 +348,18 @@ def test_reducers_share_one_upcast_and_one_finite_mask() -> None:
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: torch.randn(5, 6, 7, generator=_gen()),
-        lambda: torch.randn(2, 6, 5, 7, generator=_gen()).to(memory_format=torch.channels_last),
-        lambda: torch.randn(30, 20, generator=_gen()).t(),
-        lambda: torch.randn(4, 9, 8, generator=_gen())[::2, 1:, ::3],
-        lambda: torch.randn(3, 1, 5, generator=_gen()).expand(3, 4, 5),
-        lambda: torch.randn(10, 10, generator=_gen())[2:5, 3],
+        lambda: torch.randn(5, 6, 7, generator=gen()),
+        lambda: torch.randn(2, 6, 5, 7, generator=gen()).to(memory_format=torch.channels_last),
+        lambda: torch.randn(30, 20, generator=gen()).t(),
+        lambda: torch.randn(4, 9, 8, generator=gen())[::2, 1:, ::3],
+        lambda: torch.randn(3, 1, 5, generator=gen()).expand(3, 4, 5),
+        lambda: torch.randn(10, 10, generator=gen())[2:5, 3],
     ],
     ids=["contiguous", "channels_last", "transposed", "sliced", "expanded", "column"],
 )
 def test_sample_gather_reads_the_right_elements(make: Callable[[], torch.Tensor]) -> None:
     x = make()
-    idx = torch.randint(0, x.numel(), (500,), generator=_gen())
+    idx = torch.randint(0, x.numel(), (500,), generator=gen())
     flat = flat_view(x)
     if flat is None:
         # Non-dense: indices are unravelled in logical (row-major) order.
@@ -378,7 +371,7 @@ def test_sample_gather_reads_the_right_elements(make: Callable[[], torch.Tensor]
 
 
 def test_sampling_leaves_global_rng_alone() -> None:
-    x = torch.randn(100_000, generator=_gen())
+    x = torch.randn(100_000, generator=gen())
     torch.manual_seed(123)
     expected = torch.rand(4)
     torch.manual_seed(123)
@@ -387,13 +380,13 @@ def test_sampling_leaves_global_rng_alone() -> None:
 
 
 def test_sampling_is_deterministic_per_seed() -> None:
-    x = torch.randn(100_000, generator=_gen())
+    x = torch.randn(100_000, generator=gen())
     spec = [quant_spec(None, 500)]
     assert run(x, spec, seed=7) == run(x, spec, seed=7)
 
 
 def test_per_channel_cap_and_negative_dim() -> None:
-    x = torch.randn(4, 10, 3, generator=_gen())
+    x = torch.randn(4, 10, 3, generator=gen())
     (pc,) = run(x, [pc_spec(dim=-2, max_channels=3)])
     pc = pc.per_channel
     assert pc.channels == 10 and len(pc.mean) == 3 and pc.dim == -2
@@ -403,7 +396,7 @@ def test_per_channel_cap_and_negative_dim() -> None:
 
 
 def test_per_channel_default_dim_is_one_and_channels_last() -> None:
-    x = torch.randn(2, 5, 4, 4, generator=_gen()).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 5, 4, 4, generator=gen()).to(memory_format=torch.channels_last)
     (pc,) = run(x, "per_channel")
     assert pc.per_channel.dim == 1 and pc.per_channel.channels == 5
     ref = x.double().mean(dim=(0, 2, 3)).numpy()

@@ -54,3 +54,25 @@ def rich_details(exc: BaseException) -> tuple[Any, list[tuple[str, str]]]:
             violations += [(v.field, v.description) for v in bad.field_violations]
     assert info.domain == "layertap.dev"
     return info, violations
+
+
+def first_per_layer(stream: Any, layers: int) -> dict[str, Any]:
+    """The first summary of each layer from a watch/subscribe stream, until ``layers`` layers were seen."""
+    got: dict[str, Any] = {}
+    for s in stream:
+        got[s.layer] = s
+        if len(got) == layers:
+            break
+    return got
+
+
+def assert_basic_summaries(got: dict[str, Any], ref: dict[str, np.ndarray]) -> None:
+    """Moments, minmax and nonfinite of each summary against the float64 reference output of its layer."""
+    assert set(got) == set(ref)
+    for name, s in got.items():
+        r = ref[name]
+        assert s.results["moments"].count == r.size
+        np.testing.assert_allclose(s.results["moments"].mean, r.mean(), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(s.results["moments"].std, r.std(), rtol=1e-9)
+        assert s.results["minmax"].min == r.min() and s.results["minmax"].max == r.max()
+        assert s.results["nonfinite"].nan_count == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -131,3 +132,18 @@ def pooled_loaded(name: str = "pooled") -> LoadedModel:
     from layertap.server.host.sources import InputSpec, LoadedModel
 
     return LoadedModel(Pooled(), name, "factory", [InputSpec("input", torch.float32, PERTURBABLE_INPUT_SHAPE)])
+
+
+def layer_outputs(x: np.ndarray, names: list[str]) -> dict[str, np.ndarray]:
+    """Float64 outputs of the named layers of the demo model (seed 0) for ``x``: the reference."""
+    from layertap.server.host.demo_model import build_demo_model
+
+    model = build_demo_model(0)
+    got: dict[str, np.ndarray] = {}
+    hs = [model.get_submodule(n).register_forward_hook(
+        lambda _m, _a, o, _n=n: got.__setitem__(_n, o.detach().double().numpy().copy())) for n in names]
+    with torch.inference_mode():
+        model(torch.from_numpy(x))
+    for h in hs:
+        h.remove()
+    return got

@@ -1,0 +1,205 @@
+"""The basic statistics from one compiled (inductor) kernel, never compiled inside a pass.
+
+Why: the eager :func:`~layertap.server.reducers.kernels.fused_basic_stats`
+reads a tensor once per statistic; one inductor kernel
+(:mod:`~layertap.server.reducers.compiled_kernel`) reads it once for all
+eight (issue 10: 1.26x step time against 1.53x on the CPU demo).
+
+A compile costs seconds, so a pass never waits for one, nor triggers one:
+
+* Kernels are compiled per :class:`~layertap.server.reducers.compiled_kernel.Signature`
+  on a background thread, off the model lock
+  (:mod:`~layertap.server.reducers.compiled_worker`). Until a signature is
+  ready, :meth:`CompiledStats.stats` returns None and the caller runs the
+  eager path; a first sighting queues the compile.
+* A ready kernel is called without dynamo's compile path at all: its one
+  compiled entry's guard tree is checked by us (the same guards dynamo would
+  check, ~2 us instead of its ~30 us per-call wrapper) and the compiled
+  bytecode run directly; a failed check returns None and the call goes
+  eager. Where that introspection is unavailable, dynamo's run-only mode
+  (``torch._dynamo.run``) is used instead: on a guard miss it runs the Python
+  body uncompiled rather than compiling, and the body flags it. Either way a
+  miss is counted, never silent, and a signature that keeps missing goes
+  back to eager.
+* ``torch.compiler.set_stance("fail_on_recompile")`` is not used: the stance is
+  one process-wide global (``torch._dynamo.eval_frame._stance``) read whenever
+  any thread enters any compiled function. A hook setting it would make a
+  concurrent background compile fail and would change every other compiled
+  function in the process (and set_stance raises inside a compile region).
+  Both calls above are per call and per thread (dynamo's frame callback
+  is thread-local).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from layertap.server.reducers.compiled_kernel import SHIFT_SAMPLE, Signature, alias, canonical_form, signature_of
+from layertap.server.reducers.compiled_worker import Compiler
+from layertap.server.reducers.kernels import StatNeeds
+from layertap.server.reducers.workspace import F64, Workspace
+
+__all__ = ["COMPILED_STATS", "MAX_GUARD_MISSES", "CompiledStats", "supported"]
+
+log = logging.getLogger("layertap.server.compiled")
+
+#: Guard misses after which a ready signature goes back to eager for good.
+MAX_GUARD_MISSES = 3
+
+
+def supported() -> bool:
+    """Whether this torch has what the hot path reads (per-device autocast state, mode stacks)."""
+    return hasattr(torch, "get_autocast_dtype") and hasattr(torch._C, "_len_torch_function_stack")
+
+
+class CompiledStats:
+    """The hot-path entry: the basic statistics from a ready kernel, or None.
+
+    Args:
+        enabled: When False (``--no-compile``), :meth:`stats` returns None at
+            once and nothing is ever compiled.
+        max_signatures: At most this many signatures are ever compiled (each
+            costs seconds of CPU and some memory); others stay eager.
+        direct: Call ready kernels past dynamo's per-call wrapper, checking
+            its guards ourselves (faster); False uses dynamo's run-only mode.
+        gate: A lock held around each background compile: pass the model lock
+            when passes draw from the global RNG (dynamo restores it after a
+            compile; see :mod:`~layertap.server.reducers.compiled_worker`).
+
+    Counters, for self-metrics (plain ints; each is written by one thread):
+    ``compiles`` and ``compile_failures`` (the background thread),
+    ``compiled_calls``, ``eager_calls`` (calls that fell back: signature not
+    ready yet, failed or stale, tensor unsupported, or a guard miss) and
+    ``guard_misses`` (a ready kernel's guards did not hold; never a compile).
+    Calls declined up front (disabled, counts-only needs, an active torch
+    mode) count in neither.
+    """
+
+    def __init__(self, *, enabled: bool = True, max_signatures: int = 16, direct: bool = True,
+                 gate: AbstractContextManager[Any] | None = None) -> None:
+        self._enabled = False
+        self._compiler = Compiler(max_signatures, gate=gate, direct=direct)
+        self._consts: dict[tuple[torch.device, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.compiled_calls = 0
+        self.eager_calls = 0
+        self.guard_misses = 0
+        self.set_enabled(enabled)
+
+    # -- control ---------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def set_enabled(self, enabled: bool) -> None:
+        """Turns compiling on or off; off also drops compiles not yet started."""
+        if enabled and not supported():
+            log.warning("compiled basic statistics need torch >= 2.4 (this is %s); using eager", torch.__version__)
+            enabled = False
+        self._enabled = enabled
+        if not enabled:
+            self._compiler.drop_queued()
+
+    @property
+    def compiles(self) -> int:
+        return self._compiler.compiles
+
+    @property
+    def compile_failures(self) -> int:
+        return self._compiler.failures
+
+    def counters(self) -> dict[str, int]:
+        """Every counter by name."""
+        return {"compiles": self.compiles, "compile_failures": self.compile_failures,
+                "compiled_calls": self.compiled_calls, "eager_calls": self.eager_calls,
+                "guard_misses": self.guard_misses}
+
+    def states(self) -> dict[Signature, str]:
+        """Each known signature's state: queued, compiling, ready, failed or stale."""
+        return self._compiler.states()
+
+    def compile_ahead(self, what: torch.Tensor | Signature, *, grad: bool | None = None,
+                      inference: bool | None = None) -> bool:
+        """Queues a background compile for a signature, or an example tensor's.
+
+        Tap creation calls this with each hooked layer's last-seen output (or
+        any tensor of its dtype, device and layout) and ``inference=True``
+        for passes the server runs, so the first passes already run
+        compiled. Modes left None are the calling thread's.
+
+        Returns:
+            True when the signature is ready, queued or compiling.
+        """
+        if not self._enabled:
+            return False
+        sig = what if isinstance(what, Signature) else signature_of(what, grad=grad, inference=inference)
+        return sig is not None and self._compiler.request(sig)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Blocks until no compile is queued or running; False on timeout."""
+        return self._compiler.wait_idle(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stops compiling and the background thread (after its current compile)."""
+        self._enabled = False
+        self._compiler.close(timeout)
+
+    # -- hot path --------------------------------------------------------------
+    def _constants(self, device: torch.device, inference: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(no random positions, K off, K on)`` for the device, made once per mode:
+        an inference tensor's dispatch keys differ, and the guards check them."""
+        key = (device, inference)
+        hit = self._consts.get(key)
+        if hit is None:
+            hit = self._consts[key] = (
+                torch.zeros(SHIFT_SAMPLE, dtype=torch.int64, device=device),
+                torch.zeros((1,), dtype=F64, device=device),
+                torch.ones((1,), dtype=F64, device=device),
+            )
+        return hit
+
+    def stats(self, ws: Workspace, needs: StatNeeds) -> torch.Tensor | None:
+        """The basic-statistics vector of ``ws.x`` from a ready kernel, or None.
+
+        Never compiles and never syncs. On None the caller runs the eager
+        ``fused_basic_stats``. Unlike there, every slot is filled (fused, the
+        extra statistics are nearly free); K is shift_of's, drawing the same
+        random positions from ``ws.generator``, when ``needs.shifted``, else 0.
+        """
+        if not self._enabled:
+            return None
+        if not (needs.sums or needs.minmax):
+            # Counts alone (the nonfinite-only passes of every=N taps) cost the
+            # eager path two light ops; the kernel's float64 sums cost more on CPU.
+            return None
+        if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+            return None  # a mode would see the compiled graph's ops (and its guards fail)
+        x = ws.x
+        canon = canonical_form(x)
+        sig = signature_of(x, canon) if canon is not None else None
+        entry = self._compiler.ready(sig) if sig is not None else None
+        if entry is None:
+            self.eager_calls += 1
+            if sig is not None:
+                self._compiler.request(sig)
+            return None
+        assert canon is not None and sig is not None
+        rnd, off, on = self._constants(x.device, sig.inference)
+        if needs.shifted and ws.floating:  # shift_of's draw, from the same generator
+            rnd = torch.randint(0, ws.numel, (SHIFT_SAMPLE,), generator=ws.generator, device=x.device)
+        out = entry.run(alias(x, canon[1], canon[2]), rnd, on if needs.shifted else off)
+        if out is None:
+            self.guard_misses += 1
+            self.eager_calls += 1
+            self._compiler.missed(entry, MAX_GUARD_MISSES)
+            return None
+        self.compiled_calls += 1
+        return out
+
+
+#: The process's instance, off until the server turns it on (``--no-compile``
+#: keeps it off), so tests and in-process users never compile unless asked.
+COMPILED_STATS = CompiledStats(enabled=False)

@@ -1,0 +1,185 @@
+"""The source of the compiled basic-statistics kernel, and what decides which compile applies.
+
+Why a torch function and not a hand-written kernel: inductor turns this one
+source into vectorized C++ on CPU and Triton on CUDA, fusing all eight
+reductions into one read of the tensor.
+
+Tensors reach the kernel in two canonical forms, so one compile per dtype
+serves every shape: ``dense`` (all elements as 1-D, any permuted layout such
+as channels_last) and ``rows`` (R runs of C contiguous elements spaced wider
+than C: slices and chunks along the last dim). They are passed as fresh
+non-view aliases (``set_`` on the same storage, no copy): dynamo also guards
+a view's base tensor, whose shape would then decide recompiles. The shift
+switch ``on`` goes in as a 1-element tensor: for a 0-d CPU float tensor
+dynamo adds a guard that reads its value with ``.item()``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import types
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from layertap.server.reducers.kernels import _SHIFT_SAMPLE as SHIFT_SAMPLE
+from layertap.server.reducers.workspace import F64
+
+__all__ = [
+    "DENSE", "ROWS", "SHIFT_SAMPLE", "UNCOMPILED", "Canonical", "Signature", "alias", "basic_stats_body",
+    "canonical_form", "kernel_function", "signature_of",
+]
+
+DENSE, ROWS = "dense", "rows"
+
+#: ``UNCOMPILED.flag`` is set when :func:`basic_stats_body` runs uncompiled
+#: (a guard miss in run-only mode); callers clear it before a call and read
+#: it right after, on the same thread.
+UNCOMPILED = threading.local()
+
+#: ``(form, size, stride)`` of the alias the kernel reads.
+Canonical = tuple[str, tuple[int, ...], tuple[int, ...]]
+
+
+def basic_stats_body(x: torch.Tensor, rnd: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+    """The eight basic statistics of ``x`` (more than ``SHIFT_SAMPLE`` elements) in one read.
+
+    Same layout and values as ``fused_basic_stats`` with every need set,
+    including the shift: K is :func:`~layertap.server.reducers.kernels.shift_of`
+    computed in the graph (its ~10 tiny eager ops cost more than this whole
+    kernel) from the same elements: ``rnd`` holds the random positions shift_of
+    would draw from the plan's generator, and K is multiplied by ``on``
+    (shape ``(1,)``, 0 when no reducer reads a shifted sum, as in the eager
+    path). x is read in its own dtype and upcast per element (exact for every
+    supported dtype), which lets inductor fuse the reductions.
+    """
+    if not torch.compiler.is_compiling():  # a constant True in the traced graph
+        UNCOMPILED.flag = True
+    pos = torch.arange(SHIFT_SAMPLE, device=x.device) * (x.numel() // SHIFT_SAMPLE)
+    if x.dim() == 1:
+        s = x[pos]
+    else:  # rows: logical order is memory order, as shift_of's gather reads it
+        s = x[pos // x.shape[1], pos % x.shape[1]]
+    if x.is_floating_point():
+        s = torch.cat([s, x[rnd] if x.dim() == 1 else x[rnd // x.shape[1], rnd % x.shape[1]]])
+        ok = torch.abs(s) < math.inf
+        cnt = ok.sum()
+        srt = torch.where(ok, s, math.inf).sort().values
+        mid = ((cnt - 1).clamp_min(0) // 2).reshape(1)
+        k = torch.where(cnt > 0, srt.index_select(0, mid).squeeze(0), 0.0).to(F64) * on
+        fin = torch.abs(x) < math.inf
+        nan = (x != x).sum(dtype=F64)
+        count = fin.sum(dtype=F64)
+        # x - K only overflows for float64 x near its range limit; that inf is
+        # kept (std -> inf) as in the eager path, since fin is x's own mask.
+        y = torch.where(fin, x.to(F64) - k, 0.0)
+        lo = torch.where(fin, x, math.inf).amin().to(F64)
+        hi = torch.where(fin, x, -math.inf).amax().to(F64)
+    else:  # integers and bool: all finite, no NaN
+        k = s.to(F64).mean() * on
+        v = x.to(torch.uint8) if x.dtype == torch.bool else x
+        nan = torch.zeros((), dtype=F64, device=x.device)
+        count = (x == x).sum(dtype=F64)
+        y = x.to(F64) - k
+        lo = v.amin().to(F64)
+        hi = v.amax().to(F64)
+    zeros = (x == 0).sum(dtype=F64)
+    return torch.stack([zeros, nan, count, y.sum(), (y * y).sum(), k.reshape(()), lo, hi])
+
+
+class Signature(NamedTuple):
+    """What decides whether a compiled kernel applies: one compile each.
+
+    Beyond the tensor's device, dtype and form, dynamo's guards check the
+    thread's grad mode and autocast state (its global-state guard) and the
+    tensors' dispatch keys, which differ for inference tensors.
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    form: str  # DENSE or ROWS
+    grad: bool  # torch.is_grad_enabled()
+    inference: bool  # torch.is_inference_mode_enabled()
+    autocast: torch.dtype | None  # the autocast dtype when enabled for the device type
+
+    def describe(self) -> str:
+        mode = "inference" if self.inference else ("grad" if self.grad else "no_grad")
+        cast = f" autocast={self.autocast}" if self.autocast is not None else ""
+        return f"{self.device} {self.dtype} {self.form} {mode}{cast}"
+
+
+def canonical_form(x: torch.Tensor) -> Canonical | None:
+    """The form, size and stride the kernel reads x as, or None (eager only).
+
+    Host metadata only. Dense layouts become 1-D; otherwise size-1 dims are
+    dropped, dims sorted by stride and mergeable neighbours merged, and the
+    result is ``rows`` when two dims remain, the inner one unit-strided, in
+    x's own dim order. Tiny tensors, overlapping (expanded) and other strided
+    layouts return None.
+    """
+    n = x.numel()
+    if n <= SHIFT_SAMPLE:  # shift_of samples everything: a separate graph, for tiny tensors
+        return None
+    if x.is_contiguous():
+        return DENSE, (n,), (1,)
+    logical = [(st, sz) for sz, st in zip(x.shape, x.stride()) if sz != 1]
+    dims = sorted(logical, reverse=True)
+    merged: list[tuple[int, int]] = []
+    for st, sz in dims:
+        if merged and merged[-1][0] == st * sz:
+            merged[-1] = (st, merged[-1][1] * sz)
+        else:
+            merged.append((st, sz))
+    if len(merged) == 1 and merged[0][0] == 1:
+        return DENSE, (n,), (1,)
+    # rows also needs logical order = memory order: shift_of samples by logical index.
+    if len(merged) == 2 and merged[1][0] == 1 and merged[0][0] > merged[1][1] and dims == logical:
+        (row_stride, rows), (_, cols) = merged
+        return ROWS, (rows, cols), (row_stride, 1)
+    return None
+
+
+def signature_of(x: torch.Tensor, canon: Canonical | None = None, *, grad: bool | None = None,
+                 inference: bool | None = None, autocast: torch.dtype | None | bool = True) -> Signature | None:
+    """The signature ``x`` would run under, or None when it never runs compiled.
+
+    The modes default to the calling thread's; pass them to describe a pass
+    on another thread (taps are created on a gRPC thread, server passes run
+    in inference mode: ``inference=True`` implies ``grad=False``).
+    ``autocast=True`` reads the current autocast state.
+    """
+    if type(x) is not torch.Tensor or x.layout != torch.strided or x.is_quantized:
+        return None
+    if canon is None:
+        canon = canonical_form(x)
+        if canon is None:
+            return None
+    dev = x.device
+    if inference is None:
+        inference = torch.is_inference_mode_enabled()
+    if grad is None:  # inference mode implies no grad
+        grad = torch.is_grad_enabled() and not inference
+    if autocast is True:
+        cast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
+    else:
+        cast = autocast or None
+    return Signature(dev, x.dtype, canon[0], grad, inference, cast)
+
+
+def alias(x: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+    """A non-view tensor over x's storage (no copy), so dynamo guards x alone."""
+    return x.new_empty(0).set_(x.untyped_storage(), x.storage_offset(), size, stride)
+
+
+def kernel_function(sig: Signature) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A fresh function (own code object) running :func:`basic_stats_body`.
+
+    Dynamo keeps compiled entries per code object, so each signature gets its
+    own: a call checks one guard set, no signature counts against another's
+    recompile limit, and a failed compile cannot touch the others.
+    """
+    name = f"basic_stats_{sig.device.type}_{str(sig.dtype).removeprefix('torch.')}_{sig.form}"
+    code = basic_stats_body.__code__.replace(co_name=name)
+    return types.FunctionType(code, basic_stats_body.__globals__, name)

@@ -1,0 +1,168 @@
+"""Stream admission: at most ``--max-streams`` long streams at once.
+
+The server is synchronous, so a blocking stream (Subscribe, Capture,
+reflection) holds a worker thread until it ends. Without a cap, ``--workers``
+open streams leave no thread for Infer or a probe's ``Health.Check``, and
+every call gets RESOURCE_EXHAUSTED. :class:`StreamAdmission` admits at most
+``limit`` streams and refuses the rest with RESOURCE_EXHAUSTED naming the
+flag, so ``workers - limit`` threads always stay free for unary calls.
+
+A long stream is any method whose handler streams requests or responses: the
+same fact the service descriptors state (``server_streaming``/
+``client_streaming``), read from the handler so that every registered
+service is covered (Health.Watch and reflection included) and a streaming RPC
+added later is counted without editing a list.
+
+A slot is taken when the stream's behaviour starts on its worker, not in
+``intercept_service``: that runs before grpc's own ``maximum_concurrent_rpcs``
+check, and a call grpc then refuses would never give its slot back. The slot
+is given back exactly once, by whichever comes first: the stream's iterator
+ends (or is closed), or grpc reports the RPC over (``add_callback``; a
+cancelled generator is never resumed, so ``finally`` alone would leak it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import grpc
+from google.protobuf.descriptor import ServiceDescriptor
+from grpc_status import rpc_status
+
+from layertap.server.errors import LimitExceeded, rich_status
+
+log = logging.getLogger("layertap.server.admission")
+
+__all__ = ["StreamAdmission", "is_long_stream", "streaming_methods"]
+
+
+def is_long_stream(handler: grpc.RpcMethodHandler) -> bool:
+    """Whether a call of this method may hold its worker for as long as the client likes."""
+    return bool(handler.request_streaming or handler.response_streaming)
+
+
+def streaming_methods(services: Iterable[ServiceDescriptor]) -> frozenset[str]:
+    """``/pkg.Service/Method`` of every streaming method, from the descriptors."""
+    return frozenset(f"/{s.full_name}/{m.name}" for s in services for m in s.methods
+                     if m.server_streaming or m.client_streaming)
+
+
+class _Slot:
+    """One admitted stream; :meth:`release` gives the slot back once, from any thread."""
+
+    __slots__ = ("_admission", "_done", "_lock")
+
+    def __init__(self, admission: StreamAdmission) -> None:
+        self._admission = admission
+        self._done = False
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._admission._release()
+
+
+class StreamAdmission(grpc.ServerInterceptor):
+    """Admits at most ``limit`` long streams at once; refuses the rest.
+
+    Args:
+        limit: Streams open at once (``--max-streams``).
+        flag: The setting named in the refusal, so an operator knows what to raise.
+    """
+
+    def __init__(self, limit: int, flag: str = "--max-streams", *, callback_limit: int | None = None) -> None:
+        if limit < 1:
+            raise ValueError(f"{flag} {limit}: must be at least 1")
+        self.limit = limit
+        self.flag = flag
+        self._lock = threading.Lock()
+        self._open = 0
+        #: Streams refused so far.
+        self.refused = 0
+        #: Callback streams (Health.Watch) hold no worker, and Health needs no
+        #: token: counted against the worker cap, strangers could lock
+        #: authorised Subscribe and Capture out. They get a cap of their own.
+        self.callbacks: StreamAdmission | None = None
+        if callback_limit is not None:
+            self.callbacks = StreamAdmission(callback_limit, f"{flag} (callback streams)")
+
+    @property
+    def open_streams(self) -> int:
+        """Streams admitted and not yet ended."""
+        with self._lock:
+            return self._open
+
+    def acquire(self, method: str) -> _Slot:
+        """Take a slot for a stream of ``method``; raises LimitExceeded when none is free."""
+        with self._lock:
+            if self._open >= self.limit:
+                self.refused += 1
+                raise LimitExceeded(
+                    f"{method}: {self._open} streams are open, the server limit is {self.flag}={self.limit}; "
+                    "close a stream or retry later",
+                    metadata={"method": method, "max_streams": str(self.limit)})
+            self._open += 1
+        return _Slot(self)
+
+    def _release(self) -> None:
+        with self._lock:
+            self._open -= 1
+
+    def _admit(self, method: str, context: grpc.ServicerContext) -> _Slot:
+        try:
+            slot = self.acquire(method)
+        except LimitExceeded as exc:
+            log.debug("refused %s: %d streams open (%s)", method, self.limit, self.flag)
+            context.abort_with_status(rpc_status.to_status(rich_status(exc)))
+            raise  # abort_with_status raises; this line only satisfies type checkers
+        if not context.add_callback(slot.release):  # the RPC is already over
+            slot.release()
+        return slot
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        handler = continuation(handler_call_details)
+        if handler is None or not is_long_stream(handler):
+            return handler
+        return self._guarded(handler, handler_call_details.method)
+
+    def _guarded(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        inner: Callable[..., Any] = (handler.unary_stream or handler.stream_stream or handler.stream_unary)  # type: ignore[assignment]
+        behavior: Callable[..., Any]
+        if not handler.response_streaming:
+            def unary_reply(request: Any, context: grpc.ServicerContext) -> Any:
+                slot = self._admit(method, context)
+                try:
+                    return inner(request, context)
+                finally:
+                    slot.release()
+            behavior = unary_reply
+        elif getattr(inner, "experimental_non_blocking", False):
+            # Health.Watch answers through a callback and holds no worker;
+            # keep it that way (the slot goes back with the RPC's callback).
+            pool = self.callbacks or self
+
+            def callback_stream(request: Any, context: grpc.ServicerContext,
+                                send_response_callback: Any = None) -> Any:
+                pool._admit(method, context)
+                return inner(request, context, send_response_callback=send_response_callback)
+            callback_stream.experimental_non_blocking = True  # type: ignore[attr-defined]
+            callback_stream.experimental_thread_pool = getattr(inner, "experimental_thread_pool", None)  # type: ignore[attr-defined]
+            behavior = callback_stream
+        else:
+            def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                slot = self._admit(method, context)
+                try:
+                    yield from inner(request, context)
+                finally:
+                    slot.release()
+            behavior = stream
+        kind = ("stream" if handler.request_streaming else "unary") + "_" + ("stream" if handler.response_streaming else "unary")
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        return make(behavior, request_deserializer=handler.request_deserializer,  # type: ignore[no-any-return]
+                    response_serializer=handler.response_serializer)
