@@ -70,7 +70,7 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | No
 #: module's hooks run newest first), so a compile in flight at exit can still
 #: use inductor's worker pool and finish; plain ``atexit`` runs after that
 #: shutdown, and the compile then fails with "cannot schedule new futures".
-_at_exit: Callable[..., None] = getattr(threading, "_register_atexit", atexit.register)
+_at_exit: Callable[..., Any] = getattr(threading, "_register_atexit", atexit.register)
 
 
 def _never(x: torch.Tensor, rnd: torch.Tensor, on: torch.Tensor) -> torch.Tensor | None:
