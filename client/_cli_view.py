@@ -1,6 +1,7 @@
-"""How the ``layertap`` CLI draws: tables, sparklines, the live watch view, progress.
+"""How ``layertap watch`` and ``capture`` draw: the live table, its lines, progress.
 
-Rendering only (rich); :mod:`layertap.cli` parses arguments and talks to the server.
+Rendering only (rich); :mod:`layertap.cli` parses arguments and talks to the
+server. The one-shot tables live in :mod:`layertap._cli_table`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -22,9 +24,10 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from ._cli_table import Column, fit_table
 from ._types import Summary, TapEvent
 
-__all__ = ["CaptureProgress", "SPARK_WIDTH", "WatchRow", "shape_text", "sparkline", "update_row", "watch_table"]
+__all__ = ["CaptureProgress", "SPARK_WIDTH", "WatchRow", "sparkline", "update_row", "watch_line", "watch_table"]
 
 #: Captures at least this large get a progress bar.
 PROGRESS_MIN_BYTES = 8 << 20
@@ -36,10 +39,6 @@ def _fmt(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:.4g}"
-
-
-def shape_text(shapes: Sequence[tuple[int, ...]]) -> str:
-    return ", ".join("(" + ", ".join(str(d) for d in s) + ")" for s in shapes) or "-"
 
 
 def sparkline(values: Sequence[float], width: int = SPARK_WIDTH) -> str:
@@ -103,21 +102,36 @@ class WatchRow:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+def _watch_columns(spark_width: int) -> tuple[Column, ...]:
+    return (
+        Column("layer"),
+        Column("pass", "right", drop=1),
+        Column("mean", "right", drop=6),
+        Column("std", "right", drop=2),
+        Column("min", "right", drop=4),
+        Column("max", "right", drop=5),
+        Column("nan", "right"),
+        Column("inf", "right", drop=3),
+        Column(f"mean (last {spark_width})", drop=0),
+    )
+
+
+def _row_name(layer: str, output_index: int) -> str:
+    return layer if output_index == 0 else f"{layer}[{output_index}]"
+
+
 def watch_table(
     title: str,
     rows: dict[tuple[str, int], WatchRow],
     dropped: int,
     events: Sequence[TapEvent],
-    spark_width: int = SPARK_WIDTH,
+    spark_width: int,
+    width: int,
 ) -> Table:
-    table = Table(title=title, caption=_watch_caption(dropped, events))
-    for column in ("layer", "pass", "mean", "std", "min", "max", "nan", "inf"):
-        table.add_column(column, justify="left" if column == "layer" else "right", no_wrap=True)
-    table.add_column(f"mean (last {spark_width})", no_wrap=True)
-    for (layer, index), row in sorted(rows.items()):
-        name = layer if index == 0 else f"{layer}[{index}]"
-        table.add_row(
-            name,
+    """The live view: one row per tensor, fitted to ``width`` (the sparkline gives way first)."""
+    cells = [
+        (
+            escape(_row_name(layer, index)),
             str(row.summary.pass_index),
             _fmt(row.stats.get("mean")),
             _fmt(row.stats.get("std")),
@@ -127,14 +141,40 @@ def watch_table(
             f"[bold red]{row.inf}[/]" if row.inf else "0",
             sparkline(row.means, spark_width),
         )
-    return table
+        for (layer, index), row in sorted(rows.items())
+    ]
+    return fit_table(
+        _watch_columns(spark_width), cells, width, title=escape(title), caption=_watch_caption(dropped, events)
+    )
+
+
+def watch_line(s: Summary) -> str:
+    """One summary as one plain ``key=value`` line, for a pipe or a log.
+
+    Unsampled passes (only the always-on NaN/Inf counter ran) say so instead
+    of repeating stale statistics.
+    """
+    parts = [_row_name(s.layer, s.output_index), f"pass={s.pass_index}"]
+    if s.unsampled:
+        parts.append("unsampled")
+    else:
+        moments = s.results.get("moments")
+        if moments is not None:
+            parts += [f"mean={_fmt(getattr(moments, 'mean'))}", f"std={_fmt(getattr(moments, 'std'))}"]
+        minmax = s.results.get("minmax")
+        if minmax is not None:
+            parts += [f"min={_fmt(getattr(minmax, 'min'))}", f"max={_fmt(getattr(minmax, 'max'))}"]
+    nonfinite = s.results.get("nonfinite")
+    if nonfinite is not None:
+        parts += [f"nan={getattr(nonfinite, 'nan_count')}", f"inf={getattr(nonfinite, 'inf_count')}"]
+    return " ".join(parts)
 
 
 def _watch_caption(dropped: int, events: Sequence[TapEvent]) -> str:
     parts = [f"dropped {dropped}"]
     if events:
         last = events[-1]
-        parts.append(f"[yellow]{last.kind}[/] {last.tap}: {last.message}")
+        parts.append(f"[yellow]{escape(last.kind)}[/] {escape(last.tap)}: {escape(last.message)}")
     return " · ".join(parts)
 
 

@@ -9,26 +9,26 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
-import itertools
+import os
 import secrets
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from rich.console import Console
-from rich.live import Live
-from rich.table import Table
 
-from ._cli_view import SPARK_WIDTH, CaptureProgress, WatchRow, shape_text, sparkline, update_row, watch_table
+from ._cli_json import write_json_lines
+from ._cli_table import drift_table, layers_table, stats_table, taps_table
+from ._cli_view import SPARK_WIDTH, CaptureProgress, sparkline
+from ._cli_watch import WatchOptions, run_watch
 from ._client import DEFAULT_TIMEOUT, Client, normalize_target
 from ._errors import InvalidArgument, LayertapError
 from ._types import DEFAULT_REDUCERS
 from ._version import __version__
 
-__all__ = ["build_parser", "main", "parse_args", "sparkline"]
+__all__ = ["SPARK_WIDTH", "build_parser", "main", "parse_args", "sparkline"]
 
 PROG = "layertap"
 #: Subcommands whose arguments belong to the server package.
@@ -73,6 +73,14 @@ def _reducer_list(text: str) -> list[str]:
     return names
 
 
+def _json_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per line, with the client's field names (NaN/Inf as \"NaN\", \"+Inf\", \"-Inf\")",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Builds the argument parser (``serve`` and ``demo`` only document themselves here)."""
     parser = argparse.ArgumentParser(
@@ -96,10 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = command("layers", "List the model's modules with types, parameters and last shapes.")
+    _json_flag(p)
     p.set_defaults(func=_cmd_layers)
 
     p = command("capture", "Capture the tensors at one or more layers into .npy/.npz.")
-    p.add_argument("layers", nargs="+", metavar="LAYER", help="exact module name(s)")
+    p.add_argument("layers", nargs="+", metavar="LAYER",
+                   help="module name(s), globs ('layer*') or re:regex; several or a pattern give an .npz keyed by layer")
     p.add_argument("-o", "--output", required=True, type=Path, help="output .npy or .npz file")
     p.add_argument("--input", type=Path, help="run this .npy (or multi-argument .npz) input instead of waiting for live traffic")
     p.add_argument("--n", type=_positive_int, default=1, help="live passes to capture (default 1)")
@@ -108,7 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float16", "bfloat16"), help="downcast floating tensors on the server")
     p.set_defaults(func=_cmd_capture)
 
-    p = command("watch", "Live table of summaries from a stream tap (Ctrl-C to stop).")
+    p = command(
+        "watch",
+        "Live table of summaries from a stream tap (Ctrl-C to stop); "
+        "one line per summary when stdout is not a terminal.",
+    )
+    _json_flag(p)
     p.add_argument("selector", metavar="SELECTOR", help="module name, glob ('layer*') or re:regex")
     p.add_argument(
         "--reducers",
@@ -134,12 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("drift", "Show current drift scores against the baselines.")
     p.add_argument("selector", nargs="?", default="", metavar="SELECTOR", help="filter layers")
+    _json_flag(p)
     p.set_defaults(func=_cmd_drift)
 
     p = command("taps", "List durable and stream taps with their counters.")
+    _json_flag(p)
     p.set_defaults(func=_cmd_taps)
 
     p = command("stats", "Show the server's counters (hooks, passes, captures, subscribers).")
+    _json_flag(p)
     p.set_defaults(func=_cmd_stats)
 
     p = sub.add_parser("token", help="Manage access tokens for 'layertap serve --auth-tokens'.")
@@ -217,18 +235,11 @@ def _client(args: argparse.Namespace) -> Client:
 def _cmd_layers(args: argparse.Namespace) -> int:
     with _client(args) as client:
         layers = client.layers()
-    table = Table(title=f"{len(layers)} layers at {args.host}")
-    for column in ("name", "type", "params", "input shapes", "output shapes"):
-        table.add_column(column, justify="right" if column == "params" else "left")
-    for layer in layers:
-        table.add_row(
-            layer.name or "(root)",
-            layer.type,
-            f"{layer.parameter_count:,}",
-            shape_text(layer.input_shapes),
-            shape_text(layer.output_shapes),
-        )
-    Console().print(table)
+    if args.json:
+        write_json_lines(layers)
+        return 0
+    console = Console()
+    console.print(layers_table(layers, console.width, f"{len(layers)} layers at {args.host}"))
     return 0
 
 
@@ -274,12 +285,6 @@ def _cmd_capture(args: argparse.Namespace) -> int:
 
 
 def _cmd_watch(args: argparse.Namespace) -> int:
-    rows: dict[tuple[str, int], WatchRow] = {}
-    title = f"{args.selector} @ {args.host} ({','.join(args.reducers)})"
-    deadline = None if args.duration is None else time.monotonic() + args.duration
-    seen = 0
-    # Keep layer names readable on narrow terminals: shorten the sparkline first.
-    spark_width = SPARK_WIDTH if Console().width >= 100 else 12
     with _client(args) as client, client.watch(
         args.selector,
         reducers=args.reducers,
@@ -288,28 +293,18 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         queue_size=args.queue_size,
         timeout=args.duration,
     ) as stream:
-        batches = stream.batches()
-        # The server's first message says whether the stream tap was accepted:
-        # an error surfaces here, on its own line, before the live table starts.
-        first = next(batches, [])
-        with Live(watch_table(title, rows, 0, (), spark_width), refresh_per_second=4) as live:
-            try:
-                for batch in itertools.chain([first], batches):
-                    for summary in batch:
-                        update_row(rows, summary)
-                    seen += len(batch)
-                    live.update(
-                        watch_table(title, rows, stream.dropped, stream.events, spark_width)
-                    )
-                    if args.count is not None and seen >= args.count:
-                        break
-                    if deadline is not None and time.monotonic() >= deadline:
-                        break
-            except LayertapError as exc:
-                if exc.code != "DEADLINE_EXCEEDED" or args.duration is None:
-                    raise  # Reaching --duration is the normal end.
-            except KeyboardInterrupt:
-                pass
+        try:
+            run_watch(stream, WatchOptions(
+                title=f"{args.selector} @ {args.host} ({','.join(args.reducers)})",
+                count=args.count,
+                duration=args.duration,
+                json=args.json,
+            ))
+        except LayertapError as exc:
+            if exc.code != "DEADLINE_EXCEEDED" or args.duration is None:
+                raise  # Reaching --duration is the normal end.
+        except KeyboardInterrupt:
+            pass
     return 0
 
 
@@ -341,63 +336,32 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
 def _cmd_drift(args: argparse.Namespace) -> int:
     with _client(args) as client:
         rows = client.drift(args.selector)
-    table = Table(title=f"drift at {args.host}")
-    for column in ("layer", "state", "baseline", "window", "psi", "js", "w1/σ", "shift σ", "channels", "drifted"):
-        table.add_column(column, justify="left" if column in ("layer", "state") else "right")
-
-    def score(value: float, threshold: float) -> str:
-        return f"[bold red]{value:.3f}[/]" if threshold > 0 and value > threshold else f"{value:.3f}"
-
-    for d in rows:
-        t = d.thresholds
-        table.add_row(
-            d.layer,
-            d.state,
-            str(d.baseline_passes),
-            str(d.window_passes),
-            score(d.psi, t.psi),
-            score(d.js, t.js),
-            score(d.wasserstein, t.wasserstein),
-            score(d.mean_shift, t.mean_shift),
-            "-" if d.channel_drift_fraction is None else f"{d.channel_drift_fraction:.0%}",
-            "[bold red]yes[/]" if d.drifted else "no",
-        )
-    Console().print(table)
+    if args.json:
+        write_json_lines(rows)
+        return 0
+    console = Console()
+    console.print(drift_table(rows, console.width, f"drift at {args.host}"))
     return 0
 
 
 def _cmd_taps(args: argparse.Namespace) -> int:
     with _client(args) as client:
         taps = client.taps()
-    table = Table(title=f"{len(taps)} taps at {args.host}")
-    for column in ("id", "name", "owner", "kind", "selector", "point", "layers", "hits", "drops", "errors", "expires"):
-        table.add_column(column, justify="right" if column in ("layers", "hits", "drops", "errors") else "left")
-    for tap in taps:
-        status = f"[red]{tap.errors}[/]" if tap.errors else "0"
-        table.add_row(
-            tap.id,
-            tap.spec.name,
-            tap.owner or "(server)",
-            tap.kind + (" [red](disabled)[/]" if tap.disabled else ""),
-            tap.spec.selector,
-            tap.spec.point,
-            str(len(tap.layers)),
-            str(tap.hits),
-            str(tap.drops),
-            status,
-            "never" if tap.expires_at is None else tap.expires_at.isoformat(timespec="seconds"),
-        )
-    Console().print(table)
+    if args.json:
+        write_json_lines(taps)
+        return 0
+    console = Console()
+    console.print(taps_table(taps, console.width, f"{len(taps)} taps at {args.host}"))
     return 0
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     with _client(args) as client:
         stats = client.stats()
-    table = Table(title=f"server stats at {args.host}", show_header=False)
-    for key, value in vars(stats).items():
-        table.add_row(key, str(value))
-    Console().print(table)
+    if args.json:
+        write_json_lines([stats])
+        return 0
+    Console().print(stats_table(stats, f"server stats at {args.host}"))
     return 0
 
 
@@ -458,6 +422,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return func(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader downstream stopped reading (`layertap watch ... | head`):
+        # that ends the output, it is not an error. Point stdout at devnull so
+        # the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (LayertapError, OSError, ValueError) as exc:
         message = " ".join(str(exc).split())
         print(f"{PROG}: error: {message}", file=sys.stderr)

@@ -6,8 +6,12 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from layertap.server.config import MODEL_DTYPES, ServerConfig
+
+if TYPE_CHECKING:
+    from layertap.server.app import LayertapServer
 
 log = logging.getLogger("layertap.server")
 
@@ -55,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA bundle; clients must present a certificate it signed (mTLS)")
     p.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without auth and TLS")
-    p.add_argument("--smoke", action="store_true", help="start on a free port, capture layer4 once through the client, print it, exit")
+    p.add_argument("--smoke", action="store_true",
+                   help="start on a free port, capture the model's last block once through the client, print it, exit")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -90,8 +95,26 @@ def check_exposure(cfg: ServerConfig) -> str | None:
             "add them, or pass --insecure to accept the risk")
 
 
-def smoke(address: str) -> int:
-    """Capture ``layer4`` from the running server with the real client and print it."""
+def suggested_layer(server: LayertapServer) -> str | None:
+    """A layer the served model really has and runs, for hints and ``--smoke``."""
+    from layertap.server.host.suggest import suggest_layer
+
+    host = server.state.host
+    if not host.loaded.hooks_supported:
+        return None  # TorchScript: no hooks, so nothing can be captured.
+    return suggest_layer(host.module, set(host.layer_shapes))
+
+
+def hint(server: LayertapServer, layer: str | None) -> str:
+    """The first command to try (tests and scripts wait for a line starting ``layertap: try``)."""
+    address = f"{server.state.config.host}:{server.port}"
+    if layer is None:
+        return f"layertap: try `layertap layers {address}`"
+    return f"layertap: try `layertap capture {address} {layer} -o {layer}.npy`"
+
+
+def smoke(address: str, layer: str) -> int:
+    """Capture ``layer`` from the running server with the real client and print it."""
     import numpy as np
 
     from layertap import Client
@@ -100,11 +123,11 @@ def smoke(address: str) -> int:
         meta = client.metadata()
         shape = [2 if d == -1 else d for d in meta.inputs[0].shape]
         x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-        act = client.capture("layer4", input=x)
+        act = client.capture(layer, input=x)
         passive_out = client.infer(x)
         print(f"layertap: model={meta.model_name} source={meta.source} device={meta.device} "
               f"params={meta.parameter_count}")
-        print(f"layertap: captured layer4 {tuple(act.shape)} {act.dtype} mean={float(np.mean(act)):.6f} "
+        print(f"layertap: captured {layer} {tuple(act.shape)} {act.dtype} mean={float(np.mean(act)):.6f} "
               f"std={float(np.std(act)):.6f}; infer output {tuple(passive_out.shape)}")
     return 0
 
@@ -134,12 +157,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"layertap: serving on {config.host}:{server.port}", flush=True)
     if server.metrics_port is not None:
         print(f"layertap: metrics on {'https' if config.tls_cert else 'http'}://{config.host}:{server.metrics_port}/metrics", flush=True)
+    layer = suggested_layer(server)
     if args.smoke:
         try:
-            return smoke(f"{config.host}:{server.port}")
+            if layer is None:
+                print("layertap serve: error: --smoke needs a model with hookable child modules", file=sys.stderr)
+                return 2
+            return smoke(f"{config.host}:{server.port}", layer)
         finally:
             server.stop(0)
-    print(f"layertap: try `layertap capture {config.host}:{server.port} layer4 -o layer4.npy`", flush=True)
+    print(hint(server, layer), flush=True)
     install_signal_handlers(server)
     server.wait()
     return 0

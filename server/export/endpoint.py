@@ -1,11 +1,15 @@
-"""The ``/metrics`` HTTP endpoint, serving :func:`render_latest` for an injected registry.
+"""The ``/metrics`` HTTP endpoint, serving the fast writers of :mod:`.exposition` for an injected registry.
 
 A WSGI app of our own (not ``prometheus_client.start_http_server``) so the
-fast writer is what gets served and scrape requests stay out of the log.
+fast writers are what gets served and scrape requests stay out of the log.
+The format follows the ``Accept`` header as prometheus-client negotiates it
+(Prometheus asks for OpenMetrics first), and the body is gzipped when the
+scraper accepts it, as Prometheus always does.
 """
 
 from __future__ import annotations
 
+import gzip
 import logging
 import socket
 import ssl
@@ -15,40 +19,75 @@ from collections.abc import Callable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, ThreadingWSGIServer
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
-from layertap.server.export.exposition import render_latest
+from layertap.server.export.exposition import negotiate
 
 log = logging.getLogger("layertap.server")
 
-__all__ = ["make_metrics_app", "start_metrics_server", "stop_metrics_server"]
+__all__ = ["GZIP_LEVEL", "accepts_gzip", "make_metrics_app", "start_metrics_server", "stop_metrics_server"]
 
 
 #: Checks a scrape's ``Authorization`` header; returns why it is refused, or None.
 Authorize = Callable[[str | None], str | None]
 
+#: Level 1: a 1.1 MB scrape compresses 8x in ~3 ms; level 9 (prometheus-client's) takes ~19 ms for 15% less.
+GZIP_LEVEL = 1
+
+
+def accepts_gzip(accept_encoding: str | None) -> bool:
+    """Whether an ``Accept-Encoding`` header allows gzip (``gzip;q=0`` refuses it)."""
+    for part in (accept_encoding or "").split(","):
+        coding, _, params = part.partition(";")
+        if coding.strip().lower() == "gzip":
+            for param in params.split(";"):
+                key, _, value = param.partition("=")
+                if key.strip().lower() == "q":
+                    try:
+                        return float(value) > 0
+                    except ValueError:
+                        return False
+            return True
+    return False
+
+
+def _plain(start_response: Callable[..., Any], status: str, text: str,
+           extra: list[tuple[str, str]] | None = None) -> list[bytes]:
+    body = f"{status}: {text}\n".encode()
+    start_response(status, [*(extra or []), ("Content-Type", "text/plain; charset=utf-8"),
+                            ("Content-Length", str(len(body)))])
+    return [body]
+
 
 def make_metrics_app(registry: Collector, authorize: Authorize | None = None) -> Callable[..., list[bytes]]:
-    """A WSGI app serving :func:`render_latest` (text format 0.0.4) on any GET path.
+    """A WSGI app serving ``registry`` on any GET path, in the format the ``Accept`` header asks for.
 
     With ``authorize``, a scrape without an accepted bearer token gets 401.
+    An ``Accept`` header prometheus-client cannot read (an OpenMetrics
+    ``version`` that is not a number) gets 400 naming it.
     """
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
         if authorize is not None and (why := authorize(environ.get("HTTP_AUTHORIZATION"))) is not None:
-            body = f"401 Unauthorized: {why}\n".encode()
-            start_response("401 Unauthorized", [("WWW-Authenticate", 'Bearer realm="layertap"'),
-                                                ("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
-            return [body]
+            return _plain(start_response, "401 Unauthorized", why, [("WWW-Authenticate", 'Bearer realm="layertap"')])
         if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
             start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
             return [b""]
         if environ.get("PATH_INFO") == "/favicon.ico":
             start_response("404 Not Found", [])
             return [b""]
-        body = render_latest(registry)
-        start_response("200 OK", [("Content-Type", CONTENT_TYPE_PLAIN_0_0_4), ("Content-Length", str(len(body)))])
+        accept = environ.get("HTTP_ACCEPT")
+        try:
+            encoder, content_type = negotiate(accept)
+        except (TypeError, ValueError):  # prometheus-client's parse of e.g. "version=abc"
+            return _plain(start_response, "400 Bad Request", f"Accept header {accept!r}: unreadable format version")
+        body = encoder(registry)
+        headers = [("Content-Type", content_type), ("Vary", "Accept, Accept-Encoding")]
+        if accepts_gzip(environ.get("HTTP_ACCEPT_ENCODING")):
+            body = gzip.compress(body, compresslevel=GZIP_LEVEL)
+            headers.append(("Content-Encoding", "gzip"))
+        start_response("200 OK", [*headers, ("Content-Length", str(len(body)))])
         return [body]
 
     return app

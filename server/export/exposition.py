@@ -1,129 +1,85 @@
-"""The ``/metrics`` text writer: prometheus-client's bytes, without its per-series cost.
+"""The ``/metrics`` writers: prometheus-client's bytes, in both of its formats, without its per-series cost.
 
 ``generate_latest`` validates and escapes every label of every sample, ~7 µs
 a series; with hundreds of tapped layers that dominates a scrape. Families
-built as :class:`RenderedFamily` carry pre-escaped label text and are written
-straight from their rows; every other family still goes through
-prometheus-client, so the output is byte-for-byte what ``generate_latest``
-writes.
+built as :class:`RenderedFamily` carry their sample lines already written
+(see :mod:`.series`) and only get a header here; every other family still goes
+through prometheus-client's own writer, so the output is byte-for-byte what
+``generate_latest`` (text format 0.0.4) or
+``prometheus_client.openmetrics.exposition.generate_latest`` (OpenMetrics)
+writes for the same registry.
+
+:func:`negotiate` picks the format from a scrape's ``Accept`` header with
+prometheus-client's own ``choose_encoder``, so both agree on every header.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 from prometheus_client import generate_latest
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics import exposition as om
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
-from prometheus_client.utils import floatToGoString
 
-__all__ = ["LabelSet", "ModelOnlyFamily", "RenderedFamily", "go_float", "render_latest"]
+from layertap.server.export.series import escape_label, fmt_value
 
+__all__ = ["Encoder", "RenderedFamily", "model_only_family", "negotiate", "render", "render_latest",
+           "render_openmetrics"]
 
-def go_float(v: float) -> str:
-    """Go's float formatting for ``le``/``quantile`` labels, as prometheus-client writes them."""
-    return str(floatToGoString(v))  # type: ignore[no-untyped-call]
+#: Renders a registry to the bytes of one format.
+Encoder = Callable[[Collector], bytes]
 
-
-def _escape(v: str) -> str:
-    return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-
-
-def _fmt(v: float) -> str:
-    """A sample value as the text format wants it (same output as ``floatToGoString``)."""
-    f = float(v)
-    if -math.inf < f < 1e6:  # the common case; NaN fails the comparison
-        return repr(f)
-    return go_float(f)  # Go's exponent form from 1e6 up, and the Inf/NaN spellings
-
-
-class LabelSet:
-    """The ``model, layer, point, tap`` labels of one layer, escaped once and reused."""
-
-    __slots__ = ("labels", "text", "_with", "_prefix")
-
-    def __init__(self, model: str, layer: str, point: str, tap: str) -> None:
-        self.labels = {"model": model, "layer": layer, "point": point, "tap": tap}
-        self._with: dict[str, tuple[str, str]] = {}
-        self._prefix: dict[tuple[str, str, str], str] = {}
-        self.text = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(self.labels.items()))
-
-    def prefix(self, name: str, key: str, value: str) -> str:
-        """``name{labels} `` of one sample line, cached: the same lines recur every scrape."""
-        t = (name, key, value)
-        p = self._prefix.get(t)
-        if p is None:
-            p = self._prefix[t] = f"{name}{{{self.text_with(key, value) if key else self.text}}} "
-        return p
-
-    def text_with(self, key: str, value: str) -> str:
-        """Label text with one more label, in sorted position (as ``generate_latest`` writes it)."""
-        parts = self._with.get(key)
-        if parts is None:
-            names = sorted(self.labels)
-            i = sum(1 for n in names if n < key)
-            esc = [f'{n}="{_escape(self.labels[n])}"' for n in names]
-            before, after = ",".join(esc[:i]), ",".join(esc[i:])
-            parts = self._with[key] = (before + "," if before else "", "," + after if after else "")
-        return f'{parts[0]}{key}="{value}"{parts[1]}'
+#: Escapings under which a name of the legacy character set is written unchanged
+#: (all our names are); "dots" and "values" rewrite names, so they keep the slow writer.
+_NAMES_UNCHANGED = frozenset({om.UNDERSCORES, om.ALLOWUTF8})
+_EOF = "# EOF\n"
 
 
 class RenderedFamily(Metric):
-    """A metric family that :func:`render_latest` writes straight from its rows.
+    """A metric family whose sample lines are rendered already (see :mod:`.series`).
 
-    ``generate_latest`` and the parser-based tools still see ordinary
-    :class:`Sample` objects: ``samples`` builds them on demand.
+    ``generate_latest``, ``get_sample_value`` and the parsers still see
+    ordinary :class:`Sample` objects: ``samples`` builds them on demand from
+    ``samples_fn``. Only types whose header both formats write alike (but for
+    the counter's ``_total``) are allowed.
     """
 
-    def __init__(self, name: str, documentation: str, typ: str) -> None:
+    _TYPES = frozenset({"gauge", "counter", "summary", "histogram"})
+
+    def __init__(self, name: str, documentation: str, typ: str, text: str = "",
+                 samples_fn: Callable[[], list[Sample]] | None = None) -> None:
+        if typ not in self._TYPES:
+            raise ValueError(f"RenderedFamily type must be one of {sorted(self._TYPES)}, not {typ!r}")
         super().__init__(name, documentation, typ)
-        # (sample name, labels, extra label name or "", extra label value, value)
-        self.rows: list[tuple[str, LabelSet, str, str, float]] = []
+        self.text = text
+        self._samples_fn = samples_fn
 
     @property
     def samples(self) -> list[Sample]:
-        return [
-            Sample(n, {**ls.labels, k: v} if k else dict(ls.labels), val) for n, ls, k, v, val in self.rows
-        ]
+        return self._samples_fn() if self._samples_fn is not None else []
 
     @samples.setter
     def samples(self, value: list[Sample]) -> None:
         if value:
-            raise AttributeError("RenderedFamily takes rows, not samples")
+            raise AttributeError("RenderedFamily takes its lines rendered, not samples")
 
-    def render(self, out: list[str]) -> None:
-        """Append the family in the Prometheus text format 0.0.4."""
+    def header(self, openmetrics: bool) -> str:
+        """``# HELP``/``# TYPE`` lines as the format's prometheus-client writer puts them."""
+        if openmetrics:
+            return f"# HELP {self.name} {escape_label(self.documentation)}\n# TYPE {self.name} {self.type}\n"
         mname = self.name + "_total" if self.type == "counter" else self.name
-        out.append(f"# HELP {mname} {self.documentation}\n# TYPE {mname} {self.type}\n")
-        append = out.append
-        for n, ls, k, v, val in self.rows:
-            append(f"{ls.prefix(n, k, v)}{_fmt(val)}\n")
+        doc = self.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        return f"# HELP {mname} {doc}\n# TYPE {mname} {self.type}\n"
 
 
-class ModelOnlyFamily(RenderedFamily):
+def model_only_family(name: str, documentation: str, model: str, value: float) -> RenderedFamily:
     """A one-sample gauge labelled ``model`` only."""
-
-    def __init__(self, name: str, documentation: str, model: str, value: float) -> None:
-        super().__init__(name, documentation, "gauge")
-        self._model = model
-        self._value = value
-
-    @property
-    def samples(self) -> list[Sample]:
-        return [Sample(self.name, {"model": self._model}, self._value)]
-
-    @samples.setter
-    def samples(self, value: list[Sample]) -> None:
-        if value:
-            raise AttributeError("read-only")
-
-    def render(self, out: list[str]) -> None:
-        out.append(
-            f"# HELP {self.name} {self.documentation}\n# TYPE {self.name} {self.type}\n"
-            f'{self.name}{{model="{_escape(self._model)}"}} {_fmt(self._value)}\n'
-        )
+    text = f'{name}{{model="{escape_label(model)}"}} {fmt_value(float(value))}\n'
+    return RenderedFamily(name, documentation, "gauge", text, lambda: [Sample(name, {"model": model}, value)])
 
 
 class _Families(Collector):
@@ -134,22 +90,71 @@ class _Families(Collector):
         return iter(self._families)
 
 
-def render_latest(registry: Collector) -> bytes:
-    """Same bytes as ``generate_latest(registry)``; :class:`RenderedFamily` rows are written directly.
+def render(registry: Collector, openmetrics: bool = False, escaping: str = om.UNDERSCORES,
+           version: str = "1.0.0") -> bytes:
+    """The registry in the text format 0.0.4, or in OpenMetrics (``openmetrics=True``).
 
-    Runs of other families go through prometheus-client's writer in order,
-    so the family order of the registry is kept.
+    Same bytes as ``generate_latest(registry, escaping)`` or
+    ``openmetrics.exposition.generate_latest(registry, escaping, version)``.
+    Runs of families other than :class:`RenderedFamily` go through that
+    writer in order, so the registry's family order is kept.
+
+    Raises:
+        ValueError: ``escaping`` rewrites legacy names (``dots``, ``values``); use
+            prometheus-client's writer for it, as :func:`negotiate` does.
     """
+    if escaping not in _NAMES_UNCHANGED:
+        raise ValueError(f"escaping {escaping!r} rewrites metric names; render() writes them unchanged")
+    if openmetrics:
+        def slow(fams: list[Metric]) -> str:
+            return om.generate_latest(_Families(fams), escaping=escaping, version=version).decode("utf-8")[:-len(_EOF)]
+    else:
+        def slow(fams: list[Metric]) -> str:
+            return generate_latest(_Families(fams), escaping=escaping).decode("utf-8")
+
     out: list[str] = []
     pending: list[Metric] = []
     for metric in registry.collect():
         if isinstance(metric, RenderedFamily):
             if pending:
-                out.append(generate_latest(_Families(pending)).decode("utf-8"))
+                out.append(slow(pending))
                 pending = []
-            metric.render(out)
+            out += (metric.header(openmetrics), metric.text)
         else:
             pending.append(metric)
     if pending:
-        out.append(generate_latest(_Families(pending)).decode("utf-8"))
+        out.append(slow(pending))
+    if openmetrics:
+        out.append(_EOF)
     return "".join(out).encode("utf-8")
+
+
+def render_latest(registry: Collector) -> bytes:
+    """Same bytes as ``generate_latest(registry)``: the text format 0.0.4."""
+    return render(registry)
+
+
+def render_openmetrics(registry: Collector) -> bytes:
+    """Same bytes as ``prometheus_client.openmetrics.exposition.generate_latest(registry)``."""
+    return render(registry, openmetrics=True)
+
+
+def negotiate(accept: str | None) -> tuple[Encoder, str]:
+    """The writer and ``Content-Type`` for a scrape's ``Accept`` header.
+
+    ``prometheus_client.exposition.choose_encoder`` decides (OpenMetrics when
+    asked for version 1.0.0 or later, the text format otherwise); its writer is
+    swapped for :func:`render` with the same format, escaping and version.
+    An escaping :func:`render` cannot write keeps prometheus-client's writer.
+    """
+    encoder, content_type = choose_encoder(accept or "")
+    if encoder is generate_latest:
+        return render_latest, content_type
+    if isinstance(encoder, functools.partial) and encoder.keywords.get("escaping") in _NAMES_UNCHANGED:
+        kw = encoder.keywords
+        if encoder.func is om.generate_latest:
+            return functools.partial(render, openmetrics=True, escaping=kw["escaping"],
+                                     version=kw.get("version", "1.0.0")), content_type
+        if encoder.func is generate_latest:
+            return functools.partial(render, escaping=kw["escaping"]), content_type
+    return encoder, content_type

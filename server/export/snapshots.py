@@ -2,7 +2,9 @@
 
 The collector thread writes summaries and drift scores; a scrape reads one
 immutable copy, so it never sees a half-applied pass and never blocks taps
-for longer than a dict copy.
+for longer than a dict copy. A layer's copy is rebuilt only after a write to
+it, so an unchanged layer hands the scrape the very same object, which is how
+the exporter knows to reuse its rendered lines.
 """
 
 from __future__ import annotations
@@ -111,6 +113,10 @@ class SnapshotStore:
         self._lock = threading.Lock()
         self._layers: dict[tuple[str, str, str], _LayerState] = {}
         self._clock = clock
+        # The latest copy of each layer, and the layers written since (ordered
+        # like _layers, so the snapshot order is the order layers appeared).
+        self._snaps: dict[tuple[str, str, str], LayerSnapshot] = {}
+        self._dirty: dict[tuple[str, str, str], None] = {}
         # Removed taps (oldest first, bounded): a summary still in flight must
         # not resurrect their series.
         self._gone: dict[str, None] = {}
@@ -131,6 +137,7 @@ class SnapshotStore:
             st = self._layers.get(key)
             if st is None:
                 st = self._layers[key] = _LayerState()
+            self._dirty[key] = None
             st.last_update = ts if st.last_update is None else max(st.last_update, ts)
             if primary and not getattr(summary, "unsampled", False):
                 # A sampled summary carries everything the tap computes now; a
@@ -196,6 +203,7 @@ class SnapshotStore:
             if tap in self._gone:
                 return
             st = self._layers.setdefault((tap, layer, point), _LayerState())
+            self._dirty[(tap, layer, point)] = None
             st.drift = score
             st.thresholds = thresholds
             st.channel_fraction = channel_fraction
@@ -208,6 +216,8 @@ class SnapshotStore:
                 del self._gone[next(iter(self._gone))]
             for k in [k for k in self._layers if k[0] == tap_id]:
                 del self._layers[k]
+                self._snaps.pop(k, None)
+                self._dirty.pop(k, None)
 
     def add_tap(self, tap_id: str) -> None:
         """A tap (possibly reusing a removed tap's name) may export again."""
@@ -219,18 +229,19 @@ class SnapshotStore:
             return len(self._layers)
 
     def snapshot(self) -> list[LayerSnapshot]:
-        """An immutable copy of every layer's latest telemetry."""
-        out = []
+        """An immutable copy of every layer's latest telemetry; a layer not written since the last call is the same object."""
         with self._lock:
-            for (tap, layer, point), st in self._layers.items():
+            for key in self._dirty:
+                st = self._layers[key]
                 v = st.values
-                out.append(
-                    LayerSnapshot(
-                        tap, layer, point,
-                        v.get("mean"), v.get("std"), v.get("min"), v.get("max"), v.get("abs_max"), v.get("zero_fraction"),
-                        st.quantiles, st.nan_total, st.inf_total, st.last_update,
-                        None if st.hist_edges is None or st.hist_counts is None else (st.hist_edges, st.hist_counts),
-                        st.drift, st.thresholds, st.channel_fraction,
-                    )
+                # quantiles, hist_counts and drift are replaced on write, never
+                # mutated, so the copy may share them.
+                self._snaps[key] = LayerSnapshot(
+                    *key,
+                    v.get("mean"), v.get("std"), v.get("min"), v.get("max"), v.get("abs_max"), v.get("zero_fraction"),
+                    st.quantiles, st.nan_total, st.inf_total, st.last_update,
+                    None if st.hist_edges is None or st.hist_counts is None else (st.hist_edges, st.hist_counts),
+                    st.drift, st.thresholds, st.channel_fraction,
                 )
-        return out
+            self._dirty.clear()
+            return list(self._snaps.values())

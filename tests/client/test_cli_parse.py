@@ -112,3 +112,12 @@ def test_missing_input_file_is_one_line_error(capsys: pytest.CaptureFixture[str]
     assert code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nope.npy" in err[0]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["layers", "1234"], ["watch", "1234", "layer*"], ["taps", "1234"], ["stats", "1234"], ["drift", "1234"]],
+)
+def test_read_commands_take_json(argv: list[str]) -> None:
+    assert cli.parse_args(argv).json is False
+    assert cli.parse_args([*argv, "--json"]).json is True

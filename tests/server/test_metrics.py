@@ -11,13 +11,14 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DriftThresholds
 from layertap.server.export.activations import ActivationCollector
 from layertap.server.export.endpoint import start_metrics_server, stop_metrics_server
-from layertap.server.export.exposition import render_latest
+from layertap.server.export.exposition import render_latest, render_openmetrics
 from layertap.server.export.health import ServerMetrics
 from layertap.server.export.pipeline import PipelineCollector
 from layertap.server.export.snapshots import LayerSnapshot, SnapshotStore
@@ -124,7 +125,7 @@ def test_activation_series_from_summaries(setup) -> None:
     assert g("layertap_activation_mean", lab) == 0.25 and g("layertap_activation_std", lab) == 1.5
     assert g("layertap_activation_min", lab) == -3.0 and g("layertap_activation_max", lab) == 4.0
     assert g("layertap_activation_abs_max", lab) == 4.0 and g("layertap_activation_zero_fraction", lab) == 0.1
-    assert g("layertap_activation_quantile", {**lab, "quantile": "0.5"}) == 0.2
+    assert g("layertap_activation_quantile", {**lab, "q": "0.5"}) == 0.2
     assert g("layertap_activation_nonfinite_total", {**lab, "kind": "nan"}) == 8.0
     assert g("layertap_activation_nonfinite_total", {**lab, "kind": "inf"}) == 4.0
     assert g("layertap_activation_last_update_timestamp_seconds", lab) == 1_700_000_000.5
@@ -198,6 +199,7 @@ def test_fast_render_matches_generate_latest_and_passes_promtool(setup) -> None:
     registry.register(PipelineCollector("demo", lambda: FakeTransferStats(12, 3, 1, 4_000_000), lambda: 2))
     fast, slow = render_latest(registry), generate_latest(registry)
     assert fast == slow
+    assert render_openmetrics(registry) == generate_openmetrics(registry)  # the other negotiated format
     assert b'layertap_transfer_dropped_passes_total{model="demo"} 3.0' in fast
     list(text_string_to_metric_families(fast.decode()))  # parses
     promtool = shutil.which("promtool")
