@@ -12,6 +12,9 @@ Variants:
   d  b with every=10 (nonfinite still on every pass)
   e, f, g  b, c, d with the compiled (inductor) basic-statistics kernel, after
      its background compiles finished (``--no-compile`` drops these rows)
+  h  f with the sample sorted as float64 values, the sort before the
+     integer-key sort of issue 10 (``--float-sort`` adds this row, to compare
+     before and after in one run; it swaps ``workspace.sort_ascending``)
   r:<name>  one reducer alone (``--reducers`` adds these rows)
 
 CPU default: the demo model, batch 32. GPU: ``--model resnet50 --dtype bfloat16
@@ -31,6 +34,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from layertap.server.reducers import workspace
 from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.stream.broker import Broker
 from layertap.server.host.model_host import ModelHost
@@ -38,6 +42,14 @@ from layertap.server.host.sources import load_model
 from layertap.server.taps.tap_files import reducer_spec
 from layertap.server.taps.engine import TapEngine
 from layertap.v1 import telemetry_pb2 as pb
+
+key_sort = workspace.sort_ascending
+
+
+def float_sort(s: torch.Tensor) -> torch.Tensor:
+    """The sample sort before issue 10 (variant h): ``torch.sort`` of the float64 values."""
+    return torch.sort(s.to(torch.float64)).values
+
 
 BASIC = ["moments", "minmax", "zero_fraction", "nonfinite"]
 ALL = ["moments", "minmax", "abs_max", "zero_fraction", "nonfinite", "norm", "histogram", "quantiles", "per_channel"]
@@ -79,6 +91,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--reducers", action="store_true", help="also time each reducer alone")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled-kernel variants")
+    ap.add_argument("--float-sort", action="store_true",
+                    help="also time f with the float64 sort of the sample (before issue 10's key sort)")
     args = ap.parse_args()
 
     dtype = getattr(torch, args.dtype)
@@ -143,6 +157,21 @@ def main() -> None:
                                          ("g", "d", BASIC)):
             name = f"{key} {label}, compiled basic statistics"
             variants[name] = with_compiled(functools.partial(taps, base_variant, 10 if label == "d" else 0))
+            compiled_variants.append(name)
+        if args.float_sort:
+            def float_sorted(install: Callable[[], Callable[[], None]]) -> Callable[[], Callable[[], None]]:
+                def installed() -> Callable[[], None]:
+                    workspace.sort_ascending = float_sort
+                    remove = install()
+
+                    def undo() -> None:
+                        remove()
+                        workspace.sort_ascending = key_sort
+                    return undo
+                return installed
+
+            name = "h f with the float64 sort (before)"
+            variants[name] = float_sorted(variants["f c, compiled basic statistics"])
             compiled_variants.append(name)
     if args.reducers:
         for r in ALL:

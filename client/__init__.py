@@ -8,6 +8,9 @@ The base install has no torch; ``as_torch=True`` needs it. Everything public
 is listed in ``__all__``; modules starting with ``_`` are private.
 """
 
+import importlib as _importlib
+from typing import Any as _Any
+
 from ._client import Client
 from ._errors import (
     AlreadyExists,
@@ -53,9 +56,27 @@ from ._types import (
 from ._taps import SummaryStream, TapHandle
 from ._version import __version__
 
+
+def attach(model: _Any, optimizer: _Any = None, **options: _Any) -> _Any:
+    """Start a layertap agent inside a training process; returns the agent.
+
+    Needs the ``[server]`` extra (torch); the rest of this package does not,
+    so the server is imported only here. See
+    ``layertap.server.train.agent.attach`` for the options and docs/training.md.
+
+    >>> with layertap.attach(model, optimizer) as agent:  # doctest: +SKIP
+    ...     train(model, optimizer)  # clients connect to agent.port
+    """
+    try:
+        agent_module = _importlib.import_module("layertap.server.train.agent")
+    except ImportError as exc:
+        raise ImportError("layertap.attach needs the server extra: pip install 'layertap[server]'") from exc
+    return agent_module.attach(model, optimizer, **options)
+
 __all__ = [
     # client
     "Client",
+    "attach",
     "SummaryStream",
     "TapHandle",
     # errors

@@ -2,10 +2,11 @@
 
 :func:`capture_request` validates the options client-side. A Capture stream
 sends, per tensor, a header (layer, placement, dtype, shape, byte count) and
-then its bytes in order, in chunks. :class:`CaptureAssembler` checks each
-header's claim before allocating the tensor's buffer, and each chunk against
-the header and the bytes so far; :func:`shape_capture` then arranges the
-tensors the way ``Client.capture`` returns them.
+then its bytes in order, in chunks (read in place: ``_capture_wire``).
+:class:`CaptureAssembler` checks each header's claim before allocating the
+tensor's buffer, and each chunk against the header and the bytes so far;
+:func:`shape_capture` then arranges the tensors the way ``Client.capture``
+returns them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from ._codec import Array, DType, TensorValue, decode_array, dtype_code, dtype_name, encode_tensor, layout
+from ._capture_wire import CaptureMessage, WireChunk
+from ._codec import (
+    Array, DType, TensorValue, decode_array, dtype_code, dtype_name, encode_tensor, layout, require_torch,
+)
 from ._convert import point_code, point_name
 from ._errors import InvalidArgument, ProtocolError
 from ._types import Structured
@@ -36,10 +40,22 @@ class CaptureOptions(TypedDict, total=False):
     progress: ProgressCallback | None
 
 
+#: Characters that make a selector a glob (the server's selector grammar).
+GLOB_CHARS = frozenset("*?[")
+
+
+def is_pattern(selector: str) -> bool:
+    """Whether a selector is a glob or ``re:`` regex rather than one exact name.
+
+    The tap selector grammar's own rule: ``re:`` first, or any of ``*?[``.
+    """
+    return selector.startswith("re:") or not GLOB_CHARS.isdisjoint(selector)
+
+
 def capture_request(
     layers: Sequence[str],
     *,
-    inputs: Sequence[Any] | None,
+    input: Any,  # noqa: A002 - Client.capture's name
     passes: int,
     point: str,
     max_batch: int | None,
@@ -47,13 +63,18 @@ def capture_request(
 ) -> telemetry_pb2.CaptureRequest:
     """Builds a CaptureRequest, validating the options client-side.
 
+    Exact names go in ``layers``, which every server understands; when any
+    entry is a glob or regex, all go in ``selectors``, keeping their order.
+    ``input`` is an active capture's model input: an array, or a tuple or
+    list of them for a multi-argument model (None: a passive capture).
+
     Raises:
         InvalidArgument: Empty layer list, n < 1, negative max_batch, a point
             other than output/input, or a downcast dtype other than
             float16/bfloat16.
     """
     if not layers or any(not isinstance(name, str) or not name for name in layers):
-        raise InvalidArgument("capture needs at least one non-empty layer name")
+        raise InvalidArgument("capture needs at least one non-empty layer name or selector")
     if passes < 1:
         raise InvalidArgument(f"n must be >= 1, got {passes}")
     if max_batch is not None and max_batch < 1:
@@ -61,16 +82,15 @@ def capture_request(
     code = point_code(point)
     if code not in (telemetry_pb2.POINT_OUTPUT, telemetry_pb2.POINT_INPUT):
         raise InvalidArgument(f"capture supports point 'output' or 'input', got {point!r}")
-    req = telemetry_pb2.CaptureRequest(
-        layers=list(layers), point=code, passes=passes, max_batch=max_batch or 0
-    )
+    req = telemetry_pb2.CaptureRequest(point=code, passes=passes, max_batch=max_batch or 0)
+    (req.selectors if any(is_pattern(name) for name in layers) else req.layers).extend(layers)
     if dtype is not None:
         dcode = dtype_code(dtype)
         if dcode not in (tensor_pb2.DATA_TYPE_FLOAT16, tensor_pb2.DATA_TYPE_BFLOAT16):
             raise InvalidArgument(f"capture dtype must be 'float16' or 'bfloat16', got {dtype!r}")
         req.dtype = dcode
-    if inputs is not None:
-        req.inputs.extend(encode_tensor(x) for x in inputs)
+    if input is not None:
+        req.inputs.extend(encode_tensor(x) for x in (input if isinstance(input, (tuple, list)) else [input]))
     return req
 
 
@@ -133,6 +153,8 @@ class CaptureAssembler:
         progress: ProgressCallback | None = None,
         max_bytes: int = MAX_CAPTURE_BYTES,
     ) -> None:
+        if as_torch:
+            require_torch()
         self._as_torch = as_torch
         self._progress = progress
         self._max_bytes = max_bytes
@@ -142,14 +164,15 @@ class CaptureAssembler:
         self._received = 0
         self._expected = 0
 
-    def feed(self, msg: telemetry_pb2.CaptureResponse) -> None:
-        """Consumes one CaptureResponse.
+    def feed(self, msg: CaptureMessage) -> None:
+        """Consumes one CaptureResponse (or a chunk of one read in place).
 
         Raises:
             ProtocolError: The message contradicts the stream so far.
         """
-        kind = msg.WhichOneof("payload")
-        if kind == "header":
+        if isinstance(msg, WireChunk):
+            self._chunk(msg)
+        elif (kind := msg.WhichOneof("payload")) == "header":
             self._header(msg.header)
         elif kind == "chunk":
             self._chunk(msg.chunk)
@@ -216,7 +239,7 @@ class CaptureAssembler:
         else:
             self._open = pending
 
-    def _chunk(self, c: telemetry_pb2.CaptureChunk) -> None:
+    def _chunk(self, c: telemetry_pb2.CaptureChunk | WireChunk) -> None:
         p = self._open
         if p is None or p.tensor_id != c.tensor_id:
             state = "finished" if c.tensor_id in self._seen else "unannounced"
@@ -230,8 +253,8 @@ class CaptureAssembler:
                 f"{what}: chunk {c.chunk_index} starts at byte {c.offset}, not at {p.received} "
                 f"where the previous one ended ({'gap' if c.offset > p.received else 'overlap'})"
             )
-        data = c.data  # each access copies the bytes out of the message: once only
-        n = len(data)
+        data = c.data  # a view (WireChunk), or a copy on each access of a protobuf message: read once
+        n = len(data) if isinstance(data, bytes) else data.nbytes
         if n == 0:
             raise ProtocolError(f"{what}: chunk {c.chunk_index} is empty")
         if p.received + n > p.total:
@@ -298,7 +321,8 @@ def shape_capture(tensors: list[CapturedTensor], names: list[str], *, single: bo
     """Arranges captured tensors as ``Client.capture`` returns them.
 
     Per pass: the one layer's value (``single``) or a dict name -> value, in
-    the requested order; a list of passes when ``n > 1``.
+    the requested order (the server's, when ``names`` holds a selector); a
+    list of passes when ``n > 1``.
 
     Raises:
         ProtocolError: No tensor arrived, or none for the single requested layer.
@@ -309,9 +333,10 @@ def shape_capture(tensors: list[CapturedTensor], names: list[str], *, single: bo
     if not by_pass:
         raise ProtocolError("the capture stream ended without any tensor")
     passes: list[Structured] = []
+    first = [] if any(is_pattern(name) for name in names) else names
     for ordinal in sorted(by_pass):
         layer_groups = by_pass[ordinal]
-        order = names + [name for name in layer_groups if name not in names]
+        order = first + [name for name in layer_groups if name not in first]
         values = {name: _layer_value(layer_groups[name]) for name in order if name in layer_groups}
         if single:
             if names[0] not in values:
@@ -320,3 +345,26 @@ def shape_capture(tensors: list[CapturedTensor], names: list[str], *, single: bo
         else:
             passes.append(values)
     return passes[0] if n == 1 else passes
+
+
+# --------------------------------------------------------------------------- the call
+
+
+def receive(call: Any, assembler: CaptureAssembler) -> None:
+    """Feeds every message of a Capture call to ``assembler``; cancels the call if anything fails.
+
+    ``call`` is what :func:`~layertap._capture_wire.capture_method` returned,
+    a ``grpc.Call`` iterating over :data:`CaptureMessage` values.
+    """
+    try:
+        for msg in call:
+            assembler.feed(msg)
+    except BaseException:
+        call.cancel()  # Free the server's capture hooks now, not at the deadline.
+        raise
+
+
+def no_traffic_hint(names: Sequence[str], passes: int) -> str:
+    """What a passive capture that ran out of time most likely lacked."""
+    return (f"no live Infer traffic reached {', '.join(names)} in time ({passes} pass(es) wanted): "
+            "pass input= for an active capture, or a longer timeout=")

@@ -11,8 +11,9 @@ from typing import Any, Literal, overload
 
 import grpc
 
-from . import _capture, _codec, _convert
+from . import _capture, _convert
 from ._capture import CaptureOptions, ProgressCallback
+from ._capture_wire import capture_method
 from ._channel import TlsOption, open_channel
 from ._codec import Array
 from ._errors import ClientClosed, DeadlineExceeded, InvalidArgument, NotFound, from_rpc_error
@@ -90,6 +91,7 @@ class Client:
         self._channel, calls = open_channel(self.target, options, token, tls)
         self._inference = inference_pb2_grpc.InferenceServiceStub(calls)
         self._telemetry = telemetry_pb2_grpc.TelemetryServiceStub(calls)
+        self._capture_rpc = capture_method(calls)  # chunks read in place, not through protobuf
         self._closed = False
         self._lock = threading.Lock()
 
@@ -264,7 +266,10 @@ class Client:
         marked and never feed taps or baselines).
 
         Args:
-            layers: One exact module name, or a list of them.
+            layers: One exact module name, a selector as for :meth:`watch`
+                (a glob such as ``"layer*"``, or ``"re:<regex>"``; a string
+                starting ``re:`` or holding ``*``, ``?`` or ``[`` is one),
+                or a list of names and selectors.
             input: Model input for an active capture: an array, or a tuple or
                 list of arrays for a multi-argument model.
             n: Passes to capture.
@@ -277,10 +282,12 @@ class Client:
                 data arrives; ``total_bytes`` counts the headers seen so far.
 
         Returns:
-            A layer name and ``n=1``: its array. A list of names: a dict name ->
-            array. ``n > 1``: a list with one such entry per pass. Where the
-            layer's value is a tuple/list (or a multi-argument input), a list
-            ordered by position replaces the array; a dict output gives a dict.
+            A layer name and ``n=1``: its array. A selector or a list: a dict
+            layer name -> array, in the order the server matched them (a
+            selector's layers in model order). ``n > 1``: a list with one such
+            entry per pass. Where the layer's value is a tuple/list (or a
+            multi-argument input), a list ordered by position replaces the
+            array; a dict output gives a dict.
             A module that runs more than once per pass (a shared ReLU, say)
             gives a list with one such value per call, in call order.
 
@@ -289,38 +296,30 @@ class Client:
             ``as_torch=True``.
 
         Raises:
-            LayerNotFound: A name is not a module; the error suggests close names.
-            CaptureTooLarge: Over the server's byte cap (no data was sent).
+            LayerNotFound: A name is not a module, or a selector matches none;
+                the error suggests close names.
+            InvalidArgument: A malformed selector.
+            CaptureTooLarge: Over the server's byte cap (no data was sent); the
+                error says how many layers the request matched.
             ResourceExhausted: Too many concurrent captures, or n over the limit.
-            FailedPrecondition: The model refuses hooks (TorchScript).
+            FailedPrecondition: The model refuses hooks (TorchScript), or a named
+                module (or every layer of a selector) did not run in the pass.
             DeadlineExceeded: No (or not enough) traffic before the deadline.
             ProtocolError: The stream ended before every byte arrived.
         """
         names = [layers] if isinstance(layers, str) else list(layers)
-        inputs: list[Any] | None = None
-        if input is not None:
-            inputs = list(input) if isinstance(input, (tuple, list)) else [input]
-        req = _capture.capture_request(
-            names, inputs=inputs, passes=n, point=point, max_batch=max_batch, dtype=dtype
-        )
-        if as_torch:
-            _codec.require_torch()  # Fail before the server does any work.
+        req = _capture.capture_request(names, input=input, passes=n, point=point, max_batch=max_batch, dtype=dtype)
+        # Checks for torch when as_torch is set: before the server does any work.
         assembler = _capture.CaptureAssembler(as_torch=as_torch, progress=progress)
         try:
             with self._translating(layer_hint=True):
-                call = self._telemetry.Capture(req, timeout=self._deadline(timeout))
-                try:
-                    for msg in call:
-                        assembler.feed(msg)
-                except BaseException:
-                    call.cancel()  # Free the server's capture hooks now, not at the deadline.
-                    raise
+                _capture.receive(self._capture_rpc(req, timeout=self._deadline(timeout)), assembler)
         except DeadlineExceeded as exc:
-            if inputs is None:
-                exc.hint = (f"no live Infer traffic reached {', '.join(names)} in time ({n} pass(es) "
-                            "wanted): pass input= for an active capture, or a longer timeout=")
+            if input is None:
+                exc.hint = _capture.no_traffic_hint(names, n)
             raise
-        return _capture.shape_capture(assembler.finish(), names, single=isinstance(layers, str), n=n)
+        single = isinstance(layers, str) and not _capture.is_pattern(layers)
+        return _capture.shape_capture(assembler.finish(), names, single=single, n=n)
 
     # ------------------------------------------------------------------ taps
 

@@ -40,8 +40,8 @@ from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.rpc.health import HealthServicer
 from layertap.server.rpc.state import ServerState, StateCell
 from layertap.server.tls import TlsFiles
-from layertap.server.rpc.telemetry import TelemetryService
-from layertap.v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
+from layertap.server.rpc.telemetry import TelemetryService, add_to_server as add_telemetry_service
+from layertap.v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")
@@ -155,19 +155,26 @@ class LayertapServer:
         self.stop(0)
 
 
-def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> ServerState:
+def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host: ModelHost | None = None,
+                registry: CollectorRegistry | None = None) -> ServerState:
     """Load the model and assemble the pipeline (no sockets yet).
 
     The data flow is wired here and only here: host -> tap engine -> host
     transfer -> broker (subscribers) and the sinks (Prometheus export, drift).
+
+    Args:
+        host: A host built by the caller (a training agent's), used as is.
+        registry: What ``/metrics`` serves, when metrics are on (default: a new one).
     """
-    if loaded is None:
-        loaded = load_model(config.model, seed=config.seed, weights=config.weights,
-                            input_shape=config.input_shape, input_dtype=config.input_dtype)
-    if config.dtype not in MODEL_DTYPES:
-        raise ModelLoadError(f"--dtype {config.dtype!r}: expected one of {', '.join(MODEL_DTYPES)}")
-    host = ModelHost(loaded, device=pick_device(config.device), dtype=DTYPE_BY_NAME[config.dtype])
-    host.warm_up()
+    if host is None:
+        if loaded is None:
+            loaded = load_model(config.model, seed=config.seed, weights=config.weights,
+                                input_shape=config.input_shape, input_dtype=config.input_dtype)
+        if config.dtype not in MODEL_DTYPES:
+            raise ModelLoadError(f"--dtype {config.dtype!r}: expected one of {', '.join(MODEL_DTYPES)}")
+        host = ModelHost(loaded, device=pick_device(config.device), dtype=DTYPE_BY_NAME[config.dtype])
+        host.warm_up()
+    loaded = host.loaded
     # One process-wide switch: inductor's caches are process-wide too.
     COMPILED_STATS.set_enabled(config.compile_reducers)
     version = server_version()
@@ -175,9 +182,11 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     broker = Broker(default_queue_size=config.subscriber_queue, max_subscribers=config.max_subscribers, sinks=sinks,
                     queue_bytes=config.subscriber_queue_bytes)
     taps = TapEngine(host, broker, max_taps=config.max_taps, sinks=sinks)
-    registry = metrics = snapshots = None
-    if config.metrics_port is not None:
-        registry = CollectorRegistry(auto_describe=True)
+    metrics = snapshots = None
+    if config.metrics_port is None:
+        registry = None
+    else:
+        registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         metrics = ServerMetrics(registry, loaded.name, version=version)
         snapshots = SnapshotStore()
         registry.register(ActivationCollector(snapshots.snapshot, loaded.name, max_layers=config.max_export_layers))
@@ -204,10 +213,12 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     return state
 
 
-def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> LayertapServer:
+def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, host: ModelHost | None = None,
+                 registry: CollectorRegistry | None = None) -> LayertapServer:
     """Build everything and start serving; returns once the port is bound.
 
     Health reports NOT_SERVING until the model is loaded and warmed up.
+    ``host`` and ``registry``: see :func:`build_state`.
     """
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -231,7 +242,7 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Lay
     )
     cell = StateCell()
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(cell), server)
-    telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(TelemetryService(cell), server)
+    add_telemetry_service(TelemetryService(cell), server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", *SERVICE_NAMES):
@@ -250,7 +261,7 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Lay
     try:
         if config.health_address:
             health_server, health_port = start_health_listener(config.health_address, health_servicer)
-        state = build_state(config, loaded)
+        state = build_state(config, loaded, host=host, registry=registry)
     except BaseException:
         server.stop(0)
         if health_server is not None:

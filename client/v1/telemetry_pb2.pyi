@@ -192,6 +192,7 @@ class CaptureRequest(_message.Message):
     INPUTS_FIELD_NUMBER: _builtins.int
     MAX_BATCH_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
+    SELECTORS_FIELD_NUMBER: _builtins.int
     point: Global___Point.ValueType
     """POINT_OUTPUT (default) or POINT_INPUT."""
     passes: _builtins.int
@@ -202,11 +203,24 @@ class CaptureRequest(_message.Message):
     """Downcast floating tensors to DATA_TYPE_FLOAT16 or DATA_TYPE_BFLOAT16."""
     @_builtins.property
     def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Exact module names, as listed by ListLayers."""
+        """Exact module names, as listed by ListLayers (`selectors` takes globs and
+        regexes). A name must be a module that runs for the captured pass.
+        """
 
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]:
         """Active capture: run these inputs instead of waiting for live traffic."""
+
+    @_builtins.property
+    def selectors(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Layer selectors, the grammar of TapSpec.selector: an exact module name, a
+        glob (`layer*`, `layer*.*`, `**`; `*` and `?` stay within one dotted
+        level) or `re:<regex>` (RE2, matched whole). Each must match a layer
+        (NOT_FOUND naming it) and, for a glob or regex, at least one of its layers
+        must run in the pass. The capture takes `layers`, then each selector's
+        matches in model order, each layer once; headers name the layer. At most
+        64 selectors per request.
+        """
 
     def __init__(
         self,
@@ -217,10 +231,11 @@ class CaptureRequest(_message.Message):
         inputs: _abc.Iterable[_tensor_pb2.Tensor] | None = ...,
         max_batch: _builtins.int = ...,
         dtype: _tensor_pb2.DataType.ValueType = ...,
+        selectors: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "inputs", b"inputs", "layers", b"layers", "max_batch", b"max_batch", "passes", b"passes", "point", b"point"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "inputs", b"inputs", "layers", b"layers", "max_batch", b"max_batch", "passes", b"passes", "point", b"point", "selectors", b"selectors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -4,10 +4,18 @@ Every torch hook layertap installs goes through :class:`HookRegistry`, which
 keeps the live count that ``GetServerStats``/``ListLayers`` report. Callbacks
 only fire while a pass is current (see :mod:`layertap.server.host.model_host`), so
 each firing belongs to exactly one pass.
+
+Gradient points use tensor hooks, not ``register_full_backward_hook``: a full
+backward hook wraps the module's outputs in a custom Function, and a later
+in-place op on them (``ReLU(inplace=True)``) then raises inside the user's
+forward. A tensor hook registered before an in-place op still receives the
+gradient of the value it saw, and never raises. A tap only observes: no
+callback exception ever reaches the model's forward or backward.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +26,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from layertap.v1 import telemetry_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 #: ``callback(ctx, value)``: ``value`` is the output object, the args tuple,
 #: the grad tuple, or a :class:`ParamGrad` depending on the point.
@@ -32,7 +42,8 @@ POINT_BY_NAME: dict[str, int] = {v: k for k, v in POINT_NAMES.items()}
 
 
 class ParamGrad(NamedTuple):
-    """A parameter's accumulated gradient; ``position`` is its place in the module."""
+    """One gradient tensor and its ``position``: a parameter's place in the module
+    (``name`` its name), or the index of the output or input it belongs to (``name`` "")."""
 
     position: int
     name: str
@@ -53,34 +64,63 @@ class HookHandle:
         self._registry._remove(self)
 
 
-class HookRegistry:
-    """Installs and counts torch hooks on the hosted model's modules."""
+def _modifies_input(module: nn.Module) -> bool:
+    """Modules that write their input in place (``ReLU(inplace=True)``, dropout...)."""
+    return bool(getattr(module, "inplace", False))
 
-    def __init__(self, model: nn.Module, current_pass: Callable[[], Any]) -> None:
+
+class HookRegistry:
+    """Installs and counts torch hooks on the hosted model's modules.
+
+    Args:
+        model: The module whose named submodules are hooked.
+        current_pass: The pass a firing belongs to (None: ignore the firing).
+        deferred_param_grads: Read ``param_grad`` only in :meth:`read_param_grads`
+            (a training step's optimizer pre-step) instead of after each
+            gradient accumulation.
+    """
+
+    def __init__(self, model: nn.Module, current_pass: Callable[[], Any], *,
+                 deferred_param_grads: bool = False) -> None:
         self._modules = dict(model.named_modules())
         self._current_pass = current_pass
+        self._deferred = deferred_param_grads
         self._lock = threading.Lock()
         self._live: set[int] = set()
+        #: Deferred param_grad readers, copy-on-write: the model thread reads without the lock.
+        self._readers: tuple[tuple[HookHandle, Callable[[], None]], ...] = ()
+        #: Callback exceptions swallowed so the model's pass went on.
+        self.errors = 0
+        #: Modules found writing their input in place: grad_input hooks them without an alias.
+        self._inplace: set[int] = set()
 
     @property
     def active(self) -> int:
         """Number of torch hook handles currently installed."""
         with self._lock:
-            return len(self._live)
+            return len(self._live) + len(self._readers)
 
     def add(self, layer: str, point: int, callback: HookCallback) -> HookHandle:
         """Install ``callback`` at ``layer``/``point``; the caller owns removal."""
         module = self._modules[layer]
         current = self._current_pass
         handle = HookHandle(layer, point, [], self)
+        # A hook added while a pass runs (a training step: the model thread
+        # never waits for the RPC adding it) would see only part of that pass.
+        born = current()
 
         def fire(value: Any) -> None:
             # A handle removed mid-pass (from another thread) goes quiet at
             # once; torch copies its hook dicts before iterating, so the
             # removal itself is safe without holding the model lock.
             ctx = current()
-            if ctx is not None and not handle._removed:
+            if ctx is None or handle._removed or ctx is born:
+                return
+            try:
                 callback(ctx, value)
+            except Exception:  # noqa: BLE001 - a tap never raises into the model
+                self.errors += 1
+                log.exception("hook at %s (%s) failed; the pass went on", layer, POINT_NAMES.get(point))
 
         handles: list[RemovableHandle] = []
         if point == pb.POINT_OUTPUT:
@@ -88,23 +128,92 @@ class HookRegistry:
         elif point == pb.POINT_INPUT:
             handles.append(module.register_forward_pre_hook(lambda _m, args: fire(args)))
         elif point == pb.POINT_GRAD_OUTPUT:
-            handles.append(module.register_full_backward_hook(lambda _m, _gi, go: fire(go)))
+            handles.append(module.register_forward_hook(lambda _m, _a, out: self._watch_outputs(out, fire, handle)))
         elif point == pb.POINT_GRAD_INPUT:
-            handles.append(module.register_full_backward_hook(lambda _m, gi, _go: fire(gi)))
+            aliases: list[tuple[torch.Tensor, int]] = []
+            handles.append(module.register_forward_pre_hook(
+                lambda m, args: self._watch_inputs(m, args, fire, handle, aliases)))
+            handles.append(module.register_forward_hook(lambda m, _a, _o: self._check_aliases(m, aliases)))
         elif point == pb.POINT_PARAM_GRAD:
-            for i, (pname, param) in enumerate(module.named_parameters()):
-                if param.requires_grad:
-                    handles.append(
-                        param.register_post_accumulate_grad_hook(
-                            lambda p, _i=i, _n=pname: fire(ParamGrad(_i, _n, p.grad))
-                        )
-                    )
+            params = [(i, n, p) for i, (n, p) in enumerate(module.named_parameters()) if p.requires_grad]
+            if self._deferred:
+                def read() -> None:
+                    for i, n, p in params:
+                        if p.grad is not None:
+                            fire(ParamGrad(i, n, p.grad))
+
+                handle._handles = []
+                with self._lock:
+                    self._readers = (*self._readers, (handle, read))
+                return handle
+            for i, pname, param in params:
+                handles.append(param.register_post_accumulate_grad_hook(
+                    lambda p, _i=i, _n=pname: fire(ParamGrad(_i, _n, p.grad))))
         else:
             raise ValueError(f"unknown point {point}")
         handle._handles = handles
         with self._lock:
             self._live.update(id(h) for h in handles)
         return handle
+
+    def read_param_grads(self) -> None:
+        """Fire every deferred ``param_grad`` hook with the gradients as they are now."""
+        for _handle, read in self._readers:
+            read()
+
+    # -- gradient hooks (forward hooks that hook tensors; never raise) ----------
+    def _guarded(self, what: str, work: Callable[[], Any]) -> Any:
+        if not torch.is_grad_enabled():
+            return None  # no backward will come: nothing to hook
+        try:
+            return work()
+        except Exception:  # noqa: BLE001 - a tap never raises into the model
+            self.errors += 1
+            log.exception("installing a %s tensor hook failed; the pass went on", what)
+            return None
+
+    def _watch_outputs(self, out: Any, fire: Callable[[Any], None], handle: HookHandle) -> None:
+        def work() -> None:
+            for i, t in enumerate(_tensors(out)):
+                if t is not None and t.requires_grad and not handle._removed:
+                    t.register_hook(lambda g, _i=i: fire(ParamGrad(_i, "", g)))
+
+        self._guarded("grad_output", work)
+
+    def _watch_inputs(self, module: nn.Module, args: tuple[Any, ...], fire: Callable[[Any], None],
+                      handle: HookHandle, aliases: list[tuple[torch.Tensor, int]]) -> tuple[Any, ...] | None:
+        # The module's own share of its input's gradient needs a tensor only
+        # it uses: an alias (a view, no copy). A module that writes its input
+        # in place would orphan the alias's hook, so its input is hooked
+        # directly (the in-place write makes the module its only reader).
+        direct = _modifies_input(module) or id(module) in self._inplace
+        aliases.clear()
+
+        def work() -> tuple[Any, ...] | None:
+            if handle._removed:
+                return None
+            new = list(args)
+            for i, t in enumerate(args):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    target = t if direct else t.view_as(t)
+                    target.register_hook(lambda g, _i=i: fire(ParamGrad(_i, "", g)))
+                    if not direct:
+                        aliases.append((target, target._version))
+                    new[i] = target
+            return None if direct else tuple(new)
+
+        result: tuple[Any, ...] | None = self._guarded("grad_input", work)
+        return result
+
+    def _check_aliases(self, module: nn.Module, aliases: list[tuple[torch.Tensor, int]]) -> None:
+        """An alias written in place never gets its gradient: hook that module directly from now on."""
+        written = any(t._version != v for t, v in aliases)
+        aliases.clear()
+        if written and id(module) not in self._inplace:
+            self._inplace.add(id(module))
+            self.errors += 1
+            log.warning("%s writes its input in place: its grad_input is missed this pass and read "
+                        "directly from the next one", type(module).__name__)
 
     def _remove(self, handle: HookHandle) -> None:
         with self._lock:
@@ -113,5 +222,17 @@ class HookRegistry:
             handle._removed = True
             for h in handle._handles:
                 self._live.discard(id(h))
+            self._readers = tuple(r for r in self._readers if r[0] is not handle)
         for h in handle._handles:
             h.remove()
+
+
+def _tensors(value: Any) -> list[torch.Tensor | None]:
+    """The tensors of a module output, by position (non-tensors as None)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v if isinstance(v, torch.Tensor) else None for v in value]
+    if isinstance(value, dict):
+        return [v if isinstance(v, torch.Tensor) else None for v in value.values()]
+    return []

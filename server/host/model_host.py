@@ -3,6 +3,11 @@
 Passes are serialised by a lock, so every hook firing belongs to exactly one
 pass (and one request). Observers (taps, passive captures) are told when a
 pass finishes, still under the lock, so per-pass state never interleaves.
+
+A training host (``training=True``, see :mod:`layertap.server.train`) hosts a
+model the user's training loop runs: that thread opens and closes its passes
+with :meth:`ModelHost.begin_pass`/:meth:`ModelHost.end_pass` and never takes
+the model lock, so it never waits for an RPC that holds it to add hooks.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 from torch import nn
 
 from layertap.server.codec import dtype_name
-from layertap.server.errors import InvalidSpec, LimitExceeded
+from layertap.server.errors import InvalidSpec, LimitExceeded, Unsupported
 from layertap.server.host.hooks import HookRegistry, ParamGrad
 from layertap.server.host.sources import InputSpec, LoadedModel
 
@@ -59,6 +64,8 @@ class PassContext:
     wall_time: float = field(default_factory=time.time)
     #: Set when the forward (or backward) raised: observers drop the pass.
     failed: bool = False
+    #: The host's observers when the pass began: only they are told it finished.
+    observers: tuple[PassObserver, ...] = field(default=(), repr=False)
 
     @property
     def active(self) -> bool:
@@ -105,12 +112,21 @@ class ModelHost:
     """Hosts one model on one device and runs its forward passes one at a time."""
 
     def __init__(self, loaded: LoadedModel, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, training: bool = False) -> None:
+        """Args:
+            training: The model belongs to a training loop: it is not moved or
+                cast, ``run`` is refused (it would change its state), and
+                parameter gradients are read when the loop says they are ready
+                (:meth:`read_param_grads`).
+        """
         self.loaded = loaded
         self.device = torch.device(device)
         self.dtype = dtype
+        self.training = training
         module = loaded.module
-        if loaded.hooks_supported:
+        if training:
+            pass  # the user's model stays where and what it is
+        elif loaded.hooks_supported:
             module = module.to(device=self.device, dtype=dtype)
         else:
             module = module.to(self.device)
@@ -127,7 +143,11 @@ class ModelHost:
         self._observers: tuple[PassObserver, ...] = ()
         self._observers_lock = threading.Lock()
         self.passes = 0
-        self.hooks = HookRegistry(self.module, lambda: self._current)
+        #: While True, hooks ignore firings: an evaluation forward inside a training step.
+        self.quiet = False
+        self.hooks = HookRegistry(self.module, lambda: None if self.quiet else self._current,
+                                  deferred_param_grads=training)
+        self._probe: torch.utils.hooks.RemovableHandle | None = None
         self._modules = dict(self.module.named_modules()) if loaded.hooks_supported else {"": self.module}
         self.layer_shapes: dict[str, LayerShapes] = {}
         self._probe_armed = loaded.hooks_supported
@@ -166,7 +186,17 @@ class ModelHost:
 
     # -- passes --------------------------------------------------------------
     def validate_inputs(self, inputs: Sequence[torch.Tensor], field_name: str = "inputs") -> None:
-        """Check count, dtype and shape against the declared signature."""
+        """Check count, dtype and shape against the declared signature.
+
+        Raises:
+            Unsupported: On a training host (FAILED_PRECONDITION): a pass of a
+                client's input would run the training model, changing its
+                BatchNorm statistics, dropout's RNG and its autograd graph.
+        """
+        if self.training:
+            raise Unsupported(f"{field_name}: this is a training agent (layertap.attach); it observes the training "
+                              "loop's own steps only, and Infer or an active capture would change the training "
+                              "model's state", reason="TRAINING_AGENT", field=field_name)
         if len(inputs) != len(self.inputs):
             raise InvalidSpec(field_name, f"expected {len(self.inputs)} input tensor(s), got {len(inputs)}")
         for i, (t, spec) in enumerate(zip(inputs, self.inputs)):
@@ -184,31 +214,56 @@ class ModelHost:
         """Hold the model for one pass. In-process users (training loops) run
         forward and backward inside; observers are told when it exits."""
         with self._lock:
-            ctx = PassContext(next(self._counter), active_owner=active_owner, step=step)
-            self._current = ctx
-            # Shapes are recorded on one pass per PROBE_SECONDS (or the next
-            # pass after ListLayers): a one-pass global hook, cheap on average.
-            now = time.monotonic()
-            due = self.loaded.hooks_supported and now - self._last_probe >= PROBE_SECONDS
-            probe = self._start_probe() if (self._probe_armed or due) else None
+            ctx = self.begin_pass(step=step, active_owner=active_owner)
             try:
                 yield ctx
             except BaseException:
                 ctx.failed = True
                 raise
             finally:
-                if probe is not None:
-                    probe.remove()
-                self._current = None
-                self.passes += 1
-                for obs in self._observers:
-                    obs.pass_finished(ctx)
+                self.end_pass(ctx)
+
+    def begin_pass(self, *, step: int | None = None, active_owner: object | None = None) -> PassContext:
+        """Make a new pass current. The caller serialises passes: the model
+        lock (:meth:`pass_context`), or being the training loop's thread."""
+        ctx = PassContext(next(self._counter), active_owner=active_owner, step=step)
+        # Observers that arrive mid-pass (a training step runs while RPCs add
+        # captures) start with the next pass, as their hooks do.
+        ctx.observers = self._observers
+        self._current = ctx
+        # Shapes are recorded on one pass per PROBE_SECONDS (or the next
+        # pass after ListLayers): a one-pass global hook, cheap on average.
+        now = time.monotonic()
+        due = self.loaded.hooks_supported and now - self._last_probe >= PROBE_SECONDS
+        self._probe = self._start_probe() if (self._probe_armed or due) else None
+        return ctx
+
+    def end_pass(self, ctx: PassContext) -> None:
+        """Finish the current pass and tell the observers that were there when it began."""
+        if self._probe is not None:
+            self._probe.remove()
+            self._probe = None
+        self._current = None
+        self.passes += 1
+        current = self._observers
+        for obs in ctx.observers:
+            if obs in current:  # one that left meanwhile is not told
+                obs.pass_finished(ctx)
+
+    def read_param_grads(self) -> None:
+        """A training step's gradients are final: fire the ``param_grad`` hooks."""
+        self.hooks.read_param_grads()
 
     def run(self, inputs: Sequence[torch.Tensor], *, active_owner: object | None = None) -> tuple[Any, PassContext]:
         """Validate, move to the device and run one inference pass.
 
         The move happens under the model lock: requests waiting for the model
         hold host tensors only, not a device copy each.
+
+        Raises:
+            Unsupported: On a training host (FAILED_PRECONDITION): a pass of
+                the client's input would run the training model, changing
+                BatchNorm statistics, dropout's RNG and the autograd graph.
         """
         self.validate_inputs(inputs)
         try:
@@ -237,6 +292,8 @@ class ModelHost:
 
     def warm_up(self) -> None:
         """Run one batch-1 pass on zeros so shapes are known before traffic."""
+        if self.training:
+            return  # the training loop's first step records them
         if any(d < -1 for spec in self.inputs for d in spec.shape):
             return
         dummy = [torch.zeros([1 if d == -1 else d for d in s.shape], dtype=s.dtype) for s in self.inputs]

@@ -1,7 +1,8 @@
 """Reducers: summarize a tapped tensor on its device, then move a pass's results to host in one copy.
 
 Modules, in dependency order: :mod:`.spec` (names, defaults, bounds and
-validation; host-only), :mod:`.workspace` (per-tensor shared state),
+validation; host-only), :mod:`.keysort` (sorting a sample on integer keys),
+:mod:`.workspace` (per-tensor shared state),
 :mod:`.kernels` (the shared basic statistics and the no-sync rules),
 :mod:`.base`, :mod:`.basic` and :mod:`.distribution` (the reducers),
 :mod:`.plan` (``build_reducers`` and the fused ``ReducerPlan``) and
@@ -24,8 +25,9 @@ Semantics (also the contract for decoders and exporters):
   uniform sample (with replacement) of exactly ``sample_size`` elements is
   binned instead, and ``sample_size`` reports how many were binned. Binning
   is a binary search of the edges in the sorted sample when quantiles sort the
-  same sample anyway (and always on CUDA: no atomics), else bucketize plus a
-  scatter into the few bins of the bounded sample.
+  same sample anyway, on CUDA (no atomics) and for CPU samples above 2,048
+  elements (sorted on integer keys), else bucketize plus a scatter into the
+  few bins of the bounded sample.
 * ``quantiles``: numpy's default ('linear') interpolation on the NaN-free
   sample; exact order statistics when the tensor fits in the sample. NaN is
   excluded (it is counted by ``nonfinite``), +-Inf are ordinary extreme values.

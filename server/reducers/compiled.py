@@ -142,10 +142,14 @@ class CompiledStats:
         """Blocks until no compile is queued or running; False on timeout."""
         return self._compiler.wait_idle(timeout)
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Stops compiling and the background thread (after its current compile)."""
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Stops compiling and the background thread (after its current compile).
+
+        Returns:
+            True when no compile is running any more (False: still inside one after ``timeout``).
+        """
         self._enabled = False
-        self._compiler.close(timeout)
+        return self._compiler.close(timeout)
 
     # -- hot path --------------------------------------------------------------
     def _constants(self, device: torch.device, inference: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

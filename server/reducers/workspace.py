@@ -15,6 +15,8 @@ from typing import TypeAlias
 
 import torch
 
+from layertap.server.reducers.keysort import sort_ascending, uses_keys
+
 __all__ = ["F64", "DeviceCache", "Workspace", "device_constant", "flat_view", "gather_flat"]
 
 F64 = torch.float64
@@ -113,8 +115,10 @@ class Workspace:
         self._flat: torch.Tensor | None | bool = False
         self._xd: torch.Tensor | None = None
         self._fin: torch.Tensor | None = None
+        # Per sample size: (sample, its non-NaN count), native, float64 and sorted.
+        self._native: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._samples: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._sorted: dict[int, torch.Tensor] = {}
+        self._sorted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         #: The basic-statistics vector, set by the plan before any reducer runs.
         self.basic: torch.Tensor | None = None
 
@@ -161,45 +165,60 @@ class Workspace:
     def sorts(self, size: int) -> bool:
         """Whether a sorted sample of ``size`` is (or will be) available cheaply.
 
-        True when a quantiles reducer sorts that sample anyway, and on CUDA,
-        where sorting a bounded sample costs microseconds and avoids the atomics
-        of a scatter into a few bins.
+        True when a quantiles reducer sorts that sample anyway; on CUDA, where
+        sorting a bounded sample costs microseconds and avoids the atomics of a
+        scatter into a few bins; and on CPU where the sample is sorted as
+        integer keys (0.2 ms for 16,384 elements, against 0.45 ms to bucketize
+        and scatter them on the 2-vCPU VM).
         """
-        return size in self._sorted_sizes or size in self._sorted or self.x.device.type == "cuda"
+        return (size in self._sorted_sizes or size in self._sorted or self.x.device.type == "cuda"
+                or uses_keys(min(size, self.numel), self.x.device))
 
     def sorted_sample(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`sample`, sorted ascending (its NaNs, now +inf, at the end)."""
+        """:meth:`sample`, sorted ascending (its NaNs, now +inf, at the end).
+
+        On CPU a sample above 2,048 elements is sorted as integer keys of x's
+        own width (:mod:`.keysort`), 4-6x cheaper than its float64 values.
+        """
         hit = self._sorted.get(size)
-        s, nan = self.sample(size)
         if hit is None:
-            hit = self._sorted[size] = torch.sort(s).values
-        return hit, nan
+            s, n = self._native_sample(size)
+            hit = self._sorted[size] = (sort_ascending(s), n)
+        return hit
 
     def sample(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A float64 sample with NaN mapped to +inf, and its NaN count (0-d).
+        """A float64 sample with NaN mapped to +inf, and its count of non-NaN values (0-d float64).
 
         The whole tensor when it has at most ``size`` elements, else exactly
         ``size`` elements drawn uniformly with replacement (i.i.d., which is
         what the DKW bound assumes). NaN becomes +inf so the sample is totally
         ordered for ``searchsorted``/``bucketize``; NaNs then sit past every
-        real value (or in the top bin) and callers subtract the NaN count.
+        real value (or in the top bin), and callers count only the first ``n``.
         """
         cached = self._samples.get(size)
+        if cached is None:
+            s, n = self._native_sample(size)
+            cached = self._samples[size] = (s.to(F64), n)
+        return cached
+
+    def _native_sample(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`sample` in x's own dtype (exact; NaN -> +inf), drawn once per size."""
+        cached = self._native.get(size)
         if cached is not None:
             return cached
         if self.numel <= size:
-            flat = self.x.reshape(-1)  # copies at most `size` elements
+            s = self.x.reshape(-1)  # copies at most `size` elements
         else:
             idx = torch.randint(
                 0, self.numel, (size,), generator=self.generator, device=self.x.device
             )
-            flat = gather_flat(self.x, idx)
-        s = flat.to(F64)
+            s = gather_flat(self.x, idx)
         if self.floating:
-            isnan = torch.isnan(s)
-            nan = isnan.sum(dtype=F64)
-            s = torch.where(isnan, math.inf, s)
+            # NaN counted as 0/1 floats, then mapped by nan_to_num: ~3x cheaper
+            # on CPU than isnan's bool mask plus masked_fill (see .kernels).
+            n = s.numel() - torch.ne(s, s, out=torch.empty_like(s)).sum(dtype=F64)
+            s = torch.nan_to_num(s, math.inf, math.inf, -math.inf)
         else:
-            nan = s.new_zeros(())
-        self._samples[size] = (s, nan)
-        return s, nan
+            n = s.new_full((), s.numel(), dtype=F64)
+        self._native[size] = (s, n)
+        return s, n

@@ -11,15 +11,10 @@ from collections.abc import Iterator, Sequence
 import grpc
 import torch
 
-from layertap.server.taps.capture import (
-    CapturedPass,
-    CaptureSession,
-    check_all_ran,
-    describe,
-    encode_pass,
-    parse_options,
-)
+from layertap.server.taps.capture import CapturedPass, CaptureSession, check_all_ran
+from layertap.server.taps.capture_options import describe, parse_options
 from layertap.server.taps.capture_limits import CaptureSlot
+from layertap.server.taps.capture_wire import encode_pass
 from layertap.server.errors import InvalidSpec, NotFound, Unavailable, grpc_errors
 from layertap.server.drift.monitor import baseline_tap_id
 from layertap.server.rpc.auth import principal_of, require
@@ -163,7 +158,8 @@ class TelemetryService(StateBacked, TapMethods, telemetry_pb2_grpc.TelemetryServ
         return self.state.stats()
 
     @grpc_errors
-    def Capture(self, request: pb.CaptureRequest, context: grpc.ServicerContext) -> Iterator[pb.CaptureResponse]:
+    def Capture(self, request: pb.CaptureRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Serialized CaptureResponse messages (see ``capture_wire``); registered by :func:`add_to_server`."""
         state = self.state
         try:
             opts = parse_options(request, state.host, state.capture_limits)
@@ -219,8 +215,8 @@ class CaptureCall:
             self.state.count_capture(self.code, self.sent)
             log.info("capture end: code=%s bytes=%d", self.code, self.sent)
 
-    def stream(self, context: grpc.ServicerContext, inputs: Sequence[torch.Tensor] | None) -> Iterator[pb.CaptureResponse]:
-        """Run the capture and yield its messages; sets ``code`` to OK when every pass was sent."""
+    def stream(self, context: grpc.ServicerContext, inputs: Sequence[torch.Tensor] | None) -> Iterator[bytes]:
+        """Run the capture and yield its serialized messages; sets ``code`` to OK when every pass was sent."""
         session, opts = self.session, self.session.opts
         if not session.open():
             return  # ended (the client left) before it began
@@ -237,9 +233,9 @@ class CaptureCall:
                 check_all_ran(rec, opts)
                 if rec.ordinal == opts.passes - 1:
                     session.remove_hooks()  # the last pass is in hand: free the hooks now
-                for msg in encode_pass(rec, opts, ids):
-                    self.sent += len(msg.chunk.data)
-                    yield msg
+                for wire, payload in encode_pass(rec, opts, ids):
+                    self.sent += payload
+                    yield wire
             finally:
                 session.release(rec)  # sent, failed or abandoned: its clones and budget go now
         self.code = "OK"
@@ -261,6 +257,25 @@ class CaptureCall:
                 # Like Subscribe: end now rather than hold the drain for its whole grace period.
                 raise Unavailable("the server is shutting down; retry the capture on another replica")
         return None
+
+
+def add_to_server(servicer: TelemetryService, server: grpc.Server) -> None:
+    """Register the service, its Capture method yielding ready wire bytes.
+
+    The generated registration serializes each response message; Capture's
+    handler replaces it with one that has no serializer, so the bytes that
+    ``capture_wire`` framed go out as they are. gRPC routes every call to a
+    registered method by its path, whichever client made it; the generic
+    handler, consulted in the order added, is only a fallback, and answers
+    the same. The interceptors (auth scopes, stream admission) wrap this
+    handler as any other, keeping its (absent) serializer.
+    """
+    service = pb.DESCRIPTOR.services_by_name["TelemetryService"].full_name
+    capture: dict[str, grpc.RpcMethodHandler] = {"Capture": grpc.unary_stream_rpc_method_handler(
+        servicer.Capture, request_deserializer=pb.CaptureRequest.FromString, response_serializer=None)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, capture),))
+    telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(servicer, server)
+    server.add_registered_method_handlers(service, capture)  # replaces the generated Capture entry
 
 
 def _code_of(exc: BaseException) -> str:

@@ -224,3 +224,25 @@ def test_a_claim_this_machine_cannot_allocate_is_a_protocol_error(monkeypatch: p
     monkeypatch.setattr(capture.np, "empty", no_memory)
     with pytest.raises(ProtocolError, match="more than this machine can allocate"):
         asm.feed(header(0, X))
+
+
+class _Unusual:
+    """A chunk message sent with an unknown field appended: valid protobuf the in-place reader hands to protobuf."""
+
+    def __init__(self, msg: Msg) -> None:
+        self.raw = msg.SerializeToString() + b"\xa0\x06\x01"  # field 100, varint 1
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 - the protobuf name CaptureScript calls
+        return self.raw
+
+
+def test_chunks_protobuf_parses_meet_the_same_contract(served: tuple[CaptureScript, layertap.Client]) -> None:
+    script, client = served
+    unusual = [m if m.WhichOneof("payload") == "header" else _Unusual(m) for m in _stream()]
+    script.responses = unusual  # type: ignore[assignment]
+    out = client.capture(["fc", "head"])
+    assert out["fc"].tobytes() == X.tobytes() and out["head"].tobytes() == Y.tobytes()
+    gap = [m if m.WhichOneof("payload") == "header" else _Unusual(m) for m in _edit(_stream(), 2, offset=1001)]
+    script.responses = gap  # type: ignore[assignment]
+    with pytest.raises(ProtocolError, match=r"starts at byte 1001, not at 1000 .*\(gap\)"):
+        client.capture(["fc", "head"])

@@ -13,6 +13,7 @@ import layertap
 
 EXPECTED_ALL = {
     "Client",
+    "attach",
     "SummaryStream",
     "TapHandle",
     "LayertapError",
@@ -91,6 +92,20 @@ def test_import_does_not_pull_torch_or_server() -> None:
         "import layertap, layertap.cli, sys; "
         "assert 'torch' not in sys.modules, 'torch imported'; "
         "assert not any(m.startswith('layertap.server') for m in sys.modules), 'server imported'"
+    )
+
+
+def test_attach_without_torch_names_the_extra() -> None:
+    # The thin client imports without torch; only attach() needs the server extra.
+    _run(
+        "import sys; sys.modules['torch'] = None\n"
+        "import layertap\n"
+        "try:\n"
+        "    layertap.attach(object())\n"
+        "except ImportError as e:\n"
+        "    assert \"pip install 'layertap[server]'\" in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('expected ImportError')\n"
     )
 
 

@@ -33,6 +33,39 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+def test_sigterm_during_a_cold_compile_exits_0_within_the_grace(tmp_path):
+    """A tap queues a reducer compile that takes 15-20 s cold; SIGTERM must not wait for it,
+    and the process must not abort (the compile thread is inside inductor's C++)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # cold
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "layertap.cli", "serve", "--port", "0", "--grace", str(GRACE)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        port = None
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "serving on" in line:
+                port = int(line.rsplit(":", 1)[1])
+            if line.startswith("layertap: try"):
+                break
+        assert port
+        with layertap.Client(f"127.0.0.1:{port}") as client:
+            client.create_tap("layer1", reducers=["moments"], ttl=60)  # queues the compile
+            client.infer(batch(seed=0))
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(GRACE + EXIT_SLACK)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read() if proc.stderr else ""
+    assert code == 0, err
+    assert took < GRACE + EXIT_SLACK
+    assert "terminate called" not in err and "Traceback" not in err, err
+
+
 def test_sigterm_stops_metrics_and_transfer_then_exits_0(tmp_path):
     log_path = tmp_path / "serve.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}

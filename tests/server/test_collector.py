@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Hashable
 
 import numpy as np
@@ -133,6 +134,31 @@ def test_callbacks_get_values_in_order(collector: HostTransfer) -> None:
     assert all(i == v for i, v in seen)
     assert len(seen) + collector.dropped == 40 and collector.processed == len(seen)
     assert threads == {"layertap-collector"}  # never on the submitting thread
+
+
+def test_coalesce_batches_passes_and_flush_still_waits_for_all() -> None:
+    """With ``coalesce``, passes that arrive within the interval after a batch are
+    handled together in one later wake-up, in order; flush covers the whole batch."""
+    c = HostTransfer(maxsize=64, coalesce=0.3)
+    try:
+        done: list[tuple[int, float]] = []
+
+        def cb(i: int):
+            return lambda values: done.append((i, time.monotonic()))
+
+        c.submit(pending_of(v=[0.0]), cb(0))
+        assert c.flush(5)
+        first = done[0][1]
+        for i in range(1, 6):  # arrive right after the first batch ended
+            c.submit(pending_of(v=[float(i)]), cb(i))
+        assert c.flush(5)  # must not return while the batch runs
+        assert [i for i, _ in done] == list(range(6))
+        later = [t for _, t in done[1:]]
+        assert min(later) - first >= 0.25  # they waited for the interval...
+        assert max(later) - min(later) < 0.25  # ...and ran in one wake-up, not one interval each
+        assert c.processed == 6 and c.dropped == 0
+    finally:
+        c.close()
 
 
 def test_flush_waits_and_times_out(collector: HostTransfer) -> None:

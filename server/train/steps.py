@@ -1,0 +1,144 @@
+"""Training steps as passes: where one step begins and ends, seen from the model.
+
+A pass on a training agent is one training step: every training forward and
+backward of the step, then the optimizer's step. Boundaries:
+
+* With an optimizer, the step opens at its first training forward (or at the
+  optimizer's pre-step if no forward came) and closes after ``optimizer.step()``
+  (its post-step hook). Gradient accumulation is several forwards and
+  backwards inside one step: each summary's ``call_index`` is the micro-batch.
+* Without one, ``with agent.step(i):`` marks the step.
+* Parameter gradients are read once per step, at the optimizer's pre-step (or
+  the end of the ``step`` block): they are then what the optimizer uses, DDP's
+  all-reduce and the accumulation included.
+* A forward with grad disabled or the model in eval mode is an evaluation
+  forward: taps ignore it, inside a step or between steps.
+
+Every hook here runs on the training thread, takes no lock an RPC holds, and
+never raises into the user's loop (a failure is logged and counted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from layertap.server.host.model_host import ModelHost, PassContext
+
+log = logging.getLogger("layertap.server")
+
+
+class StepTracker:
+    """Opens and closes the host's passes at training-step boundaries.
+
+    Args:
+        host: A training host (``ModelHost(training=True)``).
+        optimizer: Its step hooks delimit steps; None: ``step()`` does.
+        start_step: The number of the first optimizer step.
+    """
+
+    def __init__(self, host: ModelHost, optimizer: torch.optim.Optimizer | None = None, *,
+                 start_step: int = 0) -> None:
+        self.host = host
+        self.optimizer = optimizer
+        #: The number the next optimizer-delimited step gets.
+        self.next_step = start_step
+        #: Hook failures swallowed so the training loop went on.
+        self.errors = 0
+        self._ctx: PassContext | None = None
+        #: One entry per root forward in flight: True for an evaluation forward.
+        self._forwards: list[bool] = []
+        root = host.module
+        self._handles: list[RemovableHandle] = [
+            root.register_forward_pre_hook(self._guard(self._forward_begins)),
+            root.register_forward_hook(self._guard(self._forward_ends), always_call=True),
+        ]
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(self._guard(self._pre_step)))
+            self._handles.append(optimizer.register_step_post_hook(self._guard(self._post_step)))
+
+    @property
+    def current(self) -> PassContext | None:
+        """The step in progress, if any."""
+        return self._ctx
+
+    def _guard(self, hook: Callable[..., None]) -> Callable[..., None]:
+        def run(*args: Any) -> None:
+            try:
+                hook(*args)
+            except Exception:  # noqa: BLE001 - never into the user's loop
+                self.errors += 1
+                log.exception("layertap step hook failed; the training step went on")
+
+        return run
+
+    # -- the model's forwards ----------------------------------------------------
+    def _forward_begins(self, module: torch.nn.Module, _args: Any) -> None:
+        evaluation = not (torch.is_grad_enabled() and module.training)
+        self._forwards.append(evaluation)
+        if evaluation:
+            self.host.quiet = True
+        elif self._ctx is None and self.optimizer is not None:
+            self._open(self.next_step)
+
+    def _forward_ends(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        if self._forwards:
+            self._forwards.pop()
+        self.host.quiet = any(self._forwards)
+
+    # -- the optimizer's step ----------------------------------------------------
+    def _pre_step(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+        if self._ctx is None:
+            self._open(self.next_step)
+        self.host.read_param_grads()
+
+    def _post_step(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+        self._close()
+        self.next_step += 1
+
+    # -- marked steps ------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, index: int) -> Iterator[PassContext]:
+        """Mark one training step (forwards, backwards, optimizer step) when no optimizer was given.
+
+        Raises:
+            RuntimeError: The agent has an optimizer (its hooks mark steps), or
+                a step is already open.
+        """
+        if self.optimizer is not None:
+            raise RuntimeError("this agent was attached with optimizer=; its step hooks mark the steps, "
+                               "so agent.step() is not needed")
+        if self._ctx is not None:
+            raise RuntimeError(f"step {self._ctx.step} is still open; steps do not nest")
+        ctx = self._open(index)
+        try:
+            yield ctx
+        except BaseException:
+            ctx.failed = True
+            raise
+        finally:
+            if not ctx.failed:
+                self._guard(self.host.read_param_grads)()
+            self._guard(self._close)()
+
+    def _open(self, step: int) -> PassContext:
+        self._ctx = self.host.begin_pass(step=step)
+        return self._ctx
+
+    def _close(self) -> None:
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            self.host.end_pass(ctx)
+
+    def close(self) -> None:
+        """Remove the step hooks; a step still open ends (its summaries are published)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.host.quiet = False
+        self._close()

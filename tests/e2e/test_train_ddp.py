@@ -1,0 +1,41 @@
+"""A real 2-process gloo DDP run (CPU) with an agent on each rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def test_both_ranks_report_the_all_reduced_total_norm():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        master = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+        procs.append(subprocess.Popen([sys.executable, str(TESTS / "support" / "ddp_worker.py")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    r0, r1 = sorted(results, key=lambda r: r["rank"])
+    for r in (r0, r1):
+        assert r["steps"] == [0, 1, 2]
+        assert r["source"] == f"training (rank {r['rank']} of 2)"
+        assert r["names"] == ["conv1", "bn1", "relu"]  # DDP's "module." is gone
+        np.testing.assert_allclose(r["totals"], r["clipped"], rtol=1e-5)
+    # After the all-reduce both ranks hold the same gradient, though their local ones differed.
+    np.testing.assert_allclose(r0["totals"], r1["totals"], rtol=1e-6)
+    assert all(abs(a - b) > 1e-3 * max(a, b) for a, b in zip(r0["local"], r1["local"]))

@@ -1,0 +1,82 @@
+"""Hand-framed Capture chunks are exactly the bytes protobuf writes, so every generated parser reads them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from layertap.server.taps.capture_wire import CHUNK_BYTES, chunk_message, varint
+from layertap.v1 import telemetry_pb2 as pb
+
+UINT32 = st.integers(0, (1 << 32) - 1)
+UINT64 = st.integers(0, (1 << 64) - 1)
+
+
+def reference(tensor_id: int, chunk_index: int, offset: int, data: bytes) -> bytes:
+    return pb.CaptureResponse(chunk=pb.CaptureChunk(tensor_id=tensor_id, chunk_index=chunk_index, offset=offset,
+                                                    data=data)).SerializeToString()
+
+
+@settings(max_examples=300, deadline=None)
+@given(UINT32, UINT32, UINT64, st.binary(max_size=300))
+def test_chunk_bytes_equal_serialize_to_string(tensor_id: int, chunk_index: int, offset: int, data: bytes) -> None:
+    wire = chunk_message(tensor_id, chunk_index, offset, memoryview(data))
+    assert wire == reference(tensor_id, chunk_index, offset, data)
+    msg = pb.CaptureResponse.FromString(wire)
+    assert msg.WhichOneof("payload") == "chunk"
+    assert (msg.chunk.tensor_id, msg.chunk.chunk_index, msg.chunk.offset, msg.chunk.data) == (
+        tensor_id, chunk_index, offset, data)
+
+
+@pytest.mark.parametrize("size", [1, 127, 128, 16383, 16384, CHUNK_BYTES - 1, CHUNK_BYTES])
+def test_full_size_chunks_of_a_tensor_view(size: int) -> None:
+    """Length prefixes cross varint byte boundaries; the data comes from a view of an array's memory."""
+    arr = np.random.default_rng(size).integers(0, 256, size + 7, dtype=np.uint8)
+    view = arr.data[7:]
+    wire = chunk_message(3, 5, (1 << 40) + 7, view)
+    assert wire == reference(3, 5, (1 << 40) + 7, arr[7:].tobytes())
+    assert pb.CaptureResponse.FromString(wire).chunk.data == arr[7:].tobytes()
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 300, 16384, (1 << 32) - 1, 1 << 35, (1 << 64) - 1])
+def test_varint_matches_protobuf(n: int) -> None:
+    # An offset alone is "0x18 varint": the message's bytes after the tags are the varint.
+    ref = pb.CaptureChunk(offset=n).SerializeToString()
+    assert (b"\x18" + varint(n) if n else b"") == ref
+
+
+class _Recorder:
+    """Stands in for grpc.Server: records what a registration adds, in order."""
+
+    def __init__(self) -> None:
+        self.generic: list = []
+        self.registered: dict = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:  # type: ignore[no-untyped-def]
+        self.generic.extend(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.registered.update({f"/{service}/{m}": h for m, h in handlers.items()})
+
+
+def test_every_route_to_capture_sends_its_bytes_unserialized() -> None:
+    """Registered and generic lookups both reach the Capture handler without a serializer; other methods keep theirs."""
+    from types import SimpleNamespace
+
+    from layertap.server.rpc.telemetry import TelemetryService, add_to_server
+    from layertap.server.rpc.state import StateCell
+
+    server = _Recorder()
+    add_to_server(TelemetryService(StateCell()), server)  # type: ignore[arg-type]
+    capture, listing = "/layertap.v1.TelemetryService/Capture", "/layertap.v1.TelemetryService/ListLayers"
+    assert server.registered[capture].response_serializer is None
+    assert server.registered[listing].response_serializer is not None
+
+    def generic(method: str):  # type: ignore[no-untyped-def]
+        details = SimpleNamespace(method=method, invocation_metadata=())
+        return next(h for h in (g.service(details) for g in server.generic) if h is not None)
+
+    assert generic(capture).response_serializer is None
+    assert generic(listing).response_serializer is not None
