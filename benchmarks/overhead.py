@@ -16,6 +16,11 @@ Variants:
      integer-key sort of issue 10 (``--float-sort`` adds this row, to compare
      before and after in one run; it swaps ``workspace.sort_ascending``)
   r:<name>  one reducer alone (``--reducers`` adds these rows)
+  n, o, p  the engine's own floor (``--engine`` adds these rows): every plan's
+     ``run`` replaced by a cached slot vector of the right width, so no
+     reducer runs: n publishes each pass as the server does, o with the
+     collector thread coalescing passes for 20 ms, p publishes nothing (the
+     model thread's share alone); q is b with the collector coalescing 20 ms
 
 CPU default: the demo model, batch 32. GPU: ``--model resnet50 --dtype bfloat16
 --batch 64 --device cuda --channels-last`` taps the 22 block-level modules
@@ -40,6 +45,7 @@ from layertap.server.stream.broker import Broker
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import load_model
 from layertap.server.taps.tap_files import reducer_spec
+from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.taps.engine import TapEngine
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -91,6 +97,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--reducers", action="store_true", help="also time each reducer alone")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled-kernel variants")
+    ap.add_argument("--engine", action="store_true", help="also time the engine with no-op reducers")
     ap.add_argument("--float-sort", action="store_true",
                     help="also time f with the float64 sort of the sample (before issue 10's key sort)")
     args = ap.parse_args()
@@ -173,6 +180,50 @@ def main() -> None:
             name = "h f with the float64 sort (before)"
             variants[name] = float_sorted(variants["f c, compiled basic statistics"])
             compiled_variants.append(name)
+    if args.engine:
+        def no_op(coalesce: float = 0.0, publish: bool = True) -> Callable[[], Callable[[], None]]:
+            def installed() -> Callable[[], None]:
+                cache: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+                run = ReducerPlan.run
+
+                def cached(plan: ReducerPlan, t: torch.Tensor) -> torch.Tensor:
+                    key = (id(plan), tuple(t.shape))
+                    hit = cache.get(key)
+                    if hit is None:
+                        hit = cache[key] = run(plan, t)  # once per layer, before timing's steady state
+                    return hit
+
+                submit = engine.transfer.submit
+                ReducerPlan.run = cached  # type: ignore[method-assign]
+                engine.transfer.coalesce = coalesce
+                if not publish:
+                    engine.transfer.submit = lambda *a, **k: True  # type: ignore[method-assign]
+                remove = taps(BASIC)
+
+                def undo() -> None:
+                    remove()
+                    ReducerPlan.run = run  # type: ignore[method-assign]
+                    engine.transfer.submit = submit  # type: ignore[method-assign]
+                    engine.transfer.coalesce = 0.0
+                return undo
+            return installed
+
+        variants["n engine, no-op reducers"] = no_op()
+        variants["o n, collector coalescing 20 ms"] = no_op(coalesce=0.02)
+        variants["p n, nothing published (model thread only)"] = no_op(publish=False)
+
+        def coalescing(install: Callable[[], Callable[[], None]]) -> Callable[[], Callable[[], None]]:
+            def installed() -> Callable[[], None]:
+                engine.transfer.coalesce = 0.02
+                remove = install()
+
+                def undo() -> None:
+                    remove()
+                    engine.transfer.coalesce = 0.0
+                return undo
+            return installed
+
+        variants["q b, collector coalescing 20 ms"] = coalescing(variants["b taps: moments,minmax,zero_fraction,nonfinite"])
     if args.reducers:
         for r in ALL:
             variants[f"r {r} alone"] = lambda r=r: taps([r])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
+import logging
 import os
 import secrets
 import sys
@@ -434,5 +435,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def run() -> None:
+    """The console script's entry: :func:`main`, then leave the process.
+
+    A server started by ``serve`` or ``demo`` may still be inside a reducer
+    compile when it has stopped: a cold one takes up to ~20 s, past any stop
+    grace, and cannot be interrupted, while a thread left inside inductor's
+    C++ at interpreter exit aborts the process. So when one still runs, the
+    process leaves with ``os._exit`` after flushing (inductor's compile
+    workers exit with their parent). Only here, never in :func:`main`, which
+    in-process callers use. The server is looked up, not imported: the thin
+    client never loads it.
+    """
+    rc = main()
+    compiled = sys.modules.get("layertap.server.reducers.compiled")
+    if compiled is not None and not compiled.COMPILED_STATS.wait_idle(0.5):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

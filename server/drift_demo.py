@@ -208,12 +208,6 @@ def run(client: Any, args: argparse.Namespace, stop: threading.Event, out: TextI
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``layertap demo drift``; returns the exit code."""
-    from layertap.server.main import leave
-
-    return leave(_demo(argv))
-
-
-def _demo(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

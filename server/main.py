@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -96,26 +95,6 @@ def check_exposure(cfg: ServerConfig) -> str | None:
             "add them, or pass --insecure to accept the risk")
 
 
-def leave(rc: int) -> int:
-    """Returns ``rc`` once no reducer compile runs; exits at once when one still does.
-
-    A compile cannot be interrupted, and exit must wait for it (see
-    ``Compiler.close``): a cold one takes up to ~20 s, past any stop grace.
-    Everything else has stopped by now, so the process leaves without it
-    (``os._exit``, after flushing); inductor's compile workers exit on their
-    own when their parent goes.
-    """
-    from layertap.server.reducers.compiled import COMPILED_STATS
-
-    if COMPILED_STATS.wait_idle(timeout=0.5):
-        return rc  # nothing compiling: a normal exit
-    log.debug("a background reducer compile is still running; exiting without waiting for it")
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
-
-
 def suggested_layer(server: LayertapServer) -> str | None:
     """A layer the served model really has and runs, for hints and ``--smoke``."""
     from layertap.server.host.suggest import suggest_layer
@@ -184,13 +163,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if layer is None:
                 print("layertap serve: error: --smoke needs a model with hookable child modules", file=sys.stderr)
                 return 2
-            return leave(smoke(f"{config.host}:{server.port}", layer))
+            return smoke(f"{config.host}:{server.port}", layer)
         finally:
             server.stop(0)
     print(hint(server, layer), flush=True)
     install_signal_handlers(server)
     server.wait()
-    return leave(0)
+    return 0
 
 
 if __name__ == "__main__":
