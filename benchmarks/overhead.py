@@ -58,7 +58,8 @@ def float_sort(s: torch.Tensor) -> torch.Tensor:
 
 
 BASIC = ["moments", "minmax", "zero_fraction", "nonfinite"]
-ALL = ["moments", "minmax", "abs_max", "zero_fraction", "nonfinite", "norm", "histogram", "quantiles", "per_channel"]
+ALL = ["moments", "minmax", "abs_max", "zero_fraction", "nonfinite", "norm", "histogram", "quantiles", "per_channel",
+       "latency"]
 
 
 def block_level(model: nn.Module) -> list[str]:

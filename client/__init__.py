@@ -33,6 +33,7 @@ from ._types import (
     BaselineInfo,
     DriftThresholds,
     Histogram,
+    Latency,
     LayerDrift,
     LayerInfo,
     MinMax,
@@ -53,6 +54,9 @@ from ._types import (
     TensorSpec,
     ZeroFraction,
 )
+from ._explain import Explanation
+from ._fleet import Fleet, FleetError, FleetItem, FleetResult, FleetStream
+from ._incidents import Incident, IncidentInfo, Incidents
 from ._taps import SummaryStream, TapHandle
 from ._version import __version__
 
@@ -77,6 +81,14 @@ __all__ = [
     # client
     "Client",
     "attach",
+    "Fleet",
+    "FleetResult",
+    "FleetItem",
+    "FleetError",
+    "FleetStream",
+    "Incidents",
+    "Incident",
+    "IncidentInfo",
     "SummaryStream",
     "TapHandle",
     # errors
@@ -112,9 +124,11 @@ __all__ = [
     "Histogram",
     "Quantiles",
     "PerChannel",
+    "Latency",
     "BaselineInfo",
     "DriftThresholds",
     "LayerDrift",
+    "Explanation",
     # type aliases of public signatures
     "ReducerSpec",
     "ReducerResult",

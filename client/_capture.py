@@ -69,9 +69,8 @@ def capture_request(
     list of them for a multi-argument model (None: a passive capture).
 
     Raises:
-        InvalidArgument: Empty layer list, n < 1, negative max_batch, a point
-            other than output/input, or a downcast dtype other than
-            float16/bfloat16.
+        InvalidArgument: Empty layer list, n < 1, negative max_batch, an
+            unknown point, or a downcast dtype other than float16/bfloat16.
     """
     if not layers or any(not isinstance(name, str) or not name for name in layers):
         raise InvalidArgument("capture needs at least one non-empty layer name or selector")
@@ -79,9 +78,8 @@ def capture_request(
         raise InvalidArgument(f"n must be >= 1, got {passes}")
     if max_batch is not None and max_batch < 1:
         raise InvalidArgument(f"max_batch must be >= 1, got {max_batch}")
+    # Gradient points are the server's to judge: a training agent takes them, a serving host refuses.
     code = point_code(point)
-    if code not in (telemetry_pb2.POINT_OUTPUT, telemetry_pb2.POINT_INPUT):
-        raise InvalidArgument(f"capture supports point 'output' or 'input', got {point!r}")
     req = telemetry_pb2.CaptureRequest(point=code, passes=passes, max_batch=max_batch or 0)
     (req.selectors if any(is_pattern(name) for name in layers) else req.layers).extend(layers)
     if dtype is not None:

@@ -112,6 +112,7 @@ def _watch_columns(spark_width: int) -> tuple[Column, ...]:
         Column("max", "right", drop=5),
         Column("nan", "right"),
         Column("inf", "right", drop=3),
+        Column("ms", "right", drop=7),
         Column(f"mean (last {spark_width})", drop=0),
     )
 
@@ -139,6 +140,7 @@ def watch_table(
             _fmt(row.stats.get("max")),
             f"[bold red]{row.nan}[/]" if row.nan else "0",
             f"[bold red]{row.inf}[/]" if row.inf else "0",
+            _fmt(row.stats.get("latency_ms")),
             sparkline(row.means, spark_width),
         )
         for (layer, index), row in sorted(rows.items())
@@ -164,6 +166,9 @@ def watch_line(s: Summary) -> str:
         minmax = s.results.get("minmax")
         if minmax is not None:
             parts += [f"min={_fmt(getattr(minmax, 'min'))}", f"max={_fmt(getattr(minmax, 'max'))}"]
+        latency = s.results.get("latency")
+        if latency is not None:
+            parts.append(f"ms={_fmt(getattr(latency, 'seconds') * 1e3)}")
     nonfinite = s.results.get("nonfinite")
     if nonfinite is not None:
         parts += [f"nan={getattr(nonfinite, 'nan_count')}", f"inf={getattr(nonfinite, 'inf_count')}"]
@@ -196,3 +201,6 @@ def update_row(rows: dict[tuple[str, int], WatchRow], s: Summary) -> None:
     if minmax is not None:
         row.stats["min"] = getattr(minmax, "min")
         row.stats["max"] = getattr(minmax, "max")
+    latency = s.results.get("latency")
+    if latency is not None:
+        row.stats["latency_ms"] = getattr(latency, "seconds") * 1e3

@@ -11,7 +11,7 @@ from typing import Any, Literal, overload
 
 import grpc
 
-from . import _capture, _convert
+from . import _capture, _convert, _explain
 from ._capture import CaptureOptions, ProgressCallback
 from ._capture_wire import capture_method
 from ._channel import TlsOption, open_channel
@@ -273,7 +273,9 @@ class Client:
             input: Model input for an active capture: an array, or a tuple or
                 list of arrays for a multi-argument model.
             n: Passes to capture.
-            point: ``"output"`` or ``"input"`` of the module.
+            point: ``"output"`` or ``"input"`` of the module; a training
+                agent also takes ``"grad_output"``, ``"grad_input"`` and
+                ``"param_grad"`` (a dict parameter name -> gradient).
             max_batch: Keep at most this many rows of the batch.
             dtype: Downcast floating tensors to ``"float16"`` or ``"bfloat16"``.
             as_torch: Return torch tensors (needs torch installed).
@@ -320,6 +322,8 @@ class Client:
             raise
         single = isinstance(layers, str) and not _capture.is_pattern(layers)
         return _capture.shape_capture(assembler.finish(), names, single=single, n=n)
+
+    explain = _explain.explain  # Grad-CAM; documented in layertap._explain
 
     # ------------------------------------------------------------------ taps
 

@@ -22,6 +22,7 @@ from ._types import (
     BaselineInfo,
     DriftThresholds,
     Histogram,
+    Latency,
     LayerDrift,
     LayerInfo,
     MinMax,
@@ -136,7 +137,8 @@ def _from_fields(cls: type[_D], msg: Any, **overrides: Any) -> _D:
 def metadata_from_proto(m: inference_pb2.GetModelMetadataResponse) -> ModelMetadata:
     """Converts GetModelMetadataResponse."""
     inputs = [TensorSpec(s.name, dtype_name(s.dtype), tuple(s.shape)) for s in m.inputs]
-    return _from_fields(ModelMetadata, m, dtype=dtype_name(m.dtype), inputs=inputs)
+    return _from_fields(ModelMetadata, m, dtype=dtype_name(m.dtype), inputs=inputs,
+                        rank=m.rank if m.has_rank else None, world_size=m.world_size if m.has_rank else None)
 
 
 # --------------------------------------------------------------------------- layers, stats
@@ -325,6 +327,7 @@ _RESULT_TYPES: dict[str, type[ReducerResult]] = {
     "histogram": Histogram,
     "quantiles": Quantiles,
     "per_channel": PerChannel,
+    "latency": Latency,
 }
 
 
@@ -343,6 +346,7 @@ def summary_from_proto(s: telemetry_pb2.Summary) -> Summary:
         s,
         point=point_name(s.point),
         step=s.step if s.has_step else None,
+        rank=s.rank if s.has_rank else None,
         wall_time=s.wall_time.seconds + s.wall_time.nanos / 1e9,
         results=dict(item for item in map(_result_from_proto, s.results) if item is not None),
     )

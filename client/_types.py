@@ -67,7 +67,11 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ModelMetadata:
-    """What the server hosts, and how to build a valid input for it."""
+    """What the server hosts, and how to build a valid input for it.
+
+    ``rank`` and ``world_size`` are a training agent's (``layertap.attach``)
+    ``torch.distributed`` place; None on a serving replica.
+    """
 
     model_name: str
     source: str
@@ -79,6 +83,8 @@ class ModelMetadata:
     api_version: str
     active_hooks: int
     hooks_supported: bool
+    rank: int | None = None
+    world_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -234,9 +240,16 @@ class PerChannel:
     channels: int
 
 
+@dataclass(frozen=True)
+class Latency:
+    """Wall time of the tapped module's forward in one pass (device time on GPU)."""
+
+    seconds: float
+
+
 #: One reducer's result in ``Summary.results``.
 ReducerResult: TypeAlias = Union[
-    Moments, MinMax, AbsMax, ZeroFraction, Nonfinite, Norm, Histogram, Quantiles, PerChannel
+    Moments, MinMax, AbsMax, ZeroFraction, Nonfinite, Norm, Histogram, Quantiles, PerChannel, Latency
 ]
 
 
@@ -250,6 +263,8 @@ class Summary:
         wall_time: Seconds since the epoch when the pass ran.
         unsampled: True when only the always-on ``nonfinite`` reducer ran.
         call_index: 0 for the module's first call in the pass, 1 for a second...
+        rank: The ``torch.distributed`` rank of the training agent that sent
+            it; None from a serving replica.
     """
 
     tap: str
@@ -262,6 +277,7 @@ class Summary:
     unsampled: bool
     results: dict[str, ReducerResult] = field(default_factory=dict)
     call_index: int = 0
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

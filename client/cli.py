@@ -20,7 +20,11 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
+from ._cli_explain import add_explain_command
+from ._cli_incidents import add_incidents_command
 from ._cli_json import write_json_lines
+from ._cli_profile import add_profile_command
+from ._cli_tensorboard import add_tensorboard_command
 from ._cli_table import drift_table, layers_table, stats_table, taps_table
 from ._cli_view import SPARK_WIDTH, CaptureProgress, sparkline
 from ._cli_watch import WatchOptions, run_watch
@@ -160,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("stats", "Show the server's counters (hooks, passes, captures, subscribers).")
     _json_flag(p)
     p.set_defaults(func=_cmd_stats)
+
+    add_explain_command(command)
+    add_profile_command(command)
+    add_tensorboard_command(command)
+    add_incidents_command(command)
 
     p = sub.add_parser("token", help="Manage access tokens for 'layertap serve --auth-tokens'.")
     tok = p.add_subparsers(dest="token_command", metavar="ACTION", required=True)

@@ -7,6 +7,7 @@ The subpackages are the stages a tensor summary goes through, in order::
     reducers/  summarize each tapped tensor on its device, then one copy to host
     stream/    the broker that fans a pass's summaries out to sinks and subscribers
     drift/     baselines and drift scores computed from those summaries
+    record/    flight recorder: triggers on summaries, retained inputs, replayed incidents
     export/    Prometheus: self-metrics, per-layer snapshots, exposition over HTTP
     rpc/       gRPC services that expose all of the above
 

@@ -30,6 +30,7 @@ from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.errors import LayertapServerError
 from layertap.server.taps.tap_files import load_tap_config
 from layertap.server.taps.engine import TapEngine
+from layertap.server.record.wiring import start_recorder
 from layertap.server.codec import DTYPE_BY_NAME
 from layertap.server.rpc.inference import InferenceService
 from layertap.server.host.model_host import ModelHost
@@ -203,6 +204,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
     state = ServerState(config=config, host=host, version=version, taps=taps, broker=broker,
                         drift=drift, metrics=metrics, snapshots=snapshots, registry=registry)
     drift.load()
+    state.recorder = start_recorder(config, taps, drift, registry, loaded.name)
     if config.tap_config:
         for i, spec in enumerate(load_tap_config(config.tap_config)):
             try:
@@ -271,6 +273,8 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
     running = LayertapServer(server, state, port, health_servicer, auth=auth, tls=tls, streams=streams,
                              health_server=health_server, health_port=health_port)
     running._closers.append(("host-transfer thread", state.taps.close))
+    if state.recorder is not None:
+        running._closers.append(("flight recorder", state.recorder.close))
     if state.registry is not None:
         if auth is not None:
             auth.register(state.registry)

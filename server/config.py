@@ -65,6 +65,15 @@ class ServerConfig:
     tls_client_ca: str | None = None
     #: Allow a non-loopback --host without both auth and TLS.
     insecure: bool = False
+    #: Flight recorder: MiB of host memory for the last passes' inputs (0: off;
+    #: inputs may be user data). Needs ``incident_dir``.
+    record_inputs: int = 0
+    #: Directory of the incident ring; None: no flight recorder (triggers refused).
+    incident_dir: str | None = None
+    incident_max_count: int = 100
+    incident_max_bytes: int = 1 << 30
+    incident_max_file_bytes: int = 64 << 20
+    incident_max_age: float = 7 * 86400.0
 
     @property
     def max_message_bytes(self) -> int:

@@ -59,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA bundle; clients must present a certificate it signed (mTLS)")
     p.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without auth and TLS")
+    p.add_argument("--record-inputs", type=int, default=d.record_inputs, metavar="MIB",
+                   help="flight recorder: keep the last passes' inputs in MiB of host memory (default 0: off)")
+    p.add_argument("--incident-dir", help="flight recorder: directory of the incident ring (enables tap triggers)")
+    p.add_argument("--incident-max-count", type=int, default=d.incident_max_count, help="incidents kept at most")
+    p.add_argument("--incident-max-bytes", type=int, default=d.incident_max_bytes, help="bytes of all incidents")
+    p.add_argument("--incident-max-file-bytes", type=int, default=d.incident_max_file_bytes,
+                   help="bytes of one incident (captured tensors beyond it are left out)")
+    p.add_argument("--incident-max-age", type=float, default=d.incident_max_age, help="seconds an incident is kept")
     p.add_argument("--smoke", action="store_true",
                    help="start on a free port, capture the model's last block once through the client, print it, exit")
     p.add_argument("--log-level", default="INFO")

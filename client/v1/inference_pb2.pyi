@@ -94,6 +94,9 @@ class GetModelMetadataResponse(_message.Message):
     API_VERSION_FIELD_NUMBER: _builtins.int
     ACTIVE_HOOKS_FIELD_NUMBER: _builtins.int
     HOOKS_SUPPORTED_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    HAS_RANK_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     source: _builtins.str
     """demo | torchvision | export | torchscript | factory"""
@@ -106,6 +109,12 @@ class GetModelMetadataResponse(_message.Message):
     """Number of torch hooks the server currently holds on the model."""
     hooks_supported: _builtins.bool
     """False for TorchScript models, which refuse module hooks."""
+    rank: _builtins.int
+    """A training agent's torch.distributed RANK and WORLD_SIZE; valid when
+    has_rank (serving replicas have no rank).
+    """
+    world_size: _builtins.int
+    has_rank: _builtins.bool
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]: ...
     def __init__(
@@ -121,10 +130,13 @@ class GetModelMetadataResponse(_message.Message):
         api_version: _builtins.str = ...,
         active_hooks: _builtins.int = ...,
         hooks_supported: _builtins.bool = ...,
+        rank: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        has_rank: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_hooks", b"active_hooks", "api_version", b"api_version", "device", b"device", "dtype", b"dtype", "hooks_supported", b"hooks_supported", "inputs", b"inputs", "model_name", b"model_name", "parameter_count", b"parameter_count", "server_version", b"server_version", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_hooks", b"active_hooks", "api_version", b"api_version", "device", b"device", "dtype", b"dtype", "has_rank", b"has_rank", "hooks_supported", b"hooks_supported", "inputs", b"inputs", "model_name", b"model_name", "parameter_count", b"parameter_count", "rank", b"rank", "server_version", b"server_version", "source", b"source", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

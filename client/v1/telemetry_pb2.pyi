@@ -62,6 +62,10 @@ class _ReducerKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReducerKi
     REDUCER_KIND_HISTOGRAM: _ReducerKind.ValueType  # 7
     REDUCER_KIND_QUANTILES: _ReducerKind.ValueType  # 8
     REDUCER_KIND_PER_CHANNEL: _ReducerKind.ValueType  # 9
+    REDUCER_KIND_LATENCY: _ReducerKind.ValueType  # 10
+    """Wall time of the tapped module's forward (needs point OUTPUT): perf_counter
+    on CPU, CUDA events read after the pass on GPU.
+    """
 
 class ReducerKind(_ReducerKind, metaclass=_ReducerKindEnumTypeWrapper): ...
 
@@ -75,6 +79,10 @@ REDUCER_KIND_NORM: ReducerKind.ValueType  # 6
 REDUCER_KIND_HISTOGRAM: ReducerKind.ValueType  # 7
 REDUCER_KIND_QUANTILES: ReducerKind.ValueType  # 8
 REDUCER_KIND_PER_CHANNEL: ReducerKind.ValueType  # 9
+REDUCER_KIND_LATENCY: ReducerKind.ValueType  # 10
+"""Wall time of the tapped module's forward (needs point OUTPUT): perf_counter
+on CPU, CUDA events read after the pass on GPU.
+"""
 Global___ReducerKind: _TypeAlias = ReducerKind  # noqa: Y015
 
 class _TapKind:
@@ -194,7 +202,13 @@ class CaptureRequest(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     SELECTORS_FIELD_NUMBER: _builtins.int
     point: Global___Point.ValueType
-    """POINT_OUTPUT (default) or POINT_INPUT."""
+    """POINT_OUTPUT (default) or POINT_INPUT. A training agent (layertap.attach)
+    also takes the gradient points, passively: POINT_GRAD_OUTPUT and
+    POINT_GRAD_INPUT give one tensor per output/input that received a
+    gradient (output_index its position), POINT_PARAM_GRAD one per parameter
+    (output_index its position in the module, output_key its name) as the
+    optimizer sees it. Elsewhere FAILED_PRECONDITION naming `point`.
+    """
     passes: _builtins.int
     """Passive captures: how many live passes to take (default 1)."""
     max_batch: _builtins.int
@@ -524,6 +538,7 @@ class TapSpec(_message.Message):
     POINT_FIELD_NUMBER: _builtins.int
     REDUCERS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    TRIGGERS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     selector: _builtins.str
     """Exact name, glob (`*` stays within a dot level, `**` crosses) or `re:` regex."""
@@ -532,6 +547,12 @@ class TapSpec(_message.Message):
     def reducers(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReducerSpec]: ...
     @_builtins.property
     def sampling(self) -> Global___Sampling: ...
+    @_builtins.property
+    def triggers(self) -> Global___Triggers:
+        """Flight recorder: conditions on this durable tap's summaries that record
+        an incident (the offending input replayed with captures on its layers).
+        """
+
     def __init__(
         self,
         *,
@@ -540,10 +561,11 @@ class TapSpec(_message.Message):
         point: Global___Point.ValueType = ...,
         reducers: _abc.Iterable[Global___ReducerSpec] | None = ...,
         sampling: Global___Sampling | None = ...,
+        triggers: Global___Triggers | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "triggers", b"triggers"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "point", b"point", "reducers", b"reducers", "sampling", b"sampling", "selector", b"selector"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "point", b"point", "reducers", b"reducers", "sampling", b"sampling", "selector", b"selector", "triggers", b"triggers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -963,6 +985,29 @@ class PerChannel(_message.Message):
 Global___PerChannel: _TypeAlias = PerChannel  # noqa: Y015
 
 @_typing.final
+class Latency(_message.Message):
+    """Time from the module's forward pre-hook to its forward hook, in seconds.
+    On GPU it is the device time between two CUDA events on the current stream.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SECONDS_FIELD_NUMBER: _builtins.int
+    seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Latency: _TypeAlias = Latency  # noqa: Y015
+
+@_typing.final
 class ReducerResult(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -975,6 +1020,7 @@ class ReducerResult(_message.Message):
     HISTOGRAM_FIELD_NUMBER: _builtins.int
     QUANTILES_FIELD_NUMBER: _builtins.int
     PER_CHANNEL_FIELD_NUMBER: _builtins.int
+    LATENCY_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def moments(self) -> Global___Moments: ...
     @_builtins.property
@@ -993,6 +1039,8 @@ class ReducerResult(_message.Message):
     def quantiles(self) -> Global___Quantiles: ...
     @_builtins.property
     def per_channel(self) -> Global___PerChannel: ...
+    @_builtins.property
+    def latency(self) -> Global___Latency: ...
     def __init__(
         self,
         *,
@@ -1005,12 +1053,13 @@ class ReducerResult(_message.Message):
         histogram: Global___Histogram | None = ...,
         quantiles: Global___Quantiles | None = ...,
         per_channel: Global___PerChannel | None = ...,
+        latency: Global___Latency | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abs_max", b"abs_max", "histogram", b"histogram", "minmax", b"minmax", "moments", b"moments", "nonfinite", b"nonfinite", "norm", b"norm", "per_channel", b"per_channel", "quantiles", b"quantiles", "value", b"value", "zero_fraction", b"zero_fraction"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abs_max", b"abs_max", "histogram", b"histogram", "latency", b"latency", "minmax", b"minmax", "moments", b"moments", "nonfinite", b"nonfinite", "norm", b"norm", "per_channel", b"per_channel", "quantiles", b"quantiles", "value", b"value", "zero_fraction", b"zero_fraction"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abs_max", b"abs_max", "histogram", b"histogram", "minmax", b"minmax", "moments", b"moments", "nonfinite", b"nonfinite", "norm", b"norm", "per_channel", b"per_channel", "quantiles", b"quantiles", "value", b"value", "zero_fraction", b"zero_fraction"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abs_max", b"abs_max", "histogram", b"histogram", "latency", b"latency", "minmax", b"minmax", "moments", b"moments", "nonfinite", b"nonfinite", "norm", b"norm", "per_channel", b"per_channel", "quantiles", b"quantiles", "value", b"value", "zero_fraction", b"zero_fraction"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_value: _TypeAlias = _typing.Literal["moments", "minmax", "abs_max", "zero_fraction", "nonfinite", "norm", "histogram", "quantiles", "per_channel"]  # noqa: Y015
+    _WhichOneofReturnType_value: _TypeAlias = _typing.Literal["moments", "minmax", "abs_max", "zero_fraction", "nonfinite", "norm", "histogram", "quantiles", "per_channel", "latency"]  # noqa: Y015
     _WhichOneofArgType_value: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_value) -> _WhichOneofReturnType_value | None: ...
 
@@ -1031,6 +1080,8 @@ class Summary(_message.Message):
     RESULTS_FIELD_NUMBER: _builtins.int
     UNSAMPLED_FIELD_NUMBER: _builtins.int
     CALL_INDEX_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    HAS_RANK_FIELD_NUMBER: _builtins.int
     tap: _builtins.str
     layer: _builtins.str
     point: Global___Point.ValueType
@@ -1043,6 +1094,11 @@ class Summary(_message.Message):
     """True when only the always-on reducers (nonfinite) ran on this pass."""
     call_index: _builtins.int
     """0 for the module's first call in the pass, 1 for the second..."""
+    rank: _builtins.int
+    """The torch.distributed RANK of the training agent (layertap.attach) that
+    produced this summary; valid when has_rank. Serving replicas have none.
+    """
+    has_rank: _builtins.bool
     @_builtins.property
     def wall_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -1061,10 +1117,12 @@ class Summary(_message.Message):
         results: _abc.Iterable[Global___ReducerResult] | None = ...,
         unsampled: _builtins.bool = ...,
         call_index: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        has_rank: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["wall_time", b"wall_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_index", b"call_index", "has_step", b"has_step", "layer", b"layer", "output_index", b"output_index", "pass_index", b"pass_index", "point", b"point", "results", b"results", "step", b"step", "tap", b"tap", "unsampled", b"unsampled", "wall_time", b"wall_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_index", b"call_index", "has_rank", b"has_rank", "has_step", b"has_step", "layer", b"layer", "output_index", b"output_index", "pass_index", b"pass_index", "point", b"point", "rank", b"rank", "results", b"results", "step", b"step", "tap", b"tap", "unsampled", b"unsampled", "wall_time", b"wall_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1410,3 +1468,379 @@ class GetServerStatsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetServerStatsResponse: _TypeAlias = GetServerStatsResponse  # noqa: Y015
+
+@_typing.final
+class ExplainRequest(_message.Message):
+    """Explain runs the inputs as an active pass with gradients, under the model
+    lock, and leaves no trace: parameters' .grad, BatchNorm statistics, hooks
+    and train/eval mode are as before. Needs an eager model (not TorchScript).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INPUTS_FIELD_NUMBER: _builtins.int
+    LAYER_FIELD_NUMBER: _builtins.int
+    TARGETS_FIELD_NUMBER: _builtins.int
+    NORMALIZE_FIELD_NUMBER: _builtins.int
+    UPSAMPLE_FIELD_NUMBER: _builtins.int
+    layer: _builtins.str
+    """Exact module name, as listed by ListLayers. It must run once per pass and
+    output one tensor shaped (N, channels, *spatial).
+    """
+    normalize: _builtins.bool
+    """Min-max each sample's map to [0, 1] (a constant map becomes zeros)."""
+    upsample: _builtins.bool
+    """Resize each map to the first input's spatial size (dims after N and C):
+    linear, bilinear or trilinear by the map's rank, corners not aligned.
+    """
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]:
+        """Positional model inputs, as InferRequest.inputs (same checks and byte cap)."""
+
+    @_builtins.property
+    def targets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Output index to explain: empty = each sample's top class; one = the same
+        for every sample; N = one per sample. The model's output must be one
+        tensor shaped (N, classes); any other shape needs targets, which then
+        index each sample's flattened output.
+        """
+
+    def __init__(
+        self,
+        *,
+        inputs: _abc.Iterable[_tensor_pb2.Tensor] | None = ...,
+        layer: _builtins.str = ...,
+        targets: _abc.Iterable[_builtins.int] | None = ...,
+        normalize: _builtins.bool = ...,
+        upsample: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "layer", b"layer", "normalize", b"normalize", "targets", b"targets", "upsample", b"upsample"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExplainRequest: _TypeAlias = ExplainRequest  # noqa: Y015
+
+@_typing.final
+class ExplainResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAPS_FIELD_NUMBER: _builtins.int
+    TARGETS_FIELD_NUMBER: _builtins.int
+    SCORES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def maps(self) -> _tensor_pb2.Tensor:
+        """float32, shaped (N, *spatial): ReLU of the channel sum of the layer's
+        output weighted by its spatially averaged gradient. Not normalized
+        unless asked.
+        """
+
+    @_builtins.property
+    def targets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The explained output index, per sample."""
+
+    @_builtins.property
+    def scores(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The model's output at that index (pre-softmax), per sample."""
+
+    def __init__(
+        self,
+        *,
+        maps: _tensor_pb2.Tensor | None = ...,
+        targets: _abc.Iterable[_builtins.int] | None = ...,
+        scores: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["maps", b"maps"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["maps", b"maps", "scores", b"scores", "targets", b"targets"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExplainResponse: _TypeAlias = ExplainResponse  # noqa: Y015
+
+@_typing.final
+class Triggers(_message.Message):
+    """When a durable tap's summary records an incident. Each trigger is checked
+    per layer; a pass gives at most one incident per tap, listing every layer
+    that fired. Zero fields are off.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NONFINITE_FIELD_NUMBER: _builtins.int
+    ABS_MAX_ABOVE_FIELD_NUMBER: _builtins.int
+    MEAN_SIGMA_FIELD_NUMBER: _builtins.int
+    MIN_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
+    nonfinite: _builtins.bool
+    """Fire when the `nonfinite` reducer counts any NaN or Inf."""
+    abs_max_above: _builtins.float
+    """Fire when the `abs_max` reducer reports a value above this (0 = off)."""
+    mean_sigma: _builtins.float
+    """Fire when the `moments` mean is more than this many baseline standard
+    deviations from the baseline mean, for a layer with a baseline (0 = off).
+    """
+    min_interval_seconds: _builtins.float
+    """At most one incident per trigger per this many seconds (0 = 60)."""
+    def __init__(
+        self,
+        *,
+        nonfinite: _builtins.bool = ...,
+        abs_max_above: _builtins.float = ...,
+        mean_sigma: _builtins.float = ...,
+        min_interval_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abs_max_above", b"abs_max_above", "mean_sigma", b"mean_sigma", "min_interval_seconds", b"min_interval_seconds", "nonfinite", b"nonfinite"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Triggers: _TypeAlias = Triggers  # noqa: Y015
+
+@_typing.final
+class IncidentLayer(_message.Message):
+    """One layer that fired in an incident."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYER_FIELD_NUMBER: _builtins.int
+    POINT_FIELD_NUMBER: _builtins.int
+    TRIGGERS_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    layer: _builtins.str
+    point: Global___Point.ValueType
+    @_builtins.property
+    def triggers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Trigger names that fired here: "nonfinite", "abs_max", "mean_sigma"."""
+
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Batch rows (dim 0) of the replayed tensor that hold the anomaly."""
+
+    def __init__(
+        self,
+        *,
+        layer: _builtins.str = ...,
+        point: Global___Point.ValueType = ...,
+        triggers: _abc.Iterable[_builtins.str] | None = ...,
+        rows: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layer", b"layer", "point", b"point", "rows", b"rows", "triggers", b"triggers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___IncidentLayer: _TypeAlias = IncidentLayer  # noqa: Y015
+
+@_typing.final
+class Incident(_message.Message):
+    """A recorded incident: what fired, on which pass, and whether the replay agreed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    TAP_FIELD_NUMBER: _builtins.int
+    TRIGGERS_FIELD_NUMBER: _builtins.int
+    LAYERS_FIELD_NUMBER: _builtins.int
+    PASS_INDEX_FIELD_NUMBER: _builtins.int
+    TIME_FIELD_NUMBER: _builtins.int
+    SUMMARIES_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    REPLAYED_FIELD_NUMBER: _builtins.int
+    REPLAY_MATCHES_FIELD_NUMBER: _builtins.int
+    REPLAY_NOTE_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    TENSOR_COUNT_FIELD_NUMBER: _builtins.int
+    TENSORS_DROPPED_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """`inc-<unix ms>-<8 hex>`."""
+    tap: _builtins.str
+    pass_index: _builtins.int
+    replayed: _builtins.bool
+    """Whether the offending input was retained (--record-inputs) and replayed."""
+    replay_matches: _builtins.bool
+    """The replay's deterministic statistics (moments, min/max, abs_max, zero
+    fraction, nonfinite) equal the summaries that fired.
+    """
+    replay_note: _builtins.str
+    """Why the replay does not match, or why there was none."""
+    bytes: _builtins.int
+    """Bytes of the incident file."""
+    tensor_count: _builtins.int
+    """Tensors stored: the input(s), then the captured layers."""
+    tensors_dropped: _builtins.int
+    """Tensors left out to keep the incident under its byte cap."""
+    @_builtins.property
+    def triggers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Trigger names that fired (rate limits applied)."""
+
+    @_builtins.property
+    def layers(self) -> _containers.RepeatedCompositeFieldContainer[Global___IncidentLayer]: ...
+    @_builtins.property
+    def time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def summaries(self) -> _containers.RepeatedCompositeFieldContainer[Global___Summary]:
+        """The summaries that fired, as the live pass produced them."""
+
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Union of the layers' anomalous batch rows."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        tap: _builtins.str = ...,
+        triggers: _abc.Iterable[_builtins.str] | None = ...,
+        layers: _abc.Iterable[Global___IncidentLayer] | None = ...,
+        pass_index: _builtins.int = ...,
+        time: _timestamp_pb2.Timestamp | None = ...,
+        summaries: _abc.Iterable[Global___Summary] | None = ...,
+        rows: _abc.Iterable[_builtins.int] | None = ...,
+        replayed: _builtins.bool = ...,
+        replay_matches: _builtins.bool = ...,
+        replay_note: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        tensor_count: _builtins.int = ...,
+        tensors_dropped: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "id", b"id", "layers", b"layers", "pass_index", b"pass_index", "replay_matches", b"replay_matches", "replay_note", b"replay_note", "replayed", b"replayed", "rows", b"rows", "summaries", b"summaries", "tap", b"tap", "tensor_count", b"tensor_count", "tensors_dropped", b"tensors_dropped", "time", b"time", "triggers", b"triggers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Incident: _TypeAlias = Incident  # noqa: Y015
+
+@_typing.final
+class ListIncidentsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TAP_FIELD_NUMBER: _builtins.int
+    tap: _builtins.str
+    """Only this tap's incidents (empty = all)."""
+    def __init__(
+        self,
+        *,
+        tap: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tap", b"tap"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListIncidentsRequest: _TypeAlias = ListIncidentsRequest  # noqa: Y015
+
+@_typing.final
+class ListIncidentsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INCIDENTS_FIELD_NUMBER: _builtins.int
+    SKIPPED_FILES_FIELD_NUMBER: _builtins.int
+    skipped_files: _builtins.int
+    """Incident files that could not be read (corrupt or truncated), since start."""
+    @_builtins.property
+    def incidents(self) -> _containers.RepeatedCompositeFieldContainer[Global___Incident]: ...
+    def __init__(
+        self,
+        *,
+        incidents: _abc.Iterable[Global___Incident] | None = ...,
+        skipped_files: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incidents", b"incidents", "skipped_files", b"skipped_files"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListIncidentsResponse: _TypeAlias = ListIncidentsResponse  # noqa: Y015
+
+@_typing.final
+class GetIncidentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetIncidentRequest: _TypeAlias = GetIncidentRequest  # noqa: Y015
+
+@_typing.final
+class GetIncidentResponse(_message.Message):
+    """First the incident, then per tensor a header (the model input is layer ""
+    at POINT_INPUT) followed by its chunks, as in Capture.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INCIDENT_FIELD_NUMBER: _builtins.int
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def incident(self) -> Global___Incident: ...
+    @_builtins.property
+    def header(self) -> Global___CaptureHeader: ...
+    @_builtins.property
+    def chunk(self) -> Global___CaptureChunk: ...
+    def __init__(
+        self,
+        *,
+        incident: Global___Incident | None = ...,
+        header: Global___CaptureHeader | None = ...,
+        chunk: Global___CaptureChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "incident", b"incident", "payload", b"payload"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "incident", b"incident", "payload", b"payload"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["incident", "header", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
+
+Global___GetIncidentResponse: _TypeAlias = GetIncidentResponse  # noqa: Y015
+
+@_typing.final
+class DeleteIncidentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteIncidentRequest: _TypeAlias = DeleteIncidentRequest  # noqa: Y015
+
+@_typing.final
+class DeleteIncidentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteIncidentResponse: _TypeAlias = DeleteIncidentResponse  # noqa: Y015

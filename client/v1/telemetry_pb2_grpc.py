@@ -80,6 +80,26 @@ class TelemetryServiceStub:
                 request_serializer=layertap_dot_v1_dot_telemetry__pb2.GetServerStatsRequest.SerializeToString,
                 response_deserializer=layertap_dot_v1_dot_telemetry__pb2.GetServerStatsResponse.FromString,
                 _registered_method=True)
+        self.ListIncidents = channel.unary_unary(
+                '/layertap.v1.TelemetryService/ListIncidents',
+                request_serializer=layertap_dot_v1_dot_telemetry__pb2.ListIncidentsRequest.SerializeToString,
+                response_deserializer=layertap_dot_v1_dot_telemetry__pb2.ListIncidentsResponse.FromString,
+                _registered_method=True)
+        self.GetIncident = channel.unary_stream(
+                '/layertap.v1.TelemetryService/GetIncident',
+                request_serializer=layertap_dot_v1_dot_telemetry__pb2.GetIncidentRequest.SerializeToString,
+                response_deserializer=layertap_dot_v1_dot_telemetry__pb2.GetIncidentResponse.FromString,
+                _registered_method=True)
+        self.DeleteIncident = channel.unary_unary(
+                '/layertap.v1.TelemetryService/DeleteIncident',
+                request_serializer=layertap_dot_v1_dot_telemetry__pb2.DeleteIncidentRequest.SerializeToString,
+                response_deserializer=layertap_dot_v1_dot_telemetry__pb2.DeleteIncidentResponse.FromString,
+                _registered_method=True)
+        self.Explain = channel.unary_unary(
+                '/layertap.v1.TelemetryService/Explain',
+                request_serializer=layertap_dot_v1_dot_telemetry__pb2.ExplainRequest.SerializeToString,
+                response_deserializer=layertap_dot_v1_dot_telemetry__pb2.ExplainResponse.FromString,
+                _registered_method=True)
 
 
 class TelemetryServiceServicer:
@@ -149,6 +169,34 @@ class TelemetryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListIncidents(self, request, context):
+        """Lists the flight recorder's incidents, newest first (scope capture).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetIncident(self, request, context):
+        """Streams one incident: its record, then its tensors chunked like Capture (scope capture).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteIncident(self, request, context):
+        """Removes one incident from the on-disk ring (scope capture).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Explain(self, request, context):
+        """Grad-CAM: per sample, the class's gradient-weighted activation map at one layer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TelemetryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -196,6 +244,26 @@ def add_TelemetryServiceServicer_to_server(servicer, server):
                     servicer.GetServerStats,
                     request_deserializer=layertap_dot_v1_dot_telemetry__pb2.GetServerStatsRequest.FromString,
                     response_serializer=layertap_dot_v1_dot_telemetry__pb2.GetServerStatsResponse.SerializeToString,
+            ),
+            'ListIncidents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListIncidents,
+                    request_deserializer=layertap_dot_v1_dot_telemetry__pb2.ListIncidentsRequest.FromString,
+                    response_serializer=layertap_dot_v1_dot_telemetry__pb2.ListIncidentsResponse.SerializeToString,
+            ),
+            'GetIncident': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetIncident,
+                    request_deserializer=layertap_dot_v1_dot_telemetry__pb2.GetIncidentRequest.FromString,
+                    response_serializer=layertap_dot_v1_dot_telemetry__pb2.GetIncidentResponse.SerializeToString,
+            ),
+            'DeleteIncident': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteIncident,
+                    request_deserializer=layertap_dot_v1_dot_telemetry__pb2.DeleteIncidentRequest.FromString,
+                    response_serializer=layertap_dot_v1_dot_telemetry__pb2.DeleteIncidentResponse.SerializeToString,
+            ),
+            'Explain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Explain,
+                    request_deserializer=layertap_dot_v1_dot_telemetry__pb2.ExplainRequest.FromString,
+                    response_serializer=layertap_dot_v1_dot_telemetry__pb2.ExplainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -442,6 +510,114 @@ class TelemetryService:
             '/layertap.v1.TelemetryService/GetServerStats',
             layertap_dot_v1_dot_telemetry__pb2.GetServerStatsRequest.SerializeToString,
             layertap_dot_v1_dot_telemetry__pb2.GetServerStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListIncidents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layertap.v1.TelemetryService/ListIncidents',
+            layertap_dot_v1_dot_telemetry__pb2.ListIncidentsRequest.SerializeToString,
+            layertap_dot_v1_dot_telemetry__pb2.ListIncidentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetIncident(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/layertap.v1.TelemetryService/GetIncident',
+            layertap_dot_v1_dot_telemetry__pb2.GetIncidentRequest.SerializeToString,
+            layertap_dot_v1_dot_telemetry__pb2.GetIncidentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteIncident(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layertap.v1.TelemetryService/DeleteIncident',
+            layertap_dot_v1_dot_telemetry__pb2.DeleteIncidentRequest.SerializeToString,
+            layertap_dot_v1_dot_telemetry__pb2.DeleteIncidentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Explain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layertap.v1.TelemetryService/Explain',
+            layertap_dot_v1_dot_telemetry__pb2.ExplainRequest.SerializeToString,
+            layertap_dot_v1_dot_telemetry__pb2.ExplainResponse.FromString,
             options,
             channel_credentials,
             insecure,

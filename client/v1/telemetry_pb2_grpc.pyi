@@ -51,6 +51,14 @@ class TelemetryServiceStub:
     """Returns the current drift scores."""
     GetServerStats: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.GetServerStatsRequest, _telemetry_pb2.GetServerStatsResponse]
     """Server-wide counters: hooks, passes, captures, subscribers."""
+    ListIncidents: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.ListIncidentsRequest, _telemetry_pb2.ListIncidentsResponse]
+    """Lists the flight recorder's incidents, newest first (scope capture)."""
+    GetIncident: _grpc.UnaryStreamMultiCallable[_telemetry_pb2.GetIncidentRequest, _telemetry_pb2.GetIncidentResponse]
+    """Streams one incident: its record, then its tensors chunked like Capture (scope capture)."""
+    DeleteIncident: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.DeleteIncidentRequest, _telemetry_pb2.DeleteIncidentResponse]
+    """Removes one incident from the on-disk ring (scope capture)."""
+    Explain: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.ExplainRequest, _telemetry_pb2.ExplainResponse]
+    """Grad-CAM: per sample, the class's gradient-weighted activation map at one layer."""
 
 @_typing.type_check_only
 class TelemetryServiceAsyncStub(TelemetryServiceStub):
@@ -75,6 +83,14 @@ class TelemetryServiceAsyncStub(TelemetryServiceStub):
     """Returns the current drift scores."""
     GetServerStats: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.GetServerStatsRequest, _telemetry_pb2.GetServerStatsResponse]  # type: ignore[assignment]
     """Server-wide counters: hooks, passes, captures, subscribers."""
+    ListIncidents: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.ListIncidentsRequest, _telemetry_pb2.ListIncidentsResponse]  # type: ignore[assignment]
+    """Lists the flight recorder's incidents, newest first (scope capture)."""
+    GetIncident: _aio.UnaryStreamMultiCallable[_telemetry_pb2.GetIncidentRequest, _telemetry_pb2.GetIncidentResponse]  # type: ignore[assignment]
+    """Streams one incident: its record, then its tensors chunked like Capture (scope capture)."""
+    DeleteIncident: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.DeleteIncidentRequest, _telemetry_pb2.DeleteIncidentResponse]  # type: ignore[assignment]
+    """Removes one incident from the on-disk ring (scope capture)."""
+    Explain: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.ExplainRequest, _telemetry_pb2.ExplainResponse]  # type: ignore[assignment]
+    """Grad-CAM: per sample, the class's gradient-weighted activation map at one layer."""
 
 class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
     """Looks inside the hosted model while it runs."""
@@ -150,5 +166,37 @@ class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_telemetry_pb2.GetServerStatsResponse, _abc.Awaitable[_telemetry_pb2.GetServerStatsResponse]]:
         """Server-wide counters: hooks, passes, captures, subscribers."""
+
+    @_abc_1.abstractmethod
+    def ListIncidents(
+        self,
+        request: _telemetry_pb2.ListIncidentsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_telemetry_pb2.ListIncidentsResponse, _abc.Awaitable[_telemetry_pb2.ListIncidentsResponse]]:
+        """Lists the flight recorder's incidents, newest first (scope capture)."""
+
+    @_abc_1.abstractmethod
+    def GetIncident(
+        self,
+        request: _telemetry_pb2.GetIncidentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_telemetry_pb2.GetIncidentResponse], _abc.AsyncIterator[_telemetry_pb2.GetIncidentResponse]]:
+        """Streams one incident: its record, then its tensors chunked like Capture (scope capture)."""
+
+    @_abc_1.abstractmethod
+    def DeleteIncident(
+        self,
+        request: _telemetry_pb2.DeleteIncidentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_telemetry_pb2.DeleteIncidentResponse, _abc.Awaitable[_telemetry_pb2.DeleteIncidentResponse]]:
+        """Removes one incident from the on-disk ring (scope capture)."""
+
+    @_abc_1.abstractmethod
+    def Explain(
+        self,
+        request: _telemetry_pb2.ExplainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_telemetry_pb2.ExplainResponse, _abc.Awaitable[_telemetry_pb2.ExplainResponse]]:
+        """Grad-CAM: per sample, the class's gradient-weighted activation map at one layer."""
 
 def add_TelemetryServiceServicer_to_server(servicer: TelemetryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -109,6 +109,14 @@ class DriftMonitor(Sink):
         #: away when they freeze or their tap is deleted.
         self._skipped = 0
 
+    def baseline_for(self, layer: str, point: str) -> Baseline | None:
+        """A frozen baseline of ``layer`` at ``point`` (any tap): the flight recorder's mean trigger."""
+        with self._lock:
+            for e in self._layers.values():
+                if e.layer == layer and e.point == point and e.baseline is not None:
+                    return e.baseline
+        return None
+
     # -- requests ------------------------------------------------------------
     def set_baseline(self, req: pb.SetBaselineRequest) -> tuple[str, list[str]]:
         """Create (or replace) the baseline tap; returns its id and layers."""

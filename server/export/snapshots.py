@@ -73,6 +73,8 @@ class LayerSnapshot:
     drift: DriftScore | None = None
     thresholds: DriftThresholds | None = None
     channel_drift_fraction: float | None = None
+    #: Seconds the module's forward took in the latest sampled pass (latency reducer).
+    latency: float | None = None
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -107,6 +109,7 @@ class SnapshotStore:
         "minmax": (("min", "min"), ("max", "max")),
         "abs_max": (("abs_max", "value"),),
         "zero_fraction": (("zero_fraction", "fraction"),),
+        "latency": (("latency", "seconds"),),
     }
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
@@ -241,7 +244,7 @@ class SnapshotStore:
                     v.get("mean"), v.get("std"), v.get("min"), v.get("max"), v.get("abs_max"), v.get("zero_fraction"),
                     st.quantiles, st.nan_total, st.inf_total, st.last_update,
                     None if st.hist_edges is None or st.hist_counts is None else (st.hist_edges, st.hist_counts),
-                    st.drift, st.thresholds, st.channel_fraction,
+                    st.drift, st.thresholds, st.channel_fraction, v.get("latency"),
                 )
             self._dirty.clear()
             return list(self._snaps.values())

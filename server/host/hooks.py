@@ -81,9 +81,12 @@ class HookRegistry:
     """
 
     def __init__(self, model: nn.Module, current_pass: Callable[[], Any], *,
-                 deferred_param_grads: bool = False) -> None:
+                 deferred_param_grads: bool = False, raw_pass: Callable[[], Any] | None = None) -> None:
         self._modules = dict(model.named_modules())
         self._current_pass = current_pass
+        #: The pass running now even while firings are ignored (``current_pass``
+        #: is None during a training step's evaluation forward, the pass is not).
+        self._raw_pass = raw_pass if raw_pass is not None else current_pass
         self._deferred = deferred_param_grads
         self._lock = threading.Lock()
         self._live: set[int] = set()
@@ -100,14 +103,27 @@ class HookRegistry:
         with self._lock:
             return len(self._live) + len(self._readers)
 
-    def add(self, layer: str, point: int, callback: HookCallback) -> HookHandle:
-        """Install ``callback`` at ``layer``/``point``; the caller owns removal."""
+    def add_timer(self, layer: str, on_start: HookCallback, on_stop: HookCallback) -> HookHandle:
+        """Install a timer around ``layer``'s forward: ``on_start(ctx, None)`` as its last
+        pre-hook and ``on_stop(ctx, None)`` as its FIRST forward hook, so the time spans
+        the forward and as few other hooks as possible; the caller owns removal."""
         module = self._modules[layer]
+        handle = HookHandle(layer, pb.POINT_OUTPUT, [], self)
+        start = self._firer(layer, pb.POINT_INPUT, on_start, handle)
+        stop = self._firer(layer, pb.POINT_OUTPUT, on_stop, handle)
+        handles = [module.register_forward_pre_hook(lambda _m, _a: start(None)),
+                   module.register_forward_hook(lambda _m, _a, _o: stop(None), prepend=True)]
+        handle._handles = handles
+        with self._lock:
+            self._live.update(id(h) for h in handles)
+        return handle
+
+    def _firer(self, layer: str, point: int, callback: HookCallback, handle: HookHandle) -> Callable[[Any], None]:
+        """Wraps ``callback`` so it fires only inside a pass, never raises, and stops once removed."""
         current = self._current_pass
-        handle = HookHandle(layer, point, [], self)
         # A hook added while a pass runs (a training step: the model thread
         # never waits for the RPC adding it) would see only part of that pass.
-        born = current()
+        born = self._raw_pass()
 
         def fire(value: Any) -> None:
             # A handle removed mid-pass (from another thread) goes quiet at
@@ -122,6 +138,13 @@ class HookRegistry:
                 self.errors += 1
                 log.exception("hook at %s (%s) failed; the pass went on", layer, POINT_NAMES.get(point))
 
+        return fire
+
+    def add(self, layer: str, point: int, callback: HookCallback) -> HookHandle:
+        """Install ``callback`` at ``layer``/``point``; the caller owns removal."""
+        module = self._modules[layer]
+        handle = HookHandle(layer, point, [], self)
+        fire = self._firer(layer, point, callback, handle)
         handles: list[RemovableHandle] = []
         if point == pb.POINT_OUTPUT:
             handles.append(module.register_forward_hook(lambda _m, _a, out: fire(out)))

@@ -143,10 +143,12 @@ class ModelHost:
         self._observers: tuple[PassObserver, ...] = ()
         self._observers_lock = threading.Lock()
         self.passes = 0
+        #: ``(rank, world_size)`` of a training agent's process; stamped on summaries and metadata.
+        self.rank: tuple[int, int] | None = None
         #: While True, hooks ignore firings: an evaluation forward inside a training step.
         self.quiet = False
         self.hooks = HookRegistry(self.module, lambda: None if self.quiet else self._current,
-                                  deferred_param_grads=training)
+                                  deferred_param_grads=training, raw_pass=lambda: self._current)
         self._probe: torch.utils.hooks.RemovableHandle | None = None
         self._modules = dict(self.module.named_modules()) if loaded.hooks_supported else {"": self.module}
         self.layer_shapes: dict[str, LayerShapes] = {}

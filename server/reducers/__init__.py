@@ -4,7 +4,7 @@ Modules, in dependency order: :mod:`.spec` (names, defaults, bounds and
 validation; host-only), :mod:`.keysort` (sorting a sample on integer keys),
 :mod:`.workspace` (per-tensor shared state),
 :mod:`.kernels` (the shared basic statistics and the no-sync rules),
-:mod:`.base`, :mod:`.basic` and :mod:`.distribution` (the reducers),
+:mod:`.base`, :mod:`.basic`, :mod:`.distribution` and :mod:`.latency` (the reducers),
 :mod:`.plan` (``build_reducers`` and the fused ``ReducerPlan``) and
 :mod:`.transfer` (the device-to-host copy and its thread).
 
@@ -36,5 +36,9 @@ Semantics (also the contract for decoders and exporters):
   the discreteness of a sample quantile), and 0 when unsampled.
 * ``per_channel``: mean, std and abs_max of the finite elements of each slice
   along ``dim``, for the first ``max_channels`` channels.
+* ``latency``: seconds from the module's last forward pre-hook to its first
+  forward hook (``perf_counter`` on CPU, CUDA events on GPU); it reads no
+  tensor and writes no slot, the tap's timer measures it (see :mod:`.latency`),
+  and it needs point ``output``.
 * Integer and bool tensors are read as float64 (exact up to 2**53).
 """

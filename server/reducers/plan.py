@@ -22,6 +22,7 @@ from layertap.server.reducers.basic import BASIC_REDUCERS, BasicReducer
 from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.distribution import HistogramReducer, PerChannelReducer, QuantilesReducer
 from layertap.server.reducers.kernels import StatNeeds, fused_basic_stats
+from layertap.server.reducers.latency import LatencyReducer
 from layertap.server.reducers.spec import (
     SpecError,
     check_histogram,
@@ -52,6 +53,8 @@ def _build_one(spec: pb.ReducerSpec, field: str) -> Reducer:
         return QuantilesReducer(field, *check_quantiles(field, spec.quantiles))
     if kind == pb.REDUCER_KIND_PER_CHANNEL:
         return PerChannelReducer(field, *check_per_channel(field, spec.per_channel))
+    if kind == pb.REDUCER_KIND_LATENCY:
+        return LatencyReducer(field)
     return BASIC_REDUCERS[kind](field)
 
 
@@ -120,6 +123,10 @@ class ReducerPlan:
         if basic and len(basic) == len(self.reducers):
             self._basic_slots = tuple(i for r in basic for i in range(*r.slots))
         self._slot_cache: DeviceCache = {}
+        #: Whether the tap must time its layers (see :mod:`.latency`).
+        self.timed = any(isinstance(r, LatencyReducer) for r in self.reducers)
+        # Only latency: no device work at all (its value is a time, not a slot).
+        self._slotless = bool(self.reducers) and all(isinstance(r, LatencyReducer) for r in self.reducers)
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __len__(self) -> int:
@@ -169,6 +176,8 @@ class ReducerPlan:
             r.check(x.shape)
         if not self.reducers:
             return x.new_zeros((0,), dtype=F64)
+        if self._slotless:  # _basic_slots is None here, so the cache is free
+            return device_constant(self._slot_cache, (), x.device)
         with torch.no_grad():
             ws = Workspace(x.detach() if x.requires_grad else x, self._generator(x.device),
                            self._sorted_sizes, self._share_xd)

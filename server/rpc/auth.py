@@ -56,6 +56,11 @@ METHOD_SCOPES: dict[str, dict[str, str]] = {
         "DeleteTap": "tap",  # another principal's tap also needs "admin"
         "SetBaseline": "tap",  # replacing another principal's baseline also needs "admin"
         "Capture": "capture",
+        # Incidents hold a request's input and its activations, as a capture does.
+        "ListIncidents": "capture",
+        "GetIncident": "capture",
+        "DeleteIncident": "capture",
+        "Explain": "capture",  # runs the caller's input, as an active capture does
     },
 }
 #: Services that stay open without a token.

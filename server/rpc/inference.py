@@ -72,4 +72,5 @@ class InferenceService(StateBacked, inference_pb2_grpc.InferenceServiceServicer)
             api_version=API_VERSION,
             active_hooks=host.hooks.active,
             hooks_supported=host.loaded.hooks_supported,
+            **({"rank": host.rank[0], "world_size": host.rank[1], "has_rank": True} if host.rank else {}),
         )

@@ -11,6 +11,7 @@ from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.export.health import ServerMetrics
 from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.host.model_host import ModelHost
+from layertap.server.record.recorder import Recorder
 from layertap.server.stream.broker import Broker
 from layertap.server.taps.capture_limits import CaptureBudget, CaptureLimits, CaptureSlots
 from layertap.server.taps.engine import TapEngine
@@ -29,6 +30,8 @@ class ServerState:
     snapshots: SnapshotStore | None = None
     #: What ``/metrics`` serves; None when metrics are off.
     registry: CollectorRegistry | None = None
+    #: The flight recorder (``--incident-dir``); None when off.
+    recorder: Recorder | None = None
     captures: CaptureSlots = field(init=False)
     capture_limits: CaptureLimits = field(init=False)
     #: Bytes every capture's live clones hold together, against ``--capture-budget-bytes``.

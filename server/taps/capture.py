@@ -35,10 +35,10 @@ from layertap.server.errors import (
     Unsupported,
     echo,
 )
-from layertap.server.host.hooks import HookHandle
+from layertap.server.host.hooks import HookHandle, ParamGrad
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
 from layertap.server.taps.capture_limits import CaptureBudget, CaptureLimits, CaptureSlots, Reservation
-from layertap.server.taps.capture_options import CaptureOptions, Selection, describe, parse_options
+from layertap.server.taps.capture_options import GRAD_POINTS, CaptureOptions, Selection, describe, parse_options
 from layertap.v1 import telemetry_pb2 as pb
 
 __all__ = [
@@ -231,8 +231,10 @@ class CaptureSession:
             rec = self._pass_for(ctx)
             if rec is None:
                 return
-            call = rec.calls.get(layer, 0)
-            rec.calls[layer] = call + 1
+            # A gradient arrives one tensor at a time: count calls per tensor position.
+            key = f"{layer}\0{value.position}" if isinstance(value, ParamGrad) else layer
+            call = rec.calls.get(key, 0)
+            rec.calls[key] = call + 1
             if rec.error is None and not rec.skipped:
                 self._copy(rec, layer, call, value)
         except Exception as exc:  # noqa: BLE001 - fails this capture, not the pass
@@ -258,15 +260,21 @@ class CaptureSession:
     def _copy(self, rec: CapturedPass, layer: str, call: int, value: Any) -> None:
         ctx = rec.ctx
         items = flatten_tensors(value)
+        # A gradient is one tensor of its module's outputs, inputs or
+        # parameters: its place is its position; the structure is settled
+        # when the pass ends (_settle_gradients).
+        offset = value.position if isinstance(value, ParamGrad) else 0
         # A one-argument input comes back like an output; several as a list.
-        is_container = not isinstance(value, torch.Tensor) and not (
+        is_container = not isinstance(value, (torch.Tensor, ParamGrad)) and not (
             self.opts.point == pb.POINT_INPUT and isinstance(value, tuple) and len(items) == 1
         )
+        # A parameter's first dimension is no batch.
+        max_batch = 0 if self.opts.point == pb.POINT_PARAM_GRAD else self.opts.max_batch
         planned = []
         for key, t in items:
             shape = list(t.shape)
-            if self.opts.max_batch and shape:
-                shape[0] = min(shape[0], self.opts.max_batch)
+            if max_batch and shape:
+                shape[0] = min(shape[0], max_batch)
             dtype = self.opts.dtype if (self.opts.dtype and t.dtype.is_floating_point) else t.dtype
             n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
             planned.append((key, t, dtype, n))
@@ -285,11 +293,12 @@ class CaptureSession:
         if not self._reserve(rec, layer, need, more):
             return
         rec.nbytes = need
+        keyed = isinstance(value, (dict, ParamGrad))
         for i, (key, t, dtype, _n) in enumerate(planned):
             src = t.detach()
-            if self.opts.max_batch and src.dim():
-                src = src[: self.opts.max_batch]
-            rec.tensors.append(CapturedTensor(layer, call, i, key if isinstance(value, dict) else "",
+            if max_batch and src.dim():
+                src = src[:max_batch]
+            rec.tensors.append(CapturedTensor(layer, call, offset + i, key if keyed else "",
                                               len(planned), is_container, clone_for_capture(src, dtype)))
 
     def _reserve(self, rec: CapturedPass, layer: str, need: int, more: int) -> bool:
@@ -338,6 +347,8 @@ class CaptureSession:
             else:
                 if rec is None:
                     rec = CapturedPass(ctx, self._taken, self.budget.reservation())
+                elif self.opts.point in GRAD_POINTS:
+                    _settle_gradients(rec, self.opts.point)
                 self._taken += 1
                 self._passes.put(rec)
         if drop is not None:
@@ -369,6 +380,20 @@ class CaptureSession:
             f"no live forward pass within {waited:.1f} s (--max-capture-wait {max_wait:g} s) for this passive "
             "capture; send Infer traffic while capturing, or pass inputs for an active capture",
             metadata={"max_wait_seconds": f"{max_wait:g}"})
+
+
+def _settle_gradients(rec: CapturedPass, point: int) -> None:
+    """Give a pass's gradient tensors their count and structure, known only once the step ended.
+
+    Parameter gradients are a module's named parameters (a dict by name);
+    output and input gradients a list when more than one tensor of a call got one.
+    """
+    counts: dict[tuple[str, int], int] = {}
+    for t in rec.tensors:
+        counts[t.layer, t.call_index] = counts.get((t.layer, t.call_index), 0) + 1
+    for t in rec.tensors:
+        t.output_count = counts[t.layer, t.call_index]
+        t.is_container = point == pb.POINT_PARAM_GRAD or t.output_count > 1
 
 
 def check_all_ran(rec: CapturedPass, opts: CaptureOptions) -> None:

@@ -20,9 +20,11 @@ from layertap.server.taps.selectors import GLOB_CHARS, select_layers
 from layertap.v1 import tensor_pb2
 from layertap.v1 import telemetry_pb2 as pb
 
-__all__ = ["CaptureOptions", "Selection", "describe", "parse_options"]
+__all__ = ["GRAD_POINTS", "CaptureOptions", "Selection", "describe", "parse_options"]
 
 DOWNCASTS = {tensor_pb2.DATA_TYPE_FLOAT16, tensor_pb2.DATA_TYPE_BFLOAT16}
+#: Points read in the backward or at the optimizer's pre-step: only a training agent has them.
+GRAD_POINTS = frozenset({pb.POINT_GRAD_OUTPUT, pb.POINT_GRAD_INPUT, pb.POINT_PARAM_GRAD})
 
 
 #: Layers come from the model, so requests only need their length capped
@@ -94,8 +96,13 @@ def parse_options(req: pb.CaptureRequest, host: ModelHost, limits: CaptureLimits
         )
     selections = _select(req, host)
     point = req.point or pb.POINT_OUTPUT
-    if point not in (pb.POINT_OUTPUT, pb.POINT_INPUT):
-        raise InvalidSpec("point", "Capture supports POINT_OUTPUT and POINT_INPUT; use taps for gradients")
+    if point not in GRAD_POINTS and point not in (pb.POINT_OUTPUT, pb.POINT_INPUT):
+        raise InvalidSpec("point", f"unknown point {point}; Capture takes POINT_OUTPUT, POINT_INPUT or, on a "
+                                   "training agent, a gradient point")
+    if point in GRAD_POINTS and not host.training:
+        # A serving host runs no backward, so such a capture would only wait out its deadline.
+        raise Unsupported("point: gradient points need a training agent (layertap.attach), where a backward "
+                          "runs; on a serving host use POINT_OUTPUT or POINT_INPUT", field="point")
     passes = req.passes or 1
     if req.inputs and req.passes > 1:
         raise InvalidSpec("passes", "an active capture (with inputs) runs exactly one pass")

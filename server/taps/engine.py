@@ -28,8 +28,10 @@ from layertap.server.limits import check_name, check_ttl
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
 from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.compiled_kernel import DENSE, Signature
+from layertap.server.reducers.latency import Lap, LayerTimer, fill_latency
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.spec import SpecError
+from layertap.server.record.triggers import check_triggers, enabled
 from layertap.server.taps.sampling import Clock, Sampler
 from layertap.server.taps.selectors import MAX_SELECTOR_BYTES, select_layers
 from layertap.v1 import telemetry_pb2 as pb
@@ -48,6 +50,7 @@ class _Piece:
     shape: tuple[int, ...]
     plan: ReducerPlan
     sampled: bool
+    lap: Lap | None = None
 
 
 class TapEngine:
@@ -71,6 +74,10 @@ class TapEngine:
         #: Downstream consumers; the app assembles them (see stream.sinks).
         self.sinks: Sinks = sinks if sinks is not None else Sinks()
         self.transfer = HostTransfer(maxsize=transfer_queue)
+        #: Set by the flight recorder; without it a spec with triggers is refused.
+        self.triggers_recorded = False
+        #: Index of the last pass handed to the host-transfer thread (the recorder's cue).
+        self.last_submitted = -1
         host.add_observer(self)
 
     # -- registry ------------------------------------------------------------
@@ -105,7 +112,14 @@ class TapEngine:
         if spec.name:
             check_name(spec.name, f"{field_prefix}.name")
         sampler = Sampler(spec.sampling, clock=self.clock, rng=self._rng, field=f"{field_prefix}.sampling")
+        check_triggers(spec, durable=kind == pb.TAP_KIND_DURABLE, field_prefix=field_prefix)
+        if enabled(spec.triggers) and not self.triggers_recorded:
+            raise Unsupported(f"{field_prefix}.triggers: start the server with --incident-dir to record incidents",
+                              field=f"{field_prefix}.triggers")
         plan = ReducerPlan(reducers)
+        if plan.timed and point != pb.POINT_OUTPUT:
+            raise InvalidSpec(f"{field_prefix}.point", "the latency reducer times a module's forward: "
+                                                       "use point output")
         # Lock order everywhere: the model lock, then the engine lock. Hooks go
         # in between passes, so a tap never sees half a pass.
         with self.host.pass_lock(), self._lock:
@@ -126,6 +140,13 @@ class TapEngine:
             for layer in layers:
                 tap.handles.append(self.host.hooks.add(
                     layer, point, lambda ctx, v, _t=tap, _l=layer: self._on_hook(_t, _l, ctx, v)))
+            if plan.timed:
+                # Added after the tap's own hook: its stop hook is prepended, so it runs first.
+                timer = tap.timer = LayerTimer(self.host.device)
+                for layer in layers:
+                    tap.handles.append(self.host.hooks.add_timer(
+                        layer, lambda ctx, _v, _l=layer: timer.start(_l, ctx.index),
+                        lambda _ctx, _v, _l=layer: timer.stop(_l)))
             self._taps[tap_id] = tap
         self.sinks.on_tap_created(tap)
         if plan.needs_basic_stats:
@@ -217,6 +238,7 @@ class TapEngine:
         call = tap.calls.get(layer, 0)
         tap.calls[layer] = call + 1
         plan = tap.layer_plans.get(layer, tap.plan) if tap._sampled else tap.always
+        lap = tap.timer.take(layer) if tap.timer is not None else None
         if plan is None:
             return
         if self._buffer is None:
@@ -227,7 +249,8 @@ class TapEngine:
             for i, (_key, tensor) in enumerate(flatten_tensors(value)):
                 vec = plan.run(tensor)
                 self._buffer.add(len(self._pieces), vec)
-                self._pieces.append(_Piece(tap, layer, offset + i, call, tuple(tensor.shape), plan, tap._sampled))
+                self._pieces.append(_Piece(tap, layer, offset + i, call, tuple(tensor.shape), plan, tap._sampled,
+                                           lap if plan.timed else None))
         except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
             self._fail(tap, layer, exc)
         finally:
@@ -260,6 +283,7 @@ class TapEngine:
                 tap.drops += 1
 
         self.transfer.submit(buffer.finish(), lambda values: self._publish(ctx, pieces, values), dropped)
+        self.last_submitted = ctx.index
 
     # -- host-transfer thread ----------------------------------------------------
     def _publish(self, ctx: PassContext, pieces: list[_Piece], values: dict[int, np.ndarray]) -> None:
@@ -269,14 +293,19 @@ class TapEngine:
         for i, p in enumerate(pieces):
             if p.tap.disabled:
                 continue
+            results = p.plan.decode(values[i], p.shape)
+            if p.lap is not None:
+                fill_latency(results, p.lap)
             summary = pb.Summary(
                 tap=p.tap.id, layer=p.layer, point=p.tap.spec.point, output_index=p.output_index,
-                pass_index=ctx.index, wall_time=wall, results=p.plan.decode(values[i], p.shape),
+                pass_index=ctx.index, wall_time=wall, results=results,
                 unsampled=not p.sampled, call_index=p.call_index,
             )
             if ctx.step is not None:
                 summary.step = ctx.step
                 summary.has_step = True
+            if self.host.rank is not None:
+                summary.rank, summary.has_rank = self.host.rank[0], True
             summaries.append(summary)
             if p.sampled and p.tap.id not in seen:
                 seen.add(p.tap.id)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from google.protobuf import timestamp_pb2
 
 from layertap.server.host.hooks import HookHandle
+from layertap.server.reducers.latency import LayerTimer
 from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.taps.sampling import Sampler
 from layertap.v1 import telemetry_pb2 as pb
@@ -49,6 +50,8 @@ class Tap:
     #: Per-layer reducer plans that override ``plan`` (drift baselines freeze
     #: histogram edges per layer).
     layer_plans: dict[str, ReducerPlan] = field(default_factory=dict)
+    #: Times each layer's forward when the plan has a latency reducer.
+    timer: LayerTimer | None = None
     _pass: int = -1
     _sampled: bool = False
 

@@ -24,7 +24,7 @@ from layertap.server.host.model_host import ModelHost, PassContext
 from layertap.server.host.sources import LoadedModel
 from layertap.server.main import check_exposure
 from layertap.server.train.labels import LabelledRegistry
-from layertap.server.train.names import unwrap
+from layertap.server.train.names import is_compiled, unwrap
 from layertap.server.train.ranks import Rank
 from layertap.server.train.steps import StepTracker
 
@@ -150,10 +150,20 @@ def attach(
     if (why := check_exposure(config)) is not None:
         raise ValueError(f"layertap.attach: {why} (keywords auth_tokens=, tls_cert=, tls_key=, insecure=True)")
     inner = unwrap(model)
+    if is_compiled(model):
+        # Dynamo skips guards on module hooks by default, so a tap added after
+        # the first compiled forward would never fire (and nothing would say
+        # so). Guarding on hooks makes each tap change recompile instead.
+        import torch._dynamo.config
+
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        log.info("layertap.attach: torch.compile'd model; module hooks are guarded, so adding or removing "
+                 "a tap recompiles the model once")
     device, dtype = _placement(inner)
     loaded = LoadedModel(inner, name or type(inner).__name__,
                          f"training (rank {rank.rank} of {rank.world_size})", inputs=[])
     training_host = ModelHost(loaded, device=device, dtype=dtype, training=True)
+    training_host.rank = (rank.rank, rank.world_size)
     server = start_server(config, host=training_host, registry=LabelledRegistry({"rank": str(rank.rank)}))
     try:
         steps = StepTracker(training_host, optimizer, start_step=start_step)

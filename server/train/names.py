@@ -19,6 +19,17 @@ def _is_ddp(module: nn.Module) -> bool:
     return isinstance(module, (DistributedDataParallel, DataParallel))
 
 
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``torch.compile`` wraps the model anywhere in the top nesting."""
+    while True:
+        if getattr(model, "_orig_mod", None) is not None and isinstance(model._orig_mod, nn.Module):
+            return True
+        inner = getattr(model, "module", None) if _is_ddp(model) else None
+        if not isinstance(inner, nn.Module):
+            return False
+        model = inner
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The innermost user model under any nesting of DDP/DataParallel and torch.compile."""
     while True:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -87,9 +88,12 @@ class StepTracker:
             self._open(self.next_step)
 
     def _forward_ends(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
-        if self._forwards:
-            self._forwards.pop()
+        evaluation = self._forwards.pop() if self._forwards else True
         self.host.quiet = any(self._forwards)
+        # An always_call hook runs inside torch's ``except`` when the forward
+        # raised: that step's tensors are partial, so it publishes nothing.
+        if not evaluation and self._ctx is not None and sys.exc_info()[1] is not None:
+            self._ctx.failed = True
 
     # -- the optimizer's step ----------------------------------------------------
     def _pre_step(self, _opt: Any, _args: Any, _kwargs: Any) -> None:

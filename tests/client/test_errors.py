@@ -258,4 +258,4 @@ def test_client_side_validation_is_invalid_argument(server: tuple[AbortingHandle
         with pytest.raises(InvalidArgument):
             client.capture("layer1", dtype="int8")
         with pytest.raises(ValueError):  # InvalidArgument is a ValueError
-            client.capture("layer1", point="grad_output")
+            client.capture("layer1", point="gradient")  # no such point (grad points go to the server)

@@ -66,13 +66,17 @@ PROBES = {
     "/layertap.v1.TelemetryService/SetBaseline": telemetry_pb2.SetBaselineRequest(selector="no-such-layer"),
     "/layertap.v1.TelemetryService/GetDrift": telemetry_pb2.GetDriftRequest(),
     "/layertap.v1.TelemetryService/GetServerStats": telemetry_pb2.GetServerStatsRequest(),
+    "/layertap.v1.TelemetryService/ListIncidents": telemetry_pb2.ListIncidentsRequest(),
+    "/layertap.v1.TelemetryService/GetIncident": telemetry_pb2.GetIncidentRequest(id="inc-0000000000001-00000000"),
+    "/layertap.v1.TelemetryService/DeleteIncident": telemetry_pb2.DeleteIncidentRequest(id="inc-0000000000001-00000000"),
+    "/layertap.v1.TelemetryService/Explain": telemetry_pb2.ExplainRequest(layer="no-such-layer"),
 }
 
 
 def call_raw(channel: grpc.Channel, method: str, token: str | None) -> grpc.StatusCode:
     """The status of one raw call (OK, or the failure's code)."""
     request = PROBES[method]
-    streaming = method.endswith(("/Capture", "/Subscribe"))
+    streaming = method.endswith(("/Capture", "/Subscribe", "/GetIncident"))
     response_type = {
         "Infer": inference_pb2.InferResponse, "GetModelMetadata": inference_pb2.GetModelMetadataResponse,
     }.get(method.rsplit("/", 1)[1])

@@ -10,18 +10,21 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
 
 
-def test_both_ranks_report_the_all_reduced_total_norm():
+@pytest.mark.parametrize("model", ["demo", "inplace"])
+def test_both_ranks_report_the_all_reduced_total_norm(model: str) -> None:
+    """``inplace``: the in-place-ReLU model trains under DDP with every gradient point tapped."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         master = s.getsockname()[1]
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "OMP_NUM_THREADS": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "OMP_NUM_THREADS": "1", "LT_MODEL": model,
                "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
         procs.append(subprocess.Popen([sys.executable, str(TESTS / "support" / "ddp_worker.py")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -34,8 +37,15 @@ def test_both_ranks_report_the_all_reduced_total_norm():
     for r in (r0, r1):
         assert r["steps"] == [0, 1, 2]
         assert r["source"] == f"training (rank {r['rank']} of 2)"
-        assert r["names"] == ["conv1", "bn1", "relu"]  # DDP's "module." is gone
+        # DDP's "module." is gone
+        assert r["names"] == (["conv1", "bn1", "relu1"] if model == "inplace" else ["conv1", "bn1", "relu"])
         np.testing.assert_allclose(r["totals"], r["clipped"], rtol=1e-5)
+        assert r["tap_errors"] == 0 and r["hook_errors"] == 0
+        if model == "inplace":
+            # Every step's gradient at every tapped layer, nonzero and finite.
+            for point, layers in (("grad_output", ("bn1", "conv1", "conv2")), ("grad_input", ("bn1", "conv2"))):
+                assert r["seen"][point] == sorted([s, layer] for s in range(3) for layer in layers), point
     # After the all-reduce both ranks hold the same gradient, though their local ones differed.
     np.testing.assert_allclose(r0["totals"], r1["totals"], rtol=1e-6)
-    assert all(abs(a - b) > 1e-3 * max(a, b) for a, b in zip(r0["local"], r1["local"]))
+    if model == "demo":
+        assert all(abs(a - b) > 1e-3 * max(a, b) for a, b in zip(r0["local"], r1["local"]))

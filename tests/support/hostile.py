@@ -311,7 +311,14 @@ POINTS = weighted((4, st.sampled_from([0, 1, 2, 3, 4, 5])), (1, INT32))
 def valid_spec(name: st.SearchStrategy[str] = weighted((1, VALID_NAMES), (1, st.just("")))
                ) -> st.SearchStrategy[pb.TapSpec]:
     return st.builds(pb.TapSpec, name=name, selector=VALID_SELECTORS, point=st.sampled_from([0, 1, 2, 3, 4, 5]),
-                     reducers=VALID_REDUCERS, sampling=VALID_SAMPLING)
+                     reducers=VALID_REDUCERS, sampling=VALID_SAMPLING).map(_latency_at_output)
+
+
+def _latency_at_output(spec: pb.TapSpec) -> pb.TapSpec:
+    """The latency reducer times a forward: a valid spec that has it reads the output."""
+    if any(r.kind == pb.REDUCER_KIND_LATENCY for r in spec.reducers):
+        spec.point = pb.POINT_OUTPUT
+    return spec
 
 
 SPECS = weighted((2, valid_spec()), (1, random_message(pb.TapSpec.DESCRIPTOR)),
@@ -391,6 +398,17 @@ def _set_baseline(valid: bool) -> st.SearchStrategy[pb.SetBaselineRequest]:
                      thresholds=random_message(pb.DriftThresholds.DESCRIPTOR), sampling=SAMPLING, name=NAMES)
 
 
+def _explain(valid: bool) -> st.SearchStrategy[pb.ExplainRequest]:
+    if valid:  # a batch of at least one: Explain refuses an empty batch
+        inputs = valid_input(4).filter(lambda t: t.shape[0] > 0).map(lambda t: [t])
+        return st.builds(pb.ExplainRequest, inputs=inputs, layer=st.sampled_from(["layer4", "layer3", "layer2.0", "fc"]),
+                         targets=st.lists(st.integers(0, 9), max_size=1), normalize=st.booleans(),
+                         upsample=st.booleans())
+    layers = weighted((3, st.sampled_from(LAYERS)), (1, texts()), (1, st.sampled_from(["", "x" * 1025, "re:.*"])))
+    return st.builds(pb.ExplainRequest, inputs=tensors(), layer=layers, targets=st.lists(INT64, max_size=10),
+                     normalize=st.booleans(), upsample=st.booleans())
+
+
 def _health(valid: bool) -> st.SearchStrategy[health_pb2.HealthCheckRequest]:
     if valid:
         return st.builds(health_pb2.HealthCheckRequest, service=st.sampled_from(["", *SERVICE_NAMES]))
@@ -424,7 +442,12 @@ def _table() -> dict[str, Rpc]:
             (1, hostile(pb.SetBaselineRequest.DESCRIPTOR))),
         rpc(TELEMETRY, "GetDrift", st.builds(pb.GetDriftRequest, selector=st.one_of(st.just(""), VALID_SELECTORS)),
             (3, st.builds(pb.GetDriftRequest, selector=SELECTORS)), (1, hostile(pb.GetDriftRequest.DESCRIPTOR))),
+        rpc(TELEMETRY, "Explain", _explain(True), (3, _explain(False)), (1, hostile(pb.ExplainRequest.DESCRIPTOR))),
         rpc(TELEMETRY, "GetServerStats", st.builds(pb.GetServerStatsRequest), (1, _empty(pb.GetServerStatsRequest))),
+        # The hostile suite's server has no --incident-dir: none of these can be OK.
+        rpc(TELEMETRY, "ListIncidents", None, (1, hostile(pb.ListIncidentsRequest.DESCRIPTOR))),
+        rpc(TELEMETRY, "GetIncident", None, (1, hostile(pb.GetIncidentRequest.DESCRIPTOR)), streaming=True),
+        rpc(TELEMETRY, "DeleteIncident", None, (1, hostile(pb.DeleteIncidentRequest.DESCRIPTOR))),
         rpc(HEALTH, "Check", _health(True), (2, _health(False)), (1, hostile(health_pb2.HealthCheckRequest.DESCRIPTOR))),
         rpc(HEALTH, "Watch", _health(True), (2, _health(False)), streaming=True),
         # grpcio's HealthServicer leaves List unimplemented: nothing here can be OK.
@@ -437,9 +460,10 @@ RPCS: dict[str, Rpc] = _table()
 #: Cases per 1,000, by RPC: weighted toward the RPCs with the most fields and state. The test
 #: runs exactly these; ``benchmarks/fuzz.py`` scales them.
 SHARES: dict[str, int] = {
-    "InferenceService.Infer": 120, "InferenceService.GetModelMetadata": 30, "TelemetryService.ListLayers": 30,
-    "TelemetryService.Capture": 150, "TelemetryService.CreateTap": 160, "TelemetryService.DeleteTap": 60,
-    "TelemetryService.ListTaps": 30, "TelemetryService.Subscribe": 120, "TelemetryService.SetBaseline": 110,
+    "InferenceService.Infer": 110, "InferenceService.GetModelMetadata": 30, "TelemetryService.ListLayers": 30,
+    "TelemetryService.Capture": 150, "TelemetryService.CreateTap": 120, "TelemetryService.DeleteTap": 60,
+    "TelemetryService.ListTaps": 30, "TelemetryService.Subscribe": 110, "TelemetryService.SetBaseline": 110,
     "TelemetryService.GetDrift": 80, "TelemetryService.GetServerStats": 30, "Health.Check": 40, "Health.Watch": 20,
-    "Health.List": 20,
+    "Health.List": 20, "TelemetryService.ListIncidents": 10, "TelemetryService.GetIncident": 10,
+    "TelemetryService.DeleteIncident": 10, "TelemetryService.Explain": 30,
 }

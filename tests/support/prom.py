@@ -58,7 +58,7 @@ class PrometheusServer:
 
     Args:
         workdir: A fresh directory for the config, the TSDB and the log.
-        target: ``host:port`` of the ``/metrics`` endpoint to scrape.
+        target: ``host:port`` of the ``/metrics`` endpoint to scrape, or a list of them (one job).
         rule_files: Rule files to load (e.g. :data:`ALERTS`); evaluated every second.
         start_timeout: Seconds to wait for ``/-/ready``.
         scrape_extra: More YAML lines of the scrape job, indented 4 spaces
@@ -68,7 +68,7 @@ class PrometheusServer:
     def __init__(
         self,
         workdir: Path,
-        target: str,
+        target: str | Sequence[str],
         *,
         rule_files: Sequence[Path] = (),
         start_timeout: float = 60.0,
@@ -89,7 +89,7 @@ class PrometheusServer:
             f"  - job_name: {JOB}\n"
             + scrape_extra
             + "    static_configs:\n"
-            f"      - targets: [{json.dumps(target)}]\n",
+            f"      - targets: {json.dumps([target] if isinstance(target, str) else list(target))}\n",
             encoding="utf-8",
         )
         self.port = free_port()

@@ -1,0 +1,76 @@
+"""``layertap tensorboard``: follow a tap into TensorBoard event files (``layertap[tensorboard]``).
+
+The bridge module is imported only when the command runs, so the thin client
+without the extra still starts every other command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+
+from ._client import Client
+from ._errors import LayertapError
+
+__all__ = ["add_tensorboard_command"]
+
+
+def _cmd_tensorboard(args: argparse.Namespace) -> int:
+    try:
+        tb = importlib.import_module("layertap._tensorboard")
+    except ImportError as exc:
+        print(f"layertap: {exc}")
+        return 1
+    options = tb.FollowOptions(selector=args.selector, every=args.every, images=tuple(args.images or ()),
+                               image_every=args.image_every, duration=args.duration, passes=args.passes)
+    bridge = tb.TensorBoardBridge(args.logdir)
+    try:
+        with Client(args.host, timeout=args.timeout, token=args.token, tls=args.tls_ca or args.tls) as client:
+            written = tb.follow(client, bridge, options)
+    except LayertapError as exc:
+        if exc.code != "DEADLINE_EXCEEDED" or args.duration is None:
+            raise  # reaching --duration is the normal end
+        written = None
+    except KeyboardInterrupt:
+        written = None
+    finally:
+        bridge.close()
+    print(f"{args.logdir}: last step {bridge.step}" + ("" if written is None else f" ({written} passes)"))
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
+def add_tensorboard_command(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """Register ``tensorboard`` with the CLI's ``command(name, help)`` factory (which adds HOST and the connection flags)."""
+    p = command("tensorboard", "Follow a tap and write TensorBoard event files (needs layertap[tensorboard]).")
+    p.add_argument("selector", metavar="SELECTOR", help="module name, glob ('layer*') or re:regex")
+    p.add_argument("--logdir", type=Path, required=True, help="TensorBoard run directory (continued if it has events)")
+    p.add_argument("--every", type=_positive_int, help="summarize every N-th pass")
+    p.add_argument("--images", action="append", metavar="LAYER",
+                   help="capture this layer's feature maps as an image grid (repeatable)")
+    p.add_argument("--image-every", type=_positive_int, default=10,
+                   help="capture the --images layers every N written passes (default 10)")
+    p.add_argument("--duration", type=_positive_float, help="stop after this many seconds")
+    p.add_argument("--passes", type=_positive_int, help="stop after this many passes")
+    p.set_defaults(func=_cmd_tensorboard)

@@ -1,0 +1,307 @@
+"""``Fleet``: one client for many agents (the ranks of a training job) or serving replicas.
+
+Each call fans out to every target concurrently, one :class:`Client` per
+target, and merges what came back into one :class:`FleetResult`: every item
+tagged with its target and, where the server is a training agent, its rank.
+A target that is down, refuses or times out becomes a :class:`FleetError` in
+the result instead of failing the others, so one dead rank never blinds a
+dashboard to the rest. :meth:`Fleet.watch` merges the members' summary
+streams into one :class:`FleetStream` the same way.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Generic, TypeVar
+
+from ._capture import CaptureOptions
+from ._channel import TlsOption
+from ._client import DEFAULT_TIMEOUT, Client
+from ._errors import ClientClosed, InvalidArgument, LayertapError
+from ._taps import SummaryStream, TapOptions, Unpack
+from ._types import LayerDrift, LayerInfo, ModelMetadata, ServerStats, Summary, TapSpec
+
+T = TypeVar("T")
+
+#: Batches of summaries the merged stream buffers before its readers push back
+#: on the members (each member's server then drops its oldest, counted).
+STREAM_BUFFER = 256
+
+
+@dataclass(frozen=True)
+class FleetItem(Generic[T]):
+    """One result of a fleet call, with where it came from.
+
+    Attributes:
+        target: The ``host:port`` that answered.
+        rank: That agent's ``torch.distributed`` rank; None for a serving replica.
+        value: The result itself (a :class:`LayerInfo`, a :class:`Summary`...).
+    """
+
+    target: str
+    rank: int | None
+    value: T
+
+
+@dataclass(frozen=True)
+class FleetError:
+    """A target whose call failed; the others' results stand.
+
+    Attributes:
+        target: The ``host:port`` that failed.
+        rank: Its rank when it was known from an earlier answer, else None.
+        error: The client's typed error (``ServerUnavailable`` for a target that is down).
+    """
+
+    target: str
+    rank: int | None
+    error: LayertapError
+
+
+@dataclass(frozen=True)
+class FleetResult(Generic[T]):
+    """The merged answer of every target: iterate it for :class:`FleetItem` objects.
+
+    Items come in target order (the order given to :class:`Fleet`), each
+    target's items in its own order.
+    """
+
+    items: list[FleetItem[T]] = field(default_factory=list)
+    errors: list[FleetError] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[FleetItem[T]]:
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @property
+    def ok(self) -> bool:
+        """True when every target answered."""
+        return not self.errors
+
+    def by_target(self) -> dict[str, list[T]]:
+        """Target -> its values (targets that failed are absent)."""
+        out: dict[str, list[T]] = {}
+        for item in self.items:
+            out.setdefault(item.target, []).append(item.value)
+        return out
+
+
+class Fleet:
+    """Fans calls out to many layertap agents or serving replicas at once.
+
+    Args:
+        targets: ``"host:port"`` of each member (or bare ports for ``127.0.0.1``).
+            For a ``torchrun`` job, the ranks' agents listen on a base port
+            plus ``LOCAL_RANK``.
+        timeout: Default deadline of each member's call, in seconds.
+        token: Bearer token sent to every member; default ``$LAYERTAP_TOKEN``.
+        tls: As for :class:`Client`, the same for every member.
+
+    Example:
+        >>> with layertap.Fleet(["node0:50061", "node0:50062"]) as fleet:
+        ...     for item in fleet.watch("*", point="param_grad", reducers="norm"):
+        ...         print(item.rank, item.value.step, item.value.results["norm"].l2)
+
+    Raises:
+        InvalidArgument: No target, a target named twice, or a malformed one.
+    """
+
+    def __init__(self, targets: Sequence[str | int], *, timeout: float = DEFAULT_TIMEOUT,
+                 token: str | None = None, tls: TlsOption = None) -> None:
+        if isinstance(targets, (str, int)) or not targets:
+            raise InvalidArgument("targets: give a list of one or more 'host:port' targets")
+        self._clients = [Client(t, timeout=timeout, token=token, tls=tls) for t in targets]
+        self.targets = [c.target for c in self._clients]
+        if len(set(self.targets)) != len(self.targets):
+            self.close()
+            raise InvalidArgument(f"targets: each target once, got {self.targets}")
+        #: Ranks learned from the members' metadata; None for serving replicas.
+        self._ranks: dict[str, int | None] = {}
+        self._pool = ThreadPoolExecutor(max_workers=min(len(self._clients), 32),
+                                        thread_name_prefix="layertap-fleet")
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<layertap.Fleet {len(self.targets)} targets{' closed' if self._closed else ''}>"
+
+    def close(self) -> None:
+        """Closes every member's channel (and their streams). Idempotent."""
+        self._closed = True
+        for c in self._clients:
+            c.close()
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ fan-out
+    def _rank(self, client: Client, timeout: float | None) -> int | None:
+        if client.target not in self._ranks:
+            self._ranks[client.target] = client.metadata(timeout=timeout).rank
+        return self._ranks[client.target]
+
+    def _fan_out(self, call: Callable[[Client], list[T]], timeout: float | None) -> FleetResult[T]:
+        if self._closed:
+            raise ClientClosed("this Fleet was closed; create a new one")
+
+        def one(client: Client) -> list[FleetItem[T]] | FleetError:
+            try:
+                rank = self._rank(client, timeout)
+                return [FleetItem(client.target, rank, v) for v in call(client)]
+            except LayertapError as exc:
+                return FleetError(client.target, self._ranks.get(client.target), exc)
+
+        result: FleetResult[T] = FleetResult()
+        for out in self._pool.map(one, self._clients):
+            if isinstance(out, FleetError):
+                result.errors.append(out)
+            else:
+                result.items.extend(out)
+        return result
+
+    def metadata(self, *, timeout: float | None = None) -> FleetResult[ModelMetadata]:
+        """Each member's :meth:`Client.metadata` (its rank and world size included)."""
+        return self._fan_out(lambda c: [c.metadata(timeout=timeout)], timeout)
+
+    def layers(self, *, timeout: float | None = None) -> FleetResult[LayerInfo]:
+        """Every member's layers; the ranks of one job list the same ones."""
+        return self._fan_out(lambda c: c.layers(timeout=timeout), timeout)
+
+    def stats(self, *, timeout: float | None = None) -> FleetResult[ServerStats]:
+        """One :class:`ServerStats` per member (hooks, passes, subscribers...)."""
+        return self._fan_out(lambda c: [c.stats(timeout=timeout)], timeout)
+
+    def drift(self, selector: str = "", *, timeout: float | None = None) -> FleetResult[LayerDrift]:
+        """Every member's drift scores, each against its own baseline."""
+        return self._fan_out(lambda c: c.drift(selector, timeout=timeout), timeout)
+
+    def capture(self, layers: str | Sequence[str], *, n: int = 1, as_torch: bool = False,
+                **options: Unpack[CaptureOptions]) -> FleetResult[Any]:
+        """One :meth:`Client.capture` per member, concurrently: each item's
+        value is what that member's capture returned (passive on agents: the
+        next step's tensors, gradient points included)."""
+        names = layers if isinstance(layers, str) else list(layers)
+        return self._fan_out(lambda c: [c.capture(names, n=n, as_torch=as_torch, **options)],
+                             options.get("timeout"))
+
+    def watch(self, selector: str | TapSpec, *, queue_size: int | None = None, timeout: float | None = None,
+              **options: Unpack[TapOptions]) -> FleetStream:
+        """One merged stream of every member's summaries (see :meth:`Client.watch`).
+
+        A member that is down, or fails mid-stream, ends alone: it lands in
+        ``stream.errors`` and the others go on.
+        """
+        if self._closed:
+            raise ClientClosed("this Fleet was closed; create a new one")
+
+        def opener(client: Client) -> Callable[[], SummaryStream]:
+            return lambda: client.watch(selector, queue_size=queue_size, timeout=timeout, **options)
+
+        return FleetStream([(c, opener(c)) for c in self._clients])
+
+
+class _End:
+    """A member stream ended (cleanly or with an error)."""
+
+
+class FleetStream(Iterator[FleetItem[Summary]]):
+    """Every member's summaries, merged in arrival order; iterate for :class:`FleetItem` objects.
+
+    Iteration ends when every member's stream has ended. Close it (or use
+    ``with``) to cancel every member's subscription: their stream taps go.
+
+    Attributes:
+        errors: Members whose stream failed (down at the start, or later).
+    """
+
+    def __init__(self, members: Sequence[tuple[Client, Callable[[], SummaryStream]]]) -> None:
+        self.errors: list[FleetError] = []
+        self._queue: queue.Queue[list[FleetItem[Summary]] | _End] = queue.Queue(STREAM_BUFFER)
+        self._buffer: list[FleetItem[Summary]] = []
+        self._open = len(members)
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._streams: list[SummaryStream] = []
+        self._threads = [threading.Thread(target=self._pump, args=m, daemon=True, name=f"layertap-fleet-{m[0].target}")
+                         for m in members]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def dropped(self) -> int:
+        """Messages the members' servers dropped for this stream so far, all together."""
+        with self._lock:
+            return sum(s.dropped for s in self._streams)
+
+    def _put(self, item: list[FleetItem[Summary]] | _End) -> bool:
+        while not self._closed.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _pump(self, client: Client, start: Callable[[], SummaryStream]) -> None:
+        rank: int | None = None
+        try:
+            stream = start()
+            with self._lock:
+                self._streams.append(stream)
+                if self._closed.is_set():
+                    stream.close()
+            for batch in stream.batches():
+                if batch:
+                    rank = batch[0].rank
+                    if not self._put([FleetItem(client.target, s.rank, s) for s in batch]):
+                        break
+        except LayertapError as exc:
+            if not self._closed.is_set():
+                self.errors.append(FleetError(client.target, rank, exc))
+        finally:
+            self._put(_End())
+
+    def __iter__(self) -> FleetStream:
+        return self
+
+    def __next__(self) -> FleetItem[Summary]:
+        while not self._buffer:
+            if self._open == 0 or self._closed.is_set():
+                raise StopIteration
+            try:
+                got = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue  # look at _closed again: close() may come from another thread
+            if isinstance(got, _End):
+                self._open -= 1
+            else:
+                self._buffer = got[::-1]
+        return self._buffer.pop()
+
+    def close(self) -> None:
+        """Cancels every member's subscription; idempotent."""
+        with self._lock:
+            self._closed.set()
+            streams = list(self._streams)
+        for s in streams:
+            s.close()
+
+    def __enter__(self) -> FleetStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,152 @@
+"""The flight recorder's incidents: list, fetch (reassembling chunks) and delete.
+
+A separate public class, :class:`Incidents`, so the client's core stays small;
+it borrows the :class:`~layertap.Client`'s channel, deadlines and error mapping.
+Reading incidents needs the ``capture`` scope.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ._client import Client
+from ._codec import decode_array
+from ._errors import ProtocolError
+from .v1 import telemetry_pb2
+
+
+@dataclass(frozen=True)
+class IncidentInfo:
+    """What fired, on which pass, and whether the replay reproduced it."""
+
+    id: str
+    tap: str
+    triggers: tuple[str, ...]
+    #: Layer -> the trigger names that fired there.
+    layers: dict[str, tuple[str, ...]]
+    #: Layer -> batch rows of the replayed tensor that held the anomaly.
+    layer_rows: dict[str, tuple[int, ...]]
+    rows: tuple[int, ...]
+    pass_index: int
+    #: Unix time of the pass.
+    time: float
+    replayed: bool
+    replay_matches: bool
+    replay_note: str
+    bytes: int
+    tensor_count: int
+    tensors_dropped: int
+
+
+@dataclass(frozen=True)
+class Incident:
+    """An incident with its tensors as numpy arrays (bfloat16 widened to float32).
+
+    ``layers`` is keyed by layer name; a second call of a module in the pass,
+    or a second tensor of a tuple output, gets ``name#call.index``.
+    """
+
+    info: IncidentInfo
+    inputs: list[np.ndarray] = field(default_factory=list)
+    layers: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> None:
+        """Write an ``.npz``: ``input_0``..., ``layer/<key>``..., and ``incident`` (JSON)."""
+        arrays = {f"input_{i}": a for i, a in enumerate(self.inputs)}
+        arrays.update({f"layer/{k}": a for k, a in self.layers.items()})
+        meta = json.dumps(info_dict(self.info), sort_keys=True)
+        np.savez(path, incident=np.array(meta), **arrays)  # type: ignore[arg-type]
+
+
+def info_dict(info: IncidentInfo) -> dict[str, object]:
+    """JSON-ready form of an :class:`IncidentInfo`."""
+    return {
+        "id": info.id, "tap": info.tap, "triggers": list(info.triggers),
+        "layers": {k: list(v) for k, v in info.layers.items()},
+        "layer_rows": {k: list(v) for k, v in info.layer_rows.items()}, "rows": list(info.rows),
+        "pass_index": info.pass_index, "time": info.time, "replayed": info.replayed,
+        "replay_matches": info.replay_matches, "replay_note": info.replay_note, "bytes": info.bytes,
+        "tensor_count": info.tensor_count, "tensors_dropped": info.tensors_dropped,
+    }
+
+
+def info_from_proto(m: telemetry_pb2.Incident) -> IncidentInfo:
+    return IncidentInfo(
+        id=m.id, tap=m.tap, triggers=tuple(m.triggers),
+        layers={x.layer: tuple(x.triggers) for x in m.layers},
+        layer_rows={x.layer: tuple(x.rows) for x in m.layers}, rows=tuple(m.rows),
+        pass_index=m.pass_index, time=m.time.ToNanoseconds() / 1e9, replayed=m.replayed,
+        replay_matches=m.replay_matches, replay_note=m.replay_note, bytes=m.bytes,
+        tensor_count=m.tensor_count, tensors_dropped=m.tensors_dropped,
+    )
+
+
+class Incidents:
+    """The incident ring of the server a :class:`~layertap.Client` talks to.
+
+    Example:
+        >>> with layertap.Client("localhost:50051") as client:
+        ...     for info in layertap.Incidents(client).list():
+        ...         print(info.id, info.tap, info.rows)
+    """
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def list(self, tap: str = "", *, timeout: float | None = None) -> list[IncidentInfo]:
+        """Incidents, newest first (only ``tap``'s when given)."""
+        c = self._client
+        with c._translating():
+            resp = c._telemetry.ListIncidents(telemetry_pb2.ListIncidentsRequest(tap=tap),
+                                              timeout=c._deadline(timeout))
+        return [info_from_proto(m) for m in resp.incidents]
+
+    def get(self, incident_id: str, *, timeout: float | None = None) -> Incident:
+        """One incident with its input and captured tensors."""
+        c = self._client
+        with c._translating():
+            messages = list(c._telemetry.GetIncident(telemetry_pb2.GetIncidentRequest(id=incident_id),
+                                                     timeout=c._deadline(timeout)))
+        return assemble(messages)
+
+    def delete(self, incident_id: str, *, timeout: float | None = None) -> None:
+        c = self._client
+        with c._translating():
+            c._telemetry.DeleteIncident(telemetry_pb2.DeleteIncidentRequest(id=incident_id),
+                                        timeout=c._deadline(timeout))
+
+
+def assemble(messages: list[telemetry_pb2.GetIncidentResponse]) -> Incident:
+    """GetIncident's stream -> an :class:`Incident`.
+
+    Raises:
+        ProtocolError: No record first, a chunk of an unknown tensor, or missing bytes.
+    """
+    if not messages or messages[0].WhichOneof("payload") != "incident":
+        raise ProtocolError("GetIncident: the stream did not start with the incident record")
+    inputs: list[np.ndarray] = []
+    layers: dict[str, np.ndarray] = {}
+    headers: dict[int, telemetry_pb2.CaptureHeader] = {}
+    parts: dict[int, bytearray] = {}
+    for m in messages[1:]:
+        kind = m.WhichOneof("payload")
+        if kind == "header":
+            headers[m.header.tensor_id] = m.header
+            parts[m.header.tensor_id] = bytearray(m.header.total_bytes)
+        elif kind == "chunk":
+            buf = parts.get(m.chunk.tensor_id)
+            if buf is None or m.chunk.offset + len(m.chunk.data) > len(buf):
+                raise ProtocolError(f"GetIncident: chunk for tensor {m.chunk.tensor_id} out of place")
+            buf[m.chunk.offset: m.chunk.offset + len(m.chunk.data)] = m.chunk.data
+    for tid, h in headers.items():
+        arr = np.asarray(decode_array(parts[tid], h.dtype, list(h.shape), what=f"incident tensor {h.layer!r}"))
+        if h.point == telemetry_pb2.POINT_INPUT and h.layer == "":
+            inputs.append(arr)
+        else:
+            key = h.layer if (h.call_index, h.output_index) == (0, 0) else f"{h.layer}#{h.call_index}.{h.output_index}"
+            layers[key] = arr
+    return Incident(info_from_proto(messages[0].incident), inputs, layers)

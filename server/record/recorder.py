@@ -1,0 +1,260 @@
+"""The flight recorder: a sink that turns a trigger into a stored, replayed incident.
+
+Data flow, by thread:
+
+* model thread: a hook on the root module's input pins each live pass's input
+  (only while some durable tap has triggers, and only with ``--record-inputs``);
+  when the pass publishes nothing, its input is let go at once;
+* host-transfer thread (:meth:`Recorder.on_summaries`): triggers are checked
+  on the pass's summaries, the input is unpinned, and a firing tap becomes one
+  job on a small bounded queue (full: the incident is dropped and counted);
+* recorder thread: replays the input with captures on the tap's layers,
+  checks the replay against the summaries that fired, writes the incident to
+  the ring, counts it and tells the tap's subscribers (a ``TapEvent`` of kind
+  ``incident`` whose message is the incident id).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from layertap.server.codec import tensor_to_bytes, wire_dtype
+from layertap.server.drift.monitor import DriftMonitor
+from layertap.server.host.hooks import POINT_NAMES
+from layertap.server.host.model_host import PassContext, flatten_tensors
+from layertap.server.record.replay import anomalous_rows, check, replay
+from layertap.server.record.retention import InputRetention
+from layertap.server.record.store import IncidentStore, StoredTensor, new_id
+from layertap.server.record.triggers import Firing, RateLimit, enabled, evaluate, interval_of
+from layertap.server.stream.sinks import Sink
+from layertap.server.taps.engine import TapEngine
+from layertap.server.taps.tap import Tap, timestamp
+from layertap.v1 import telemetry_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+#: Incidents waiting for a replay; more in a burst are dropped and counted.
+JOB_QUEUE = 8
+#: Longest replay note kept in an incident.
+NOTE_CHARS = 2000
+
+
+@dataclass
+class _Job:
+    tap: Tap
+    firing: Firing
+    ctx: PassContext
+    inputs: list[torch.Tensor] | None
+
+
+class Recorder(Sink):
+    """Triggers, input retention, replay and the incident ring, for one server.
+
+    Args:
+        engine: The tap engine (its host runs the replays, its broker tells subscribers).
+        store: The on-disk ring.
+        record_bytes: Host memory for retained inputs; 0 records incidents without input or replay.
+        drift: Where the mean trigger finds a layer's baseline.
+    """
+
+    def __init__(self, engine: TapEngine, store: IncidentStore, *, record_bytes: int = 0,
+                 drift: DriftMonitor | None = None, registry: CollectorRegistry | None = None,
+                 model_name: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.host = engine.host
+        self.store = store
+        self.drift = drift
+        self.retention = InputRetention(record_bytes) if record_bytes > 0 else None
+        self.limits = RateLimit(clock)
+        self._taps: dict[str, Tap] = {}
+        self._lock = threading.Lock()
+        self._input_hook: object | None = None
+        self._jobs: queue.Queue[_Job | None] = queue.Queue(JOB_QUEUE)
+        #: Firings refused by the rate limit, and incidents lost to a full job queue.
+        self.rate_limited = 0
+        self.dropped = 0
+        self._incidents: Counter | None = None
+        if registry is not None:
+            self._incidents = Counter("layertap_incidents", "Flight-recorder incidents recorded, by tap and trigger.",
+                                      ("model", "tap", "trigger"), registry=registry)
+            self._model = model_name
+            registry.register(_RecorderCollector(self, model_name))
+        engine.triggers_recorded = True
+        self._thread = threading.Thread(target=self._run, name="layertap-recorder", daemon=True)
+        self._thread.start()
+        self.host.add_observer(self)  # after the engine: it has decided whether the pass publishes
+
+    # -- taps (RPC threads) ----------------------------------------------------
+    def on_tap_created(self, tap: Tap) -> None:
+        if not tap.durable or not enabled(tap.spec.triggers):
+            return
+        with self._lock:
+            self._taps[tap.id] = tap
+            if self.retention is not None and self._input_hook is None:
+                # The root module's input is the pass's input, already on the device.
+                with self.host.pass_lock():
+                    self._input_hook = self.host.hooks.add("", pb.POINT_INPUT, self._keep_input)
+
+    def on_tap_removed(self, tap: Tap, reason: str) -> None:
+        with self._lock:
+            current = self._taps.get(tap.id)
+            if current is None or current is not tap:
+                return
+            del self._taps[tap.id]
+            self.limits.forget(tap.id)
+            if not self._taps and self._input_hook is not None:
+                self._input_hook.remove()  # type: ignore[attr-defined]
+                self._input_hook = None
+
+    # -- model thread --------------------------------------------------------------
+    def _keep_input(self, ctx: PassContext, args: object) -> None:
+        if ctx.active or self.retention is None:
+            return
+        tensors = [t for _k, t in flatten_tensors(args)]
+        if self.host.device.type != "cpu":
+            tensors = [t.to("cpu", non_blocking=True) for t in tensors]
+        self.retention.keep(ctx.index, tensors)
+
+    def pass_finished(self, ctx: PassContext) -> None:
+        """A pass that publishes no summaries is never evaluated: let its input go."""
+        if self.retention is not None and getattr(self.engine, "last_submitted", None) != ctx.index:
+            self.retention.forget(ctx.index)
+
+    # -- host-transfer thread ------------------------------------------------------
+    def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
+        inputs = self.retention.take(ctx.index) if self.retention is not None else None
+        with self._lock:
+            taps = dict(self._taps)
+        if not taps or ctx.active:
+            return
+        by_tap: dict[str, list[pb.Summary]] = {}
+        for s in summaries:
+            if s.tap in taps:
+                by_tap.setdefault(s.tap, []).append(s)
+        for tap_id, group in by_tap.items():
+            tap = taps[tap_id]
+            triggers = tap.spec.triggers
+            firing = evaluate(triggers, group, self._baseline)
+            if firing is None:
+                continue
+            admitted = set(self.limits.admit(tap_id, firing.triggers, interval_of(triggers)))
+            if not admitted:
+                self.rate_limited += 1
+                continue
+            layers = {k: [n for n in v if n in admitted] for k, v in firing.layers.items()}
+            layers = {k: v for k, v in layers.items() if v}
+            hits = [s for s in firing.summaries if s.layer in layers]
+            try:
+                self._jobs.put_nowait(_Job(tap, Firing(layers, hits), ctx, inputs))
+            except queue.Full:
+                self.dropped += 1
+                log.warning("incident on tap %s dropped: %d replays already queued", tap_id, JOB_QUEUE)
+
+    def _baseline(self, layer: str, point: int) -> tuple[float, float] | None:
+        if self.drift is None:
+            return None
+        b = self.drift.baseline_for(layer, POINT_NAMES.get(point or pb.POINT_OUTPUT, "output"))
+        return None if b is None else (b.mean, b.std)
+
+    # -- recorder thread -------------------------------------------------------------
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._record(job)
+            except Exception:  # noqa: BLE001 - one bad incident must not stop the recorder
+                log.exception("recording an incident on tap %s failed", job.tap.id)
+            finally:
+                self._jobs.task_done()
+
+    def _record(self, job: _Job) -> pb.Incident:
+        tap, firing, ctx = job.tap, job.firing, job.ctx
+        rec = pb.Incident(id=new_id(time.time()), tap=tap.id, triggers=firing.triggers, pass_index=ctx.index,
+                          time=timestamp(ctx.wall_time), summaries=firing.summaries)
+        tensors: list[StoredTensor] = []
+        rows: dict[str, set[int]] = {layer: set() for layer in firing.layers}
+        if job.inputs is None:
+            rec.replay_note = ("the input was not retained: --record-inputs is off" if self.retention is None
+                               else "the input was not retained (pushed out by the --record-inputs bound or lost)")
+        else:
+            try:
+                again = replay(self.host, tap, job.inputs)
+            except Exception as exc:  # noqa: BLE001 - the incident says so
+                rec.replay_note = f"the replay raised {type(exc).__name__}: {exc}"[:NOTE_CHARS]
+            else:
+                rec.replayed = True
+                problems = check(tap, firing.summaries, again.captured)
+                rec.replay_matches = not problems
+                rec.replay_note = "; ".join(problems)[:NOTE_CHARS]
+                for i, t in enumerate(again.inputs):
+                    tensors.append(_stored(t, "", pb.POINT_INPUT, i, 0, ctx.index))
+                point = tap.spec.point or pb.POINT_OUTPUT
+                for (layer, call, index), t in again.captured.items():
+                    tensors.append(_stored(t, layer, point, index, call, ctx.index))
+                    if layer in rows:
+                        rows[layer].update(anomalous_rows(t, tap.spec.triggers, firing.layers[layer],
+                                                          self._baseline(layer, point)))
+        rec.layers.extend(pb.IncidentLayer(layer=layer, point=tap.spec.point or pb.POINT_OUTPUT,
+                                           triggers=names, rows=sorted(rows[layer]))
+                          for layer, names in firing.layers.items())
+        rec.rows.extend(sorted(set().union(*rows.values())))
+        self.store.write(rec, tensors)
+        if self._incidents is not None:
+            for name in rec.triggers:
+                self._incidents.labels(self._model, tap.id, name).inc()
+        self.engine.broker.publish([], {tap.id: True}, [pb.TapEvent(tap=tap.id, kind="incident", message=rec.id)])
+        log.warning("incident %s: tap %s, triggers %s, layers %s, rows %s, replay %s", rec.id, tap.id,
+                    ",".join(rec.triggers), ",".join(firing.layers), list(rec.rows),
+                    "matches" if rec.replay_matches else f"differs/absent ({rec.replay_note[:200]})")
+        return rec
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Block until every queued incident is written (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while self._jobs.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._jobs.unfinished_tasks
+
+    def close(self) -> None:
+        self.host.remove_observer(self)
+        self._jobs.put(None)
+        self._thread.join(5.0)
+
+
+def _stored(t: torch.Tensor, layer: str, point: int, index: int, call: int, pass_index: int) -> StoredTensor:
+    data = tensor_to_bytes(t)
+    return StoredTensor(pb.CaptureHeader(layer=layer, point=point, output_index=index, call_index=call,
+                                         dtype=wire_dtype(t.dtype), shape=list(t.shape), pass_index=pass_index,
+                                         total_bytes=len(data)), data)
+
+
+class _RecorderCollector(Collector):
+    """The recorder's counters, read at scrape time."""
+
+    def __init__(self, recorder: Recorder, model: str) -> None:
+        self._r = recorder
+        self._model = model
+
+    def collect(self) -> Iterator[Metric]:
+        r, m = self._r, [self._model]
+        for name, doc, value in (
+            ("layertap_record_lost_passes", "Passes whose retained input went before their summaries were evaluated.",
+             r.retention.lost if r.retention is not None else 0),
+            ("layertap_incidents_rate_limited", "Trigger firings refused by the per-trigger rate limit.", r.rate_limited),
+            ("layertap_incidents_dropped", "Incidents lost because the replay queue was full.", r.dropped),
+            ("layertap_incident_files_skipped", "Incident files that could not be read (corrupt or truncated).",
+             r.store.skipped_files),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model"])
+            family.add_metric(m, value)
+            yield family
+

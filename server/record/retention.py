@@ -1,0 +1,77 @@
+"""Input retention: the last passes' inputs, bounded in bytes (``--record-inputs``).
+
+An input is kept from the moment its pass starts until the host-transfer
+thread has evaluated that pass's summaries (it is *pinned*): only then is it
+known whether a trigger fired and a replay needs it. Passes are evaluated in
+the order they ran, so when pass N is evaluated every older pass still held
+was lost on the way (the transfer queue dropped it); those, and pinned inputs
+pushed out by the byte bound, are counted as lost.
+
+Holding an input costs no copy on a CPU host: the tensors are the request's
+own decoded buffers, which nothing writes to.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+
+class InputRetention:
+    """Pass index -> input tensors, at most ``max_bytes`` held together."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._held: OrderedDict[int, tuple[list[torch.Tensor], int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        #: Pinned passes released before their summaries were evaluated.
+        self.lost = 0
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
+    def keep(self, index: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Pin pass ``index``'s inputs (model thread): the oldest go when over the bound."""
+        size = sum(t.nbytes for t in tensors)
+        with self._lock:
+            if size > self.max_bytes:
+                self.lost += 1  # can never be held: it is lost before evaluation
+                return
+            while self._held and self._bytes + size > self.max_bytes:
+                _, (_, old) = self._held.popitem(last=False)
+                self._bytes -= old
+                self.lost += 1
+            self._held[index] = ([t.detach() for t in tensors], size)
+            self._bytes += size
+
+    def forget(self, index: int) -> None:
+        """Pass ``index`` will never be evaluated (it published nothing): not a loss."""
+        with self._lock:
+            entry = self._held.pop(index, None)
+            if entry is not None:
+                self._bytes -= entry[1]
+
+    def take(self, index: int) -> list[torch.Tensor] | None:
+        """Unpin pass ``index`` now that it is evaluated; older passes still held were lost."""
+        with self._lock:
+            while self._held:
+                first = next(iter(self._held))
+                if first >= index:
+                    break
+                _, (_, old) = self._held.popitem(last=False)
+                self._bytes -= old
+                self.lost += 1
+            entry = self._held.pop(index, None)
+            if entry is None:
+                return None
+            self._bytes -= entry[1]
+            return entry[0]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)

@@ -1,0 +1,225 @@
+"""The incident ring: one file per incident in ``--incident-dir``, bounded.
+
+Capped by count, total bytes, bytes per incident and age; the oldest go
+first. A file is written under a temporary name and renamed into place, so a
+crash leaves either the whole incident or none. Its layout::
+
+    MAGIC (8) | u32 record length | u32 crc32(record) | record (Incident proto)
+    | u32 crc32(tensors) | tensors: per tensor, u32 header length, header
+      (CaptureHeader proto), then header.total_bytes raw bytes
+
+The index (every file's record) is read at start; a file that cannot be read
+is skipped and counted. Tensor bytes are read only by :meth:`IncidentStore.read`,
+which checks their CRC first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from layertap.server.errors import InvalidSpec, NotFound
+from layertap.v1 import telemetry_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"LTINC001"
+SUFFIX = ".incident"
+ID_PATTERN = re.compile(r"inc-[0-9]{13}-[0-9a-f]{8}")
+_U32 = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class RingLimits:
+    """The ring's bounds (``--incident-*`` flags)."""
+
+    max_count: int = 100
+    max_bytes: int = 1 << 30
+    max_incident_bytes: int = 64 << 20
+    max_age_seconds: float = 7 * 86400.0
+
+
+@dataclass
+class StoredTensor:
+    header: pb.CaptureHeader
+    data: bytes
+
+
+def new_id(now: float) -> str:
+    return f"inc-{int(now * 1000):013d}-{secrets.token_hex(4)}"
+
+
+def check_id(incident_id: str, field: str = "id") -> None:
+    if not ID_PATTERN.fullmatch(incident_id):
+        raise InvalidSpec(field, "expected an incident id such as inc-1700000000000-0123abcd (see ListIncidents)")
+
+
+def encode(record: pb.Incident, tensors: list[StoredTensor]) -> bytes:
+    """The file's bytes (``record.bytes`` is filled in here)."""
+    body = b"".join(_U32.pack(len(h := t.header.SerializeToString())) + h + t.data for t in tensors)
+    record.tensor_count = len(tensors)
+    record.bytes = 0
+    head_len = len(record.SerializeToString())
+    # The size field's own varint length can change the total; settle it.
+    for _ in range(3):
+        record.bytes = len(MAGIC) + 8 + head_len + 4 + len(body)
+        head_len = len(record.SerializeToString())
+    head = record.SerializeToString()
+    return MAGIC + _U32.pack(len(head)) + _U32.pack(zlib.crc32(head)) + head + _U32.pack(zlib.crc32(body)) + body
+
+
+def _read_record(f: "os.PathLike[str] | str") -> tuple[pb.Incident, int]:
+    """The record of a file and where its tensors begin; ValueError when unreadable."""
+    with open(f, "rb") as fh:
+        prefix = fh.read(16)
+        if len(prefix) != 16 or prefix[:8] != MAGIC:
+            raise ValueError("not an incident file (bad magic)")
+        (n,), (crc,) = _U32.unpack(prefix[8:12]), _U32.unpack(prefix[12:16])
+        head = fh.read(n)
+        if len(head) != n or zlib.crc32(head) != crc:
+            raise ValueError("record truncated or corrupt (CRC mismatch)")
+        rec = pb.Incident.FromString(head)
+        if not ID_PATTERN.fullmatch(rec.id):
+            raise ValueError(f"bad incident id {rec.id[:40]!r}")
+        return rec, 16 + n
+
+
+def _decode_tensors(body: bytes) -> list[StoredTensor]:
+    out, pos = [], 0
+    while pos < len(body):
+        (n,) = _U32.unpack_from(body, pos)
+        header = pb.CaptureHeader.FromString(body[pos + 4: pos + 4 + n])
+        pos += 4 + n
+        out.append(StoredTensor(header, body[pos: pos + header.total_bytes]))
+        pos += header.total_bytes
+    if pos != len(body):
+        raise ValueError("tensor section does not add up")
+    return out
+
+
+class IncidentStore:
+    """The ring in one directory; thread-safe."""
+
+    def __init__(self, directory: str | Path, limits: RingLimits = RingLimits(), *,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.limits = limits
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._index: dict[str, pb.Incident] = {}
+        #: Files that could not be read since start (corrupt, truncated, foreign).
+        self.skipped_files = 0
+        self._load()
+
+    def _path(self, incident_id: str) -> Path:
+        return self.dir / f"{incident_id}{SUFFIX}"
+
+    def _load(self) -> None:
+        for tmp in self.dir.glob(f".*{SUFFIX}.tmp"):
+            tmp.unlink(missing_ok=True)  # a write that a crash cut short
+        for path in sorted(self.dir.glob(f"*{SUFFIX}")):
+            try:
+                rec, _ = _read_record(path)
+                if path.name != f"{rec.id}{SUFFIX}":
+                    raise ValueError("file name does not match its incident id")
+            except (OSError, ValueError, Exception) as exc:  # noqa: BLE001 - DecodeError too
+                self.skipped_files += 1
+                log.warning("incident file %s skipped: %s", path.name, exc)
+                continue
+            self._index[rec.id] = rec
+        with self._lock:
+            self._evict(0)
+        log.info("incident ring %s: %d incidents loaded, %d files skipped", self.dir, len(self._index), self.skipped_files)
+
+    @property
+    def total_bytes(self) -> int:
+        with self._lock:
+            return sum(r.bytes for r in self._index.values())
+
+    def write(self, record: pb.Incident, tensors: list[StoredTensor]) -> pb.Incident:
+        """Store an incident, dropping tensors from the end to fit the per-incident cap."""
+        kept = list(tensors)
+        data = encode(record, kept)
+        while len(data) > self.limits.max_incident_bytes and kept:
+            kept.pop()
+            record.tensors_dropped += 1
+            data = encode(record, kept)
+        path = self._path(record.id)
+        tmp = self.dir / f".{record.id}{SUFFIX}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        with self._lock:
+            self._index[record.id] = record
+            self._evict(0)
+        return record
+
+    def _evict(self, _reserve: int) -> None:
+        """Drop the oldest until every bound holds (caller holds the lock)."""
+        cutoff = self._clock() - self.limits.max_age_seconds
+        order = sorted(self._index.values(), key=lambda r: (r.time.ToNanoseconds(), r.id))
+        total = sum(r.bytes for r in order)
+        for rec in order:
+            over = (len(self._index) > self.limits.max_count or total > self.limits.max_bytes
+                    or rec.time.ToNanoseconds() / 1e9 < cutoff)
+            if not over:
+                continue
+            self._index.pop(rec.id, None)
+            total -= rec.bytes
+            self._path(rec.id).unlink(missing_ok=True)
+            log.info("incident %s evicted from the ring", rec.id)
+
+    def entries(self, tap: str = "") -> list[pb.Incident]:
+        """Newest first."""
+        with self._lock:
+            self._evict(0)
+            recs = [r for r in self._index.values() if not tap or r.tap == tap]
+        return sorted(recs, key=lambda r: (r.time.ToNanoseconds(), r.id), reverse=True)
+
+    def get(self, incident_id: str) -> pb.Incident:
+        check_id(incident_id)
+        with self._lock:
+            self._evict(0)
+            rec = self._index.get(incident_id)
+        if rec is None:
+            raise NotFound(f"no incident {incident_id}; list them with ListIncidents", field="id")
+        return rec
+
+    def read(self, incident_id: str) -> tuple[pb.Incident, list[StoredTensor]]:
+        """The record and its tensors, CRC-checked."""
+        self.get(incident_id)
+        try:
+            rec, start = _read_record(self._path(incident_id))
+            with open(self._path(incident_id), "rb") as fh:
+                fh.seek(start)
+                (crc,) = _U32.unpack(fh.read(4))
+                body = fh.read()
+            if zlib.crc32(body) != crc:
+                raise ValueError("tensor section corrupt (CRC mismatch)")
+            return rec, _decode_tensors(body)
+        except (OSError, ValueError) as exc:
+            with self._lock:
+                self._index.pop(incident_id, None)
+                self.skipped_files += 1
+            raise NotFound(f"incident {incident_id} is unreadable and was dropped from the index: {exc}",
+                           field="id") from None
+
+    def delete(self, incident_id: str) -> None:
+        check_id(incident_id)
+        with self._lock:
+            rec = self._index.pop(incident_id, None)
+        if rec is None:
+            raise NotFound(f"no incident {incident_id}; list them with ListIncidents", field="id")
+        self._path(incident_id).unlink(missing_ok=True)

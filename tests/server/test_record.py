@@ -1,0 +1,161 @@
+"""The flight recorder's parts: the incident ring, input retention, triggers and rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from layertap.server.errors import InvalidSpec, NotFound
+from layertap.server.record.replay import anomalous_rows
+from layertap.server.record.retention import InputRetention
+from layertap.server.record.store import IncidentStore, RingLimits, StoredTensor, new_id
+from layertap.server.record.triggers import RateLimit, check_triggers, evaluate
+from layertap.server.taps.tap import timestamp
+from layertap.v1 import telemetry_pb2 as pb
+
+
+class Clock:
+    def __init__(self, now: float = 1_700_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _incident(store: IncidentStore, when: float, payload: int = 1000) -> pb.Incident:
+    rec = pb.Incident(id=new_id(when), tap="t", triggers=["nonfinite"], time=timestamp(when))
+    data = bytes(payload)
+    header = pb.CaptureHeader(layer="", point=pb.POINT_INPUT, dtype=1, shape=[payload // 4], total_bytes=payload)
+    return store.write(rec, [StoredTensor(header, data)])
+
+
+def test_ring_evicts_oldest_by_total_bytes(tmp_path):
+    clock = Clock()
+    store = IncidentStore(tmp_path, RingLimits(max_bytes=3500), clock=clock)
+    recs = [_incident(store, clock.now + i) for i in range(5)]
+    size = recs[0].bytes
+    assert 1000 < size < 1200
+    kept = store.entries()
+    assert [r.id for r in kept] == [r.id for r in reversed(recs)][: 3500 // size]
+    assert store.total_bytes <= 3500
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{r.id}.incident" for r in kept)
+
+
+def test_ring_evicts_by_age_and_count(tmp_path):
+    clock = Clock()
+    store = IncidentStore(tmp_path, RingLimits(max_age_seconds=60, max_count=3), clock=clock)
+    old = _incident(store, clock.now)
+    clock.now += 30
+    mid = _incident(store, clock.now)
+    clock.now += 40  # `old` is 70 s old now
+    assert [r.id for r in store.entries()] == [mid.id]
+    assert not (tmp_path / f"{old.id}.incident").exists()
+    for i in range(4):
+        _incident(store, clock.now + i)
+    assert len(store.entries()) == 3 and mid.id not in {r.id for r in store.entries()}
+
+
+def test_per_incident_cap_drops_tensors_and_says_so(tmp_path):
+    store = IncidentStore(tmp_path, RingLimits(max_incident_bytes=1500), clock=lambda: 2.0)
+    rec = pb.Incident(id=new_id(1.0), tap="t", time=timestamp(1.0))
+    header = pb.CaptureHeader(layer="a", dtype=1, shape=[250], total_bytes=1000)
+    store.write(rec, [StoredTensor(header, bytes(1000)), StoredTensor(header, bytes(1000))])
+    got, tensors = store.read(rec.id)
+    assert (got.tensor_count, got.tensors_dropped, len(tensors)) == (1, 1, 1)
+    assert got.bytes == (tmp_path / f"{rec.id}.incident").stat().st_size <= 1500
+
+
+def test_restart_reloads_and_corruption_is_skipped_and_counted(tmp_path):
+    store = IncidentStore(tmp_path, clock=lambda: 10.0e8)
+    a, b = _incident(store, 10.0e8), _incident(store, 10.0e8 + 1)
+    # A flipped byte in b's tensors: the index loads, reading it fails and drops it.
+    path = tmp_path / f"{b.id}.incident"
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    (tmp_path / "inc-0000000000002-00000000.incident").write_bytes(b"not an incident")
+    (tmp_path / ".inc-0000000000003-00000000.incident.tmp").write_bytes(b"half written")
+    again = IncidentStore(tmp_path, clock=lambda: 10.0e8)
+    assert {r.id for r in again.entries()} == {a.id, b.id}
+    assert again.skipped_files == 1
+    assert not list(tmp_path.glob(".*.tmp"))
+    assert again.read(a.id)[1][0].data == bytes(1000)
+    with pytest.raises(NotFound):
+        again.read(b.id)
+    assert again.skipped_files == 2 and [r.id for r in again.entries()] == [a.id]
+    with pytest.raises(InvalidSpec):
+        again.get("../../etc/passwd")
+
+
+def test_retention_is_bounded_and_counts_lost_passes():
+    t = torch.zeros(256)  # 1 KiB
+    r = InputRetention(3 * 1024)
+    for i in range(5):
+        r.keep(i, [t])
+    assert len(r) == 3 and r.held_bytes == 3 * 1024 and r.lost == 2  # passes 0, 1 pushed out pinned
+    r.forget(2)  # published nothing: not a loss
+    assert r.lost == 2 and len(r) == 2
+    assert r.take(4) is not None and r.lost == 3  # pass 3 was never evaluated: lost on the way
+    assert r.take(4) is None and r.held_bytes == 0
+    r.keep(9, [torch.zeros(2048)])  # larger than the whole bound
+    assert r.lost == 4 and len(r) == 0
+
+
+def test_triggers_fire_per_layer_and_rate_limit():
+    trig = pb.Triggers(nonfinite=True, abs_max_above=10, mean_sigma=3)
+
+    def summary(layer, nan=0, amax=1.0, mean=0.0):
+        return pb.Summary(tap="t", layer=layer, results=[
+            pb.ReducerResult(nonfinite=pb.Nonfinite(nan_count=nan)), pb.ReducerResult(abs_max=pb.AbsMax(value=amax)),
+            pb.ReducerResult(moments=pb.Moments(count=4, mean=mean, std=1))])
+
+    base = {"c": (0.0, 0.5)}
+    firing = evaluate(trig, [summary("a", nan=1), summary("b", amax=11), summary("c", mean=1.6), summary("d", mean=9)],
+                      lambda layer, _p: base.get(layer))
+    assert firing is not None
+    assert firing.layers == {"a": ["nonfinite"], "b": ["abs_max"], "c": ["mean_sigma"]}  # d has no baseline
+    assert firing.triggers == ["abs_max", "mean_sigma", "nonfinite"]
+    assert evaluate(trig, [summary("a", mean=1.4)], lambda *_: (0.0, 0.5)) is None
+    clock = Clock(0.0)
+    limit = RateLimit(clock)
+    assert limit.admit("t", ["nonfinite", "abs_max"], 10) == ["nonfinite", "abs_max"]
+    clock.now = 9.9
+    assert limit.admit("t", ["nonfinite"], 10) == [] and limit.admit("u", ["nonfinite"], 10) == ["nonfinite"]
+    clock.now = 10.0
+    assert limit.admit("t", ["nonfinite", "abs_max"], 10) == ["nonfinite", "abs_max"]
+
+
+def test_trigger_validation_names_the_field():
+    spec = pb.TapSpec(selector="x", reducers=[pb.ReducerSpec(kind=pb.REDUCER_KIND_ABS_MAX)],
+                      triggers=pb.Triggers(abs_max_above=1, mean_sigma=2))
+    with pytest.raises(InvalidSpec) as err:
+        check_triggers(spec, durable=True)
+    assert err.value.field == "spec.triggers.mean_sigma"
+    spec.triggers.mean_sigma = 0
+    check_triggers(spec, durable=True)
+    with pytest.raises(InvalidSpec) as err:
+        check_triggers(spec, durable=False, field_prefix="stream_taps[0]")
+    assert err.value.field == "stream_taps[0].triggers"
+    spec.point = pb.POINT_GRAD_OUTPUT
+    with pytest.raises(InvalidSpec):
+        check_triggers(spec, durable=True)
+    spec.point = pb.POINT_OUTPUT
+    spec.triggers.min_interval_seconds = math.inf
+    with pytest.raises(InvalidSpec) as err:
+        check_triggers(spec, durable=True)
+    assert err.value.field == "spec.triggers.min_interval_seconds"
+
+
+def test_anomalous_rows_match_a_float64_reference():
+    x = torch.randn(5, 3, 4, dtype=torch.float32)
+    x[1, 0, 0] = float("nan")
+    x[3, 2, 1] = 50.0
+    x[4] += 10.0
+    trig = pb.Triggers(nonfinite=True, abs_max_above=20, mean_sigma=3)
+    assert anomalous_rows(x, trig, ["nonfinite"], None) == [1]
+    assert anomalous_rows(x, trig, ["abs_max"], None) == [1, 3]
+    rows = x.double().reshape(5, -1).mean(1)
+    want = [i for i in range(5) if math.isnan(rows[i]) or abs(float(rows[i])) > 3 * 1.0]
+    assert anomalous_rows(x, trig, ["mean_sigma"], (0.0, 1.0)) == want
