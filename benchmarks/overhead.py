@@ -16,11 +16,10 @@ Variants:
      integer-key sort of issue 10 (``--float-sort`` adds this row, to compare
      before and after in one run; it swaps ``workspace.sort_ascending``)
   r:<name>  one reducer alone (``--reducers`` adds these rows)
-  n, o, p  the engine's own floor (``--engine`` adds these rows): every plan's
+  n, p  the engine's own floor (``--engine`` adds these rows): every plan's
      ``run`` replaced by a cached slot vector of the right width, so no
-     reducer runs: n publishes each pass as the server does, o with the
-     collector thread coalescing passes for 20 ms, p publishes nothing (the
-     model thread's share alone); q is b with the collector coalescing 20 ms
+     reducer runs: n publishes each pass as the server does, p publishes
+     nothing (the model thread's share alone)
 
 CPU default: the demo model, batch 32. GPU: ``--model resnet50 --dtype bfloat16
 --batch 64 --device cuda --channels-last`` taps the 22 block-level modules
@@ -182,7 +181,7 @@ def main() -> None:
             variants[name] = float_sorted(variants["f c, compiled basic statistics"])
             compiled_variants.append(name)
     if args.engine:
-        def no_op(coalesce: float = 0.0, publish: bool = True) -> Callable[[], Callable[[], None]]:
+        def no_op(publish: bool = True) -> Callable[[], Callable[[], None]]:
             def installed() -> Callable[[], None]:
                 cache: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
                 run = ReducerPlan.run
@@ -196,7 +195,6 @@ def main() -> None:
 
                 submit = engine.transfer.submit
                 ReducerPlan.run = cached  # type: ignore[method-assign]
-                engine.transfer.coalesce = coalesce
                 if not publish:
                     engine.transfer.submit = lambda *a, **k: True  # type: ignore[method-assign]
                 remove = taps(BASIC)
@@ -205,26 +203,11 @@ def main() -> None:
                     remove()
                     ReducerPlan.run = run  # type: ignore[method-assign]
                     engine.transfer.submit = submit  # type: ignore[method-assign]
-                    engine.transfer.coalesce = 0.0
                 return undo
             return installed
 
         variants["n engine, no-op reducers"] = no_op()
-        variants["o n, collector coalescing 20 ms"] = no_op(coalesce=0.02)
         variants["p n, nothing published (model thread only)"] = no_op(publish=False)
-
-        def coalescing(install: Callable[[], Callable[[], None]]) -> Callable[[], Callable[[], None]]:
-            def installed() -> Callable[[], None]:
-                engine.transfer.coalesce = 0.02
-                remove = install()
-
-                def undo() -> None:
-                    remove()
-                    engine.transfer.coalesce = 0.0
-                return undo
-            return installed
-
-        variants["q b, collector coalescing 20 ms"] = coalescing(variants["b taps: moments,minmax,zero_fraction,nonfinite"])
     if args.reducers:
         for r in ALL:
             variants[f"r {r} alone"] = lambda r=r: taps([r])

@@ -255,19 +255,13 @@ class HostTransfer:
         name: Thread name.
         pool: The pool the submitted passes' buffers come from, for
             :meth:`stats`; defaults to the one :class:`PassBuffer` shares.
-        coalesce: Seconds the thread lets passes gather after a batch before
-            it takes the next: each wake-up of this thread preempts the
-            model's intra-op threads on a busy CPU, so several passes per
-            wake-up cost the model less (docs/benchmarks.md). Adds at most
-            this much latency to summaries; 0 handles each pass at once.
     """
 
     def __init__(self, maxsize: int = 256, name: str = "layertap-collector",
-                 pool: PinnedPool | None = None, coalesce: float = 0.0) -> None:
+                 pool: PinnedPool | None = None) -> None:
         if maxsize < 1:
             raise ValueError("maxsize must be at least 1")
         self.maxsize = maxsize
-        self.coalesce = coalesce
         self._pool = pool
         self._queue: collections.deque[_Job] = collections.deque()
         self._cond = threading.Condition()
@@ -367,23 +361,19 @@ class HostTransfer:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        last = 0.0
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
                     self._cond.wait()
                 if not self._queue:
                     return  # closed and drained
-                wait = last + self.coalesce - time.monotonic()
-            if wait > 0 and not self._closed:
-                time.sleep(wait)  # not a wait on _cond: a submit must not wake us early
-            with self._cond:
+                # Every pass queued so far, in one go: one lock round trip and
+                # one flush notification per batch, not per pass.
                 jobs = list(self._queue)
                 self._queue.clear()
                 self._busy_seq = jobs[0].seq  # the oldest running: flush waits for the whole batch
             for job in jobs:
                 self._handle(job)
-            last = time.monotonic()
             with self._cond:
                 self._busy_seq = None
                 self._cond.notify_all()

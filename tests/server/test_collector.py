@@ -136,27 +136,30 @@ def test_callbacks_get_values_in_order(collector: HostTransfer) -> None:
     assert threads == {"layertap-collector"}  # never on the submitting thread
 
 
-def test_coalesce_batches_passes_and_flush_still_waits_for_all() -> None:
-    """With ``coalesce``, passes that arrive within the interval after a batch are
-    handled together in one later wake-up, in order; flush covers the whole batch."""
-    c = HostTransfer(maxsize=64, coalesce=0.3)
+def test_flush_waits_for_every_pass_of_a_batch() -> None:
+    """The thread takes every queued pass at once; flush must wait for the whole batch."""
+    c = HostTransfer(maxsize=64)
     try:
-        done: list[tuple[int, float]] = []
+        gate = Gate()
+        c.submit(pending_of(v=[0.0]), gate)
+        assert gate.started.wait(5)  # the thread is busy: the next passes queue up
+        done: list[int] = []
+        slow = threading.Event()
 
         def cb(i: int):
-            return lambda values: done.append((i, time.monotonic()))
+            def record(values: dict[Hashable, np.ndarray]) -> None:
+                if i == 3:
+                    assert slow.wait(10)
+                done.append(i)
+            return record
 
-        c.submit(pending_of(v=[0.0]), cb(0))
-        assert c.flush(5)
-        first = done[0][1]
-        for i in range(1, 6):  # arrive right after the first batch ended
+        for i in range(1, 6):
             c.submit(pending_of(v=[float(i)]), cb(i))
-        assert c.flush(5)  # must not return while the batch runs
-        assert [i for i, _ in done] == list(range(6))
-        later = [t for _, t in done[1:]]
-        assert min(later) - first >= 0.25  # they waited for the interval...
-        assert max(later) - min(later) < 0.25  # ...and ran in one wake-up, not one interval each
-        assert c.processed == 6 and c.dropped == 0
+        gate.opened.set()
+        assert c.flush(0.3) is False  # pass 3 of the batch still runs
+        slow.set()
+        assert c.flush(5)
+        assert done == [1, 2, 3, 4, 5] and c.processed == 6
     finally:
         c.close()
 
