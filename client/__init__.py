@@ -51,6 +51,7 @@ from ._types import (
     TapEvent,
     TapInfo,
     TapSpec,
+    Triggers,
     TensorSpec,
     ZeroFraction,
 )
@@ -112,6 +113,7 @@ __all__ = [
     "LayerInfo",
     "ServerStats",
     "TapSpec",
+    "Triggers",
     "TapInfo",
     "TapEvent",
     "Summary",

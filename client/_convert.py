@@ -39,6 +39,7 @@ from ._types import (
     TapEvent,
     TapInfo,
     TapSpec,
+    Triggers,
     TensorSpec,
     ZeroFraction,
 )
@@ -238,7 +239,7 @@ def tap_spec_to_proto(spec: TapSpec) -> telemetry_pb2.TapSpec:
         raise InvalidArgument(f"probability must be in (0, 1], got {spec.probability}")
     if spec.max_per_second is not None and not spec.max_per_second > 0.0:
         raise InvalidArgument(f"max_per_second must be > 0, got {spec.max_per_second}")
-    return telemetry_pb2.TapSpec(
+    msg = telemetry_pb2.TapSpec(
         name=spec.name,
         selector=spec.selector,
         point=point_code(spec.point),
@@ -249,6 +250,12 @@ def tap_spec_to_proto(spec: TapSpec) -> telemetry_pb2.TapSpec:
             max_per_second=spec.max_per_second or 0.0,
         ),
     )
+    if spec.triggers is not None:
+        t = spec.triggers
+        msg.triggers.CopyFrom(telemetry_pb2.Triggers(
+            nonfinite=t.nonfinite, abs_max_above=t.abs_max_above or 0.0, mean_sigma=t.mean_sigma or 0.0,
+            min_interval_seconds=t.min_interval or 0.0))
+    return msg
 
 
 def tap_spec_from_proto(spec: telemetry_pb2.TapSpec) -> TapSpec:
@@ -262,6 +269,10 @@ def tap_spec_from_proto(spec: telemetry_pb2.TapSpec) -> TapSpec:
         probability=s.probability or None,
         max_per_second=s.max_per_second or None,
         name=spec.name,
+        triggers=Triggers(
+            nonfinite=spec.triggers.nonfinite, abs_max_above=spec.triggers.abs_max_above or None,
+            mean_sigma=spec.triggers.mean_sigma or None, min_interval=spec.triggers.min_interval_seconds or None,
+        ) if spec.HasField("triggers") else None,
     )
 
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypedDict
 
 from . import _convert
 from ._errors import NotFound
-from ._types import ReducerSpec, Summary, TapEvent, TapInfo, TapSpec
+from ._types import ReducerSpec, Summary, TapEvent, TapInfo, TapSpec, Triggers
 
 if sys.version_info >= (3, 11):
     from typing import Unpack as Unpack
@@ -39,6 +39,7 @@ class TapOptions(TypedDict, total=False):
     every: int | None
     probability: float | None
     max_per_second: float | None
+    triggers: Triggers | None
 
 
 class DurableTapOptions(TapOptions, total=False):

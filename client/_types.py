@@ -38,6 +38,7 @@ __all__ = [
     "TapInfo",
     "TapSpec",
     "TensorSpec",
+    "Triggers",
     "ZeroFraction",
 ]
 
@@ -112,6 +113,29 @@ class ServerStats:
 
 
 @dataclass(frozen=True)
+class Triggers:
+    """When a durable tap records an incident (the server's flight recorder).
+
+    The server needs ``--incident-dir`` (and ``--record-inputs`` to keep and
+    replay the input); each trigger reads a reducer the tap must have.
+
+    Attributes:
+        nonfinite: Fire when the ``nonfinite`` reducer counts any NaN or Inf.
+        abs_max_above: Fire when ``abs_max`` exceeds this (None: off).
+        mean_sigma: Fire when the ``moments`` mean is this many baseline
+            standard deviations from the baseline mean (None: off; the layer
+            needs a baseline).
+        min_interval: At most one incident per trigger per this many seconds
+            (None: the server's 60).
+    """
+
+    nonfinite: bool = False
+    abs_max_above: float | None = None
+    mean_sigma: float | None = None
+    min_interval: float | None = None
+
+
+@dataclass(frozen=True)
 class TapSpec:
     """What a tap hooks, how it summarizes and how often.
 
@@ -124,6 +148,7 @@ class TapSpec:
         probability: Run reducers on a pass with this probability (None: always).
         max_per_second: At most this many summaries per second (None: unlimited).
         name: A label for the tap.
+        triggers: Flight-recorder triggers of a durable tap (None: none).
     """
 
     selector: str
@@ -133,6 +158,7 @@ class TapSpec:
     probability: float | None = None
     max_per_second: float | None = None
     name: str = ""
+    triggers: Triggers | None = None
 
 
 @dataclass(frozen=True)

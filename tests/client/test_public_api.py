@@ -43,6 +43,7 @@ EXPECTED_ALL = {
     "LayerInfo",
     "ServerStats",
     "TapSpec",
+    "Triggers",
     "TapInfo",
     "TapEvent",
     "Summary",

@@ -199,3 +199,21 @@ def test_abs_max_trigger_without_input_retention(make_server, tmp_path):
     (rec,) = srv.state.recorder.store.entries()
     assert rec.triggers == ["abs_max"] and not rec.replayed and rec.tensor_count == 0
     assert "--record-inputs is off" in rec.replay_note
+
+
+def test_the_client_sets_triggers_and_reads_them_back(make_server, tmp_path):
+    """``create_tap(..., triggers=Triggers(...))``: the thin client's way to arm the recorder."""
+    from layertap import Triggers
+
+    srv = make_server(incident_dir=str(tmp_path / "incidents"), record_inputs=16)
+    want = Triggers(nonfinite=True, abs_max_above=1e6, min_interval=5.0)
+    with Client(srv.port) as c:
+        info = c.create_tap("layer3", reducers=["abs_max", "nonfinite"], triggers=want, forever=True)
+        assert info.spec.triggers == want
+        assert [t.spec.triggers for t in c.taps() if t.id == info.id] == [want]
+        bad = batch(2, seed=5)
+        bad[1, 0, 3, 3] = np.nan
+        c.infer(bad)
+        _settle(srv)
+        (incident,) = Incidents(c).list()
+    assert incident.tap == info.id and incident.triggers == ("nonfinite",) and incident.rows == (1,)
