@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -23,8 +23,9 @@ from ._capture import CaptureOptions
 from ._channel import TlsOption
 from ._client import DEFAULT_TIMEOUT, Client
 from ._errors import ClientClosed, InvalidArgument, LayertapError
+from ._fleet_baseline import set_fleet_baseline
 from ._taps import SummaryStream, TapOptions, Unpack
-from ._types import LayerDrift, LayerInfo, ModelMetadata, ServerStats, Summary, TapSpec
+from ._types import BaselineInfo, DriftThresholds, LayerDrift, LayerInfo, ModelMetadata, ServerStats, Summary, TapSpec
 
 T = TypeVar("T")
 
@@ -154,7 +155,8 @@ class Fleet:
             self._ranks[client.target] = client.metadata(timeout=timeout).rank
         return self._ranks[client.target]
 
-    def _fan_out(self, call: Callable[[Client], list[T]], timeout: float | None) -> FleetResult[T]:
+    def _fan_out(self, call: Callable[[Client], list[T]], timeout: float | None,
+                 clients: Sequence[Client] | None = None) -> FleetResult[T]:
         if self._closed:
             raise ClientClosed("this Fleet was closed; create a new one")
 
@@ -166,7 +168,7 @@ class Fleet:
                 return FleetError(client.target, self._ranks.get(client.target), exc)
 
         result: FleetResult[T] = FleetResult()
-        for out in self._pool.map(one, self._clients):
+        for out in self._pool.map(one, self._clients if clients is None else clients):
             if isinstance(out, FleetError):
                 result.errors.append(out)
             else:
@@ -186,8 +188,52 @@ class Fleet:
         return self._fan_out(lambda c: [c.stats(timeout=timeout)], timeout)
 
     def drift(self, selector: str = "", *, timeout: float | None = None) -> FleetResult[LayerDrift]:
-        """Every member's drift scores, each against its own baseline."""
+        """Every member's drift scores, each against its baseline (one shared one after :meth:`set_baseline`)."""
         return self._fan_out(lambda c: c.drift(selector, timeout=timeout), timeout)
+
+    def set_baseline(self, selector: str, *, passes: int = 100, window: int = 50, point: str = "output",
+                     thresholds: DriftThresholds | Mapping[str, float] | None = None, name: str | None = None,
+                     wait: float = 600.0, timeout: float | None = None) -> FleetResult[BaselineInfo]:
+        """One drift baseline for the whole fleet, installed on every member.
+
+        Every member collects ``passes`` live passes, the members' builders are
+        merged exactly (as if one member had seen every pass) and frozen once,
+        and that one reference (same edges, same counts) is installed on every
+        member; :meth:`drift` then scores each member against it. The steps are
+        in ``layertap._fleet_baseline``. A member that fails on the way lands
+        in ``errors`` and the reference is built from the others.
+
+        Args:
+            selector, passes, window, point, thresholds: As for :meth:`Client.set_baseline`.
+            name: Name of the baseline tap on every member (default derived from the selector).
+            wait: Seconds to wait for every member to collect its passes.
+            timeout: Deadline of each call, in seconds.
+
+        Returns:
+            The baseline tap and its layers, per member that installed the reference.
+
+        Raises:
+            DeadlineExceeded: A member still collecting after ``wait`` seconds
+                (the members hold their passes; call again to retry).
+            InvalidArgument: A bad selector, passes, window or threshold.
+        """
+        if self._closed:
+            raise ClientClosed("this Fleet was closed; create a new one")
+        errors: list[FleetError] = []
+
+        def each(clients: Sequence[Client], fn: Callable[[Client], Any]) -> list[tuple[Client, Any]]:
+            res = self._fan_out(lambda c: [(c, fn(c))], timeout, clients=clients)
+            errors.extend(res.errors)
+            return [item.value for item in res]
+
+        def fail(client: Client, exc: LayertapError) -> None:
+            errors.append(FleetError(client.target, self._ranks.get(client.target), exc))
+
+        installed = set_fleet_baseline(self._clients, each, fail, selector, passes=passes, window=window,
+                                       point=point, thresholds=thresholds, name=name, wait=wait, timeout=timeout)
+        order = {t: i for i, t in enumerate(self.targets)}
+        items = [FleetItem(c.target, self._ranks.get(c.target), info) for c, info in installed]
+        return FleetResult(sorted(items, key=lambda i: order[i.target]), sorted(errors, key=lambda e: order[e.target]))
 
     def capture(self, layers: str | Sequence[str], *, n: int = 1, as_torch: bool = False,
                 **options: Unpack[CaptureOptions]) -> FleetResult[Any]:

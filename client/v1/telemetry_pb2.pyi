@@ -1259,6 +1259,7 @@ class SetBaselineRequest(_message.Message):
     THRESHOLDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    HOLD_FIELD_NUMBER: _builtins.int
     selector: _builtins.str
     passes: _builtins.int
     """Live passes to freeze (default 100)."""
@@ -1268,6 +1269,10 @@ class SetBaselineRequest(_message.Message):
     """Sliding window of current passes compared with the baseline (default 50)."""
     name: _builtins.str
     """Name of the baseline's durable tap (default: derived from the selector)."""
+    hold: _builtins.bool
+    """Stop after `passes` passes without freezing, and wait for InstallBaseline
+    (fleet-wide baselines: every replica collects, one merged reference freezes).
+    """
     @_builtins.property
     def thresholds(self) -> Global___DriftThresholds:
         """Zero fields take the defaults (0.2, 0.1, 0.1, 1.0)."""
@@ -1286,10 +1291,11 @@ class SetBaselineRequest(_message.Message):
         thresholds: Global___DriftThresholds | None = ...,
         sampling: Global___Sampling | None = ...,
         name: _builtins.str = ...,
+        hold: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "thresholds", b"thresholds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "passes", b"passes", "point", b"point", "sampling", b"sampling", "selector", b"selector", "thresholds", b"thresholds", "window", b"window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hold", b"hold", "name", b"name", "passes", b"passes", "point", b"point", "sampling", b"sampling", "selector", b"selector", "thresholds", b"thresholds", "window", b"window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1844,3 +1850,222 @@ class DeleteIncidentResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteIncidentResponse: _TypeAlias = DeleteIncidentResponse  # noqa: Y015
+
+@_typing.final
+class BaselineBuilderState(_message.Message):
+    """A baseline builder's state, exact enough that merging the states of several
+    replicas equals one builder having seen all their passes (moments merge with
+    Chan's formula, the weighted A-Res reservoirs by keeping the largest keys).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYER_FIELD_NUMBER: _builtins.int
+    POINT_FIELD_NUMBER: _builtins.int
+    TARGET_PASSES_FIELD_NUMBER: _builtins.int
+    PASSES_FIELD_NUMBER: _builtins.int
+    SKIPPED_PASSES_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    MEAN_FIELD_NUMBER: _builtins.int
+    M2_FIELD_NUMBER: _builtins.int
+    MIN_FIELD_NUMBER: _builtins.int
+    MAX_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    CHANNEL_COUNT_FIELD_NUMBER: _builtins.int
+    CHANNEL_MEAN_FIELD_NUMBER: _builtins.int
+    CHANNEL_M2_FIELD_NUMBER: _builtins.int
+    layer: _builtins.str
+    point: Global___Point.ValueType
+    target_passes: _builtins.int
+    """Passes asked for, passes fed, passes refused (no finite data)."""
+    passes: _builtins.int
+    skipped_passes: _builtins.int
+    count: _builtins.int
+    """Elements the moments cover, their mean and M2 = sum of (x - mean)^2, float64."""
+    mean: _builtins.float
+    m2: _builtins.float
+    min: _builtins.float
+    """Smallest and largest value seen (+inf and -inf before any)."""
+    max: _builtins.float
+    channel_count: _builtins.float
+    """Per-channel moments (empty when channels are not tapped): weight per
+    channel, means and M2s, one per channel.
+    """
+    @_builtins.property
+    def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The reservoir: sampled values and their log A-Res keys, same length."""
+
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def channel_mean(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def channel_m2(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        layer: _builtins.str = ...,
+        point: Global___Point.ValueType = ...,
+        target_passes: _builtins.int = ...,
+        passes: _builtins.int = ...,
+        skipped_passes: _builtins.int = ...,
+        count: _builtins.int = ...,
+        mean: _builtins.float = ...,
+        m2: _builtins.float = ...,
+        min: _builtins.float = ...,
+        max: _builtins.float = ...,
+        values: _abc.Iterable[_builtins.float] | None = ...,
+        keys: _abc.Iterable[_builtins.float] | None = ...,
+        channel_count: _builtins.float = ...,
+        channel_mean: _abc.Iterable[_builtins.float] | None = ...,
+        channel_m2: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["channel_count", b"channel_count", "channel_m2", b"channel_m2", "channel_mean", b"channel_mean", "count", b"count", "keys", b"keys", "layer", b"layer", "m2", b"m2", "max", b"max", "mean", b"mean", "min", b"min", "passes", b"passes", "point", b"point", "skipped_passes", b"skipped_passes", "target_passes", b"target_passes", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BaselineBuilderState: _TypeAlias = BaselineBuilderState  # noqa: Y015
+
+@_typing.final
+class LayerBaseline(_message.Message):
+    """One layer of a baseline tap, as ExportBaseline reports it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYER_FIELD_NUMBER: _builtins.int
+    POINT_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    BUILDER_FIELD_NUMBER: _builtins.int
+    FROZEN_FIELD_NUMBER: _builtins.int
+    layer: _builtins.str
+    point: Global___Point.ValueType
+    state: Global___BaselineState.ValueType
+    frozen: _builtins.bytes
+    """Once ready: the `layertap.baseline` v1 JSON document, as in --baseline-dir."""
+    @_builtins.property
+    def builder(self) -> Global___BaselineBuilderState:
+        """While collecting (or holding for InstallBaseline)."""
+
+    def __init__(
+        self,
+        *,
+        layer: _builtins.str = ...,
+        point: Global___Point.ValueType = ...,
+        state: Global___BaselineState.ValueType = ...,
+        builder: Global___BaselineBuilderState | None = ...,
+        frozen: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["builder", b"builder", "frozen", b"frozen", "value", b"value"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["builder", b"builder", "frozen", b"frozen", "layer", b"layer", "point", b"point", "state", b"state", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_value: _TypeAlias = _typing.Literal["builder", "frozen"]  # noqa: Y015
+    _WhichOneofArgType_value: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_value) -> _WhichOneofReturnType_value | None: ...
+
+Global___LayerBaseline: _TypeAlias = LayerBaseline  # noqa: Y015
+
+@_typing.final
+class ExportBaselineRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TAP_FIELD_NUMBER: _builtins.int
+    tap: _builtins.str
+    """Id of the baseline tap (SetBaselineResponse.tap)."""
+    def __init__(
+        self,
+        *,
+        tap: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tap", b"tap"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportBaselineRequest: _TypeAlias = ExportBaselineRequest  # noqa: Y015
+
+@_typing.final
+class ExportBaselineResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def layers(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayerBaseline]: ...
+    def __init__(
+        self,
+        *,
+        layers: _abc.Iterable[Global___LayerBaseline] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layers", b"layers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportBaselineResponse: _TypeAlias = ExportBaselineResponse  # noqa: Y015
+
+@_typing.final
+class InstallBaselineRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TAP_FIELD_NUMBER: _builtins.int
+    BUILDERS_FIELD_NUMBER: _builtins.int
+    FROZEN_FIELD_NUMBER: _builtins.int
+    tap: _builtins.str
+    """Id of the baseline tap to install on."""
+    @_builtins.property
+    def builders(self) -> _containers.RepeatedCompositeFieldContainer[Global___BaselineBuilderState]:
+        """Builders exported from every replica: merged per layer and frozen once here."""
+
+    @_builtins.property
+    def frozen(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Or frozen documents (another replica's InstallBaselineResponse.frozen),
+        installed unchanged, so every replica scores against the same edges.
+        """
+
+    def __init__(
+        self,
+        *,
+        tap: _builtins.str = ...,
+        builders: _abc.Iterable[Global___BaselineBuilderState] | None = ...,
+        frozen: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["builders", b"builders", "frozen", b"frozen", "tap", b"tap"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InstallBaselineRequest: _TypeAlias = InstallBaselineRequest  # noqa: Y015
+
+@_typing.final
+class InstallBaselineResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYERS_FIELD_NUMBER: _builtins.int
+    FROZEN_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Layers now READY, in the order of `frozen`."""
+
+    @_builtins.property
+    def frozen(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The frozen document installed per layer, to install on the other replicas."""
+
+    def __init__(
+        self,
+        *,
+        layers: _abc.Iterable[_builtins.str] | None = ...,
+        frozen: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frozen", b"frozen", "layers", b"layers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InstallBaselineResponse: _TypeAlias = InstallBaselineResponse  # noqa: Y015

@@ -100,6 +100,16 @@ class TelemetryServiceStub:
                 request_serializer=layertap_dot_v1_dot_telemetry__pb2.ExplainRequest.SerializeToString,
                 response_deserializer=layertap_dot_v1_dot_telemetry__pb2.ExplainResponse.FromString,
                 _registered_method=True)
+        self.ExportBaseline = channel.unary_unary(
+                '/layertap.v1.TelemetryService/ExportBaseline',
+                request_serializer=layertap_dot_v1_dot_telemetry__pb2.ExportBaselineRequest.SerializeToString,
+                response_deserializer=layertap_dot_v1_dot_telemetry__pb2.ExportBaselineResponse.FromString,
+                _registered_method=True)
+        self.InstallBaseline = channel.unary_unary(
+                '/layertap.v1.TelemetryService/InstallBaseline',
+                request_serializer=layertap_dot_v1_dot_telemetry__pb2.InstallBaselineRequest.SerializeToString,
+                response_deserializer=layertap_dot_v1_dot_telemetry__pb2.InstallBaselineResponse.FromString,
+                _registered_method=True)
 
 
 class TelemetryServiceServicer:
@@ -197,6 +207,22 @@ class TelemetryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportBaseline(self, request, context):
+        """A baseline tap's per-layer state: the builder while it collects, the frozen
+        reference once ready (scope tap). Fleet-wide baselines merge the builders.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InstallBaseline(self, request, context):
+        """Installs one frozen reference on a baseline tap's layers: frozen here from
+        builders exported by every replica, or a frozen document as given (scope tap).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TelemetryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -264,6 +290,16 @@ def add_TelemetryServiceServicer_to_server(servicer, server):
                     servicer.Explain,
                     request_deserializer=layertap_dot_v1_dot_telemetry__pb2.ExplainRequest.FromString,
                     response_serializer=layertap_dot_v1_dot_telemetry__pb2.ExplainResponse.SerializeToString,
+            ),
+            'ExportBaseline': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportBaseline,
+                    request_deserializer=layertap_dot_v1_dot_telemetry__pb2.ExportBaselineRequest.FromString,
+                    response_serializer=layertap_dot_v1_dot_telemetry__pb2.ExportBaselineResponse.SerializeToString,
+            ),
+            'InstallBaseline': grpc.unary_unary_rpc_method_handler(
+                    servicer.InstallBaseline,
+                    request_deserializer=layertap_dot_v1_dot_telemetry__pb2.InstallBaselineRequest.FromString,
+                    response_serializer=layertap_dot_v1_dot_telemetry__pb2.InstallBaselineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -618,6 +654,60 @@ class TelemetryService:
             '/layertap.v1.TelemetryService/Explain',
             layertap_dot_v1_dot_telemetry__pb2.ExplainRequest.SerializeToString,
             layertap_dot_v1_dot_telemetry__pb2.ExplainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportBaseline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layertap.v1.TelemetryService/ExportBaseline',
+            layertap_dot_v1_dot_telemetry__pb2.ExportBaselineRequest.SerializeToString,
+            layertap_dot_v1_dot_telemetry__pb2.ExportBaselineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InstallBaseline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layertap.v1.TelemetryService/InstallBaseline',
+            layertap_dot_v1_dot_telemetry__pb2.InstallBaselineRequest.SerializeToString,
+            layertap_dot_v1_dot_telemetry__pb2.InstallBaselineResponse.FromString,
             options,
             channel_credentials,
             insecure,

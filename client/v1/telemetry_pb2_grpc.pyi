@@ -59,6 +59,14 @@ class TelemetryServiceStub:
     """Removes one incident from the on-disk ring (scope capture)."""
     Explain: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.ExplainRequest, _telemetry_pb2.ExplainResponse]
     """Grad-CAM: per sample, the class's gradient-weighted activation map at one layer."""
+    ExportBaseline: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.ExportBaselineRequest, _telemetry_pb2.ExportBaselineResponse]
+    """A baseline tap's per-layer state: the builder while it collects, the frozen
+    reference once ready (scope tap). Fleet-wide baselines merge the builders.
+    """
+    InstallBaseline: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.InstallBaselineRequest, _telemetry_pb2.InstallBaselineResponse]
+    """Installs one frozen reference on a baseline tap's layers: frozen here from
+    builders exported by every replica, or a frozen document as given (scope tap).
+    """
 
 @_typing.type_check_only
 class TelemetryServiceAsyncStub(TelemetryServiceStub):
@@ -91,6 +99,14 @@ class TelemetryServiceAsyncStub(TelemetryServiceStub):
     """Removes one incident from the on-disk ring (scope capture)."""
     Explain: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.ExplainRequest, _telemetry_pb2.ExplainResponse]  # type: ignore[assignment]
     """Grad-CAM: per sample, the class's gradient-weighted activation map at one layer."""
+    ExportBaseline: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.ExportBaselineRequest, _telemetry_pb2.ExportBaselineResponse]  # type: ignore[assignment]
+    """A baseline tap's per-layer state: the builder while it collects, the frozen
+    reference once ready (scope tap). Fleet-wide baselines merge the builders.
+    """
+    InstallBaseline: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.InstallBaselineRequest, _telemetry_pb2.InstallBaselineResponse]  # type: ignore[assignment]
+    """Installs one frozen reference on a baseline tap's layers: frozen here from
+    builders exported by every replica, or a frozen document as given (scope tap).
+    """
 
 class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
     """Looks inside the hosted model while it runs."""
@@ -198,5 +214,25 @@ class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_telemetry_pb2.ExplainResponse, _abc.Awaitable[_telemetry_pb2.ExplainResponse]]:
         """Grad-CAM: per sample, the class's gradient-weighted activation map at one layer."""
+
+    @_abc_1.abstractmethod
+    def ExportBaseline(
+        self,
+        request: _telemetry_pb2.ExportBaselineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_telemetry_pb2.ExportBaselineResponse, _abc.Awaitable[_telemetry_pb2.ExportBaselineResponse]]:
+        """A baseline tap's per-layer state: the builder while it collects, the frozen
+        reference once ready (scope tap). Fleet-wide baselines merge the builders.
+        """
+
+    @_abc_1.abstractmethod
+    def InstallBaseline(
+        self,
+        request: _telemetry_pb2.InstallBaselineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_telemetry_pb2.InstallBaselineResponse, _abc.Awaitable[_telemetry_pb2.InstallBaselineResponse]]:
+        """Installs one frozen reference on a baseline tap's layers: frozen here from
+        builders exported by every replica, or a frozen document as given (scope tap).
+        """
 
 def add_TelemetryServiceServicer_to_server(servicer: TelemetryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -33,6 +33,7 @@ from __future__ import annotations
 import builtins  # `feed` shadows min/max with the reducer's field names
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -42,7 +43,7 @@ from layertap.server.drift.merge import chan_merge
 from layertap.server.drift.thresholds import DriftThresholds
 from layertap.server.reducers.spec import DEFAULT_PROBABILITIES
 
-__all__ = ["BaselineBuilder"]
+__all__ = ["BaselineBuilder", "BuilderState"]
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -51,6 +52,31 @@ def _bin(values: FloatArray, edges: FloatArray) -> npt.NDArray[np.int64]:
     """Counts on ``edges`` with the reducer's convention: ``[e_i, e_{i+1})``, open ends."""
     idx = np.searchsorted(edges, values, side="right")
     return np.bincount(idx, minlength=edges.shape[0] + 1).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class BuilderState:
+    """Everything a builder holds, so that another replica can merge it exactly.
+
+    ``keys`` are the log A-Res keys of ``values``; ``channel_*`` are None when
+    channels were not tapped.
+    """
+
+    layer: str
+    point: str
+    target_passes: int
+    passes: int
+    skipped_passes: int
+    count: int
+    mean: float
+    m2: float
+    min: float
+    max: float
+    values: FloatArray
+    keys: FloatArray
+    channel_count: float = 0.0
+    channel_mean: FloatArray | None = None
+    channel_m2: FloatArray | None = None
 
 
 class BaselineBuilder:
@@ -189,6 +215,28 @@ class BaselineBuilder:
             elif self._c_mean.shape == other._c_mean.shape:
                 n, cm, cm2 = chan_merge(self._c_n, self._c_mean, self._c_m2, other._c_n, other._c_mean, other._c_m2)
                 self._c_n, self._c_mean, self._c_m2 = float(n), np.asarray(cm), np.asarray(cm2)
+
+    def state(self) -> BuilderState:
+        """A copy of everything this builder holds (see :meth:`from_state`)."""
+        return BuilderState(
+            self.layer, self.point, self.target_passes, self.passes, self.skipped_passes, self.count,
+            self.mean, self.m2, self.min, self.max, self._values.copy(), self._keys.copy(), self._c_n,
+            None if self._c_mean is None else self._c_mean.copy(), None if self._c_m2 is None else self._c_m2.copy(),
+        )
+
+    @classmethod
+    def from_state(cls, tap: str, state: BuilderState, *, reservoir_size: int = 20_000) -> BaselineBuilder:
+        """A builder holding ``state`` (exported by another replica), ready to merge or freeze.
+
+        ``state`` must already be valid (``exchange.builder_state_from_proto`` checks it).
+        """
+        b = cls(tap, state.layer, state.point, passes=state.target_passes, reservoir_size=reservoir_size)
+        b.passes, b.skipped_passes, b.count = state.passes, state.skipped_passes, state.count
+        b.mean, b.m2, b.min, b.max = state.mean, state.m2, state.min, state.max
+        b._keep(np.asarray(state.values, dtype=np.float64), np.asarray(state.keys, dtype=np.float64))
+        if state.channel_mean is not None and state.channel_m2 is not None:
+            b._c_n, b._c_mean, b._c_m2 = state.channel_count, state.channel_mean.copy(), state.channel_m2.copy()
+        return b
 
     @property
     def reservoir(self) -> FloatArray:

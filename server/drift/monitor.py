@@ -20,18 +20,21 @@ import math
 import re
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from layertap.server.drift.baseline import Baseline
-from layertap.server.drift.builder import BaselineBuilder
+from layertap.server.drift.builder import BaselineBuilder, BuilderState
+from layertap.server.drift.exchange import (
+    builder_state_from_proto, builder_state_to_proto, frozen_from_bytes, frozen_to_bytes, merge_states,
+)
 from layertap.server.drift.files import baseline_filename, load_baselines, save_baseline
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.drift.window import SlidingWindow
-from layertap.server.errors import AlreadyExists, InvalidSpec, NotFound
+from layertap.server.errors import AlreadyExists, InvalidSpec, NotFound, Unsupported
 from layertap.server.host.hooks import POINT_BY_NAME, POINT_NAMES
 from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.host.model_host import PassContext
@@ -78,6 +81,8 @@ class _Layer:
     score: DriftScore | None = None
     #: The tap this entry was made for: a replacement under the same id is another tap.
     handle: Tap | None = None
+    #: Collect ``passes`` and wait for :meth:`DriftMonitor.install` instead of freezing.
+    hold: bool = False
 
 
 def _results(summary: pb.Summary) -> dict[str, pb.ReducerResult]:
@@ -102,6 +107,9 @@ class DriftMonitor(Sink):
         self.default_window = default_window
         self._on_load_error = on_load_error
         self._lock = threading.Lock()
+        #: Serialises feeding and freezing builders (collector thread) with
+        #: exporting and installing them (RPC threads).
+        self._build_lock = threading.Lock()
         self._layers: dict[tuple[str, str], _Layer] = {}
         #: Taps this monitor created (the only ones SetBaseline may replace).
         self._own: set[str] = set()
@@ -148,7 +156,8 @@ class DriftMonitor(Sink):
                 raise AlreadyExists(f"name: a tap named {tap_id!r} exists and is not a baseline; pick another name")
             self.engine.delete(tap_id, reason="replaced")
         entries = {layer: _Layer(tap_id, layer, POINT_NAMES[point], passes, window, thresholds,
-                                 builder=BaselineBuilder(tap_id, layer, POINT_NAMES[point], passes=passes))
+                                 builder=BaselineBuilder(tap_id, layer, POINT_NAMES[point], passes=passes),
+                                 hold=req.hold)
                    for layer in layers}
         with self._lock:
             self._layers.update({(tap_id, layer): e for layer, e in entries.items()})
@@ -193,6 +202,78 @@ class DriftMonitor(Sink):
                     msg.channel_drift_fraction = s.channel_drift_fraction
             out.append(msg)
         return out
+
+    # -- fleet-wide baselines (see ``exchange``) -----------------------------
+    def _entries(self, tap: str) -> dict[str, _Layer]:
+        with self._lock:
+            entries = {e.layer: e for e in self._layers.values() if e.tap == tap}
+        if not entries:
+            raise NotFound(f"tap: no baseline tap {tap!r}; SetBaseline returns its id", field="tap")
+        return entries
+
+    def export(self, tap: str) -> list[pb.LayerBaseline]:
+        """Each layer of baseline ``tap``: its builder's state, or its frozen document."""
+        out = []
+        with self._build_lock:
+            for e in self._entries(tap).values():
+                msg = pb.LayerBaseline(layer=e.layer, point=POINT_BY_NAME[e.point])
+                if e.baseline is not None:
+                    msg.state, msg.frozen = pb.BASELINE_STATE_READY, frozen_to_bytes(e.baseline)
+                elif e.builder is not None:
+                    msg.state = pb.BASELINE_STATE_COLLECTING
+                    msg.builder.CopyFrom(builder_state_to_proto(e.builder.state()))
+                else:
+                    continue  # being reloaded at start-up
+                out.append(msg)
+        return out
+
+    def install(self, req: pb.InstallBaselineRequest) -> list[Baseline]:
+        """Freeze the merged ``req.builders`` (or take ``req.frozen``) as the reference of ``req.tap``'s layers.
+
+        Every baseline is checked before any is installed, so a refusal changes nothing.
+
+        Raises:
+            InvalidSpec: A malformed state or document, or a layer or point the tap does not have.
+            NotFound: No such baseline tap.
+            Unsupported: Merged builders that hold no data yet.
+        """
+        if bool(req.builders) == bool(req.frozen):
+            raise InvalidSpec("builders", "give exported builders or frozen documents (exactly one of the two)")
+        entries = self._entries(req.tap)
+        baselines: dict[str, Baseline] = {}
+        if req.builders:
+            groups: dict[str, list[BuilderState]] = {}
+            for i, msg in enumerate(req.builders):
+                state = builder_state_from_proto(msg, f"builders[{i}]")
+                self._check_layer(entries, state.layer, state.point, f"builders[{i}]")
+                groups.setdefault(state.layer, []).append(state)
+            for layer, states in groups.items():
+                e = entries[layer]
+                try:
+                    baselines[layer] = merge_states(req.tap, states).freeze(window=e.window_len, thresholds=e.thresholds)
+                except ValueError as exc:
+                    raise Unsupported(f"builders: {exc}; collect more passes first", field="builders") from None
+        else:
+            known = {name: self._channels(name) for name in self.engine.host.layer_names}
+            for i, data in enumerate(req.frozen):
+                b = frozen_from_bytes(data, f"frozen[{i}]", known)
+                self._check_layer(entries, b.layer, b.point, f"frozen[{i}]")
+                if b.layer in baselines:
+                    raise InvalidSpec(f"frozen[{i}]", f"a second document for layer {b.layer!r}")
+                e = entries[b.layer]
+                baselines[b.layer] = replace(b, tap=req.tap, window=e.window_len, thresholds=e.thresholds)
+        with self._build_lock:
+            for layer, b in baselines.items():
+                if not self._freeze(entries[layer], b):
+                    raise NotFound(f"tap: baseline tap {req.tap!r} was deleted or replaced meanwhile", field="tap")
+        return list(baselines.values())
+
+    @staticmethod
+    def _check_layer(entries: dict[str, _Layer], layer: str, point: str, field: str) -> None:
+        if layer not in entries:
+            raise InvalidSpec(f"{field}.layer", f"{layer!r} is not a layer of this baseline tap ({', '.join(entries)})")
+        if entries[layer].point != point:
+            raise InvalidSpec(f"{field}.point", f"{point!r}, but the tap reads {layer!r} at {entries[layer].point!r}")
 
     def skipped_passes(self) -> int:
         """Passes refused while collecting baselines, over every builder this monitor ran.
@@ -259,7 +340,9 @@ class DriftMonitor(Sink):
             if "moments" not in res:
                 continue
             if entry.baseline is None and entry.builder is not None:
-                self._collect(entry, res)
+                with self._build_lock:
+                    if entry.builder is not None:  # an install may have landed meanwhile
+                        self._collect(entry, res)
             elif entry.baseline is not None and entry.window is not None:
                 self._observe(entry, res)
 
@@ -271,6 +354,8 @@ class DriftMonitor(Sink):
         pc = res["per_channel"].per_channel if "per_channel" in res else None
         builder = entry.builder
         assert builder is not None
+        if entry.hold and builder.done:
+            return  # held at exactly ``passes`` for ExportBaseline
         values = np.asarray(q.values, dtype=np.float64)
         before = builder.skipped_passes
         if m.count == 0 or not np.isfinite(values).all():
@@ -282,24 +367,32 @@ class DriftMonitor(Sink):
                          channel_std=np.asarray(pc.std) if pc and pc.channels == len(pc.std) else None)
         # Only this (collector) thread writes the total; readers see an int.
         self._skipped += builder.skipped_passes - before
-        if builder.done:
-            baseline = builder.freeze(window=entry.window_len, thresholds=entry.thresholds)
-            with self._lock:
-                # A DeleteTap (or a replacing SetBaseline) may have landed since this
-                # summary was read: then freeze nothing and save nothing, or the
-                # deleted baseline would come back at the next start. Saved under
-                # the lock, with ``entry.baseline`` set, so that a removal that comes
-                # after this sees the file and deletes it.
-                if self._layers.get((entry.tap, entry.layer)) is not entry:
-                    return
-                entry.baseline = baseline
-                if self.baseline_dir:
-                    try:
-                        save_baseline(self.baseline_dir, baseline)
-                    except OSError as exc:
-                        log.error("cannot save baseline %s/%s: %s", entry.tap, entry.layer, exc)
-            if self._install(entry, baseline):
-                log.info("baseline %s/%s frozen after %d passes", entry.tap, entry.layer, baseline.passes)
+        if builder.done and not entry.hold:
+            self._freeze(entry, builder.freeze(window=entry.window_len, thresholds=entry.thresholds))
+
+    def _freeze(self, entry: _Layer, baseline: Baseline) -> bool:
+        """Make ``baseline`` the layer's reference: save it, then switch the tap to its edges.
+
+        Returns False when the layer's tap was deleted or replaced meanwhile.
+        """
+        with self._lock:
+            # A DeleteTap (or a replacing SetBaseline) may have landed since this
+            # summary was read: then freeze nothing and save nothing, or the
+            # deleted baseline would come back at the next start. Saved under
+            # the lock, with ``entry.baseline`` set, so that a removal that comes
+            # after this sees the file and deletes it.
+            if self._layers.get((entry.tap, entry.layer)) is not entry:
+                return False
+            entry.baseline = baseline
+            if self.baseline_dir:
+                try:
+                    save_baseline(self.baseline_dir, baseline)
+                except OSError as exc:
+                    log.error("cannot save baseline %s/%s: %s", entry.tap, entry.layer, exc)
+        if not self._install(entry, baseline):
+            return False
+        log.info("baseline %s/%s frozen after %d passes", entry.tap, entry.layer, baseline.passes)
+        return True
 
     def _install(self, entry: _Layer, baseline: Baseline) -> bool:
         """Switch the layer to the frozen edges; False when its tap went meanwhile."""

@@ -55,6 +55,9 @@ METHOD_SCOPES: dict[str, dict[str, str]] = {
         "CreateTap": "tap",
         "DeleteTap": "tap",  # another principal's tap also needs "admin"
         "SetBaseline": "tap",  # replacing another principal's baseline also needs "admin"
+        # A builder's reservoir is a sample of activations, as a tap's quantiles are.
+        "ExportBaseline": "tap",
+        "InstallBaseline": "tap",  # on another principal's baseline also needs "admin"
         "Capture": "capture",
         # Incidents hold a request's input and its activations, as a capture does.
         "ListIncidents": "capture",

@@ -18,6 +18,7 @@ from layertap.server.taps.capture_wire import encode_pass
 from layertap.server.errors import InvalidSpec, NotFound, Unavailable, grpc_errors
 from layertap.server.drift.monitor import baseline_tap_id
 from layertap.server.rpc.auth import principal_of, require
+from layertap.server.rpc.baselines import BaselineMethods
 from layertap.server.rpc.explain import ExplainMethods
 from layertap.server.rpc.incidents import IncidentMethods
 from layertap.server.rpc.inference import decode_inputs
@@ -118,7 +119,8 @@ class TapMethods:
 
 
 
-class TelemetryService(StateBacked, TapMethods, ExplainMethods, IncidentMethods, telemetry_pb2_grpc.TelemetryServiceServicer):
+class TelemetryService(StateBacked, TapMethods, ExplainMethods, IncidentMethods, BaselineMethods,
+                       telemetry_pb2_grpc.TelemetryServiceServicer):
     """Looks inside the hosted model."""
 
     @grpc_errors

@@ -442,6 +442,9 @@ def _table() -> dict[str, Rpc]:
             (1, hostile(pb.SetBaselineRequest.DESCRIPTOR))),
         rpc(TELEMETRY, "GetDrift", st.builds(pb.GetDriftRequest, selector=st.one_of(st.just(""), VALID_SELECTORS)),
             (3, st.builds(pb.GetDriftRequest, selector=SELECTORS)), (1, hostile(pb.GetDriftRequest.DESCRIPTOR))),
+        # Baseline taps named at random (almost) never exist: refusals, mostly.
+        rpc(TELEMETRY, "ExportBaseline", None, (1, hostile(pb.ExportBaselineRequest.DESCRIPTOR))),
+        rpc(TELEMETRY, "InstallBaseline", None, (1, hostile(pb.InstallBaselineRequest.DESCRIPTOR))),
         rpc(TELEMETRY, "Explain", _explain(True), (3, _explain(False)), (1, hostile(pb.ExplainRequest.DESCRIPTOR))),
         rpc(TELEMETRY, "GetServerStats", st.builds(pb.GetServerStatsRequest), (1, _empty(pb.GetServerStatsRequest))),
         # The hostile suite's server has no --incident-dir: none of these can be OK.
@@ -462,8 +465,9 @@ RPCS: dict[str, Rpc] = _table()
 SHARES: dict[str, int] = {
     "InferenceService.Infer": 110, "InferenceService.GetModelMetadata": 30, "TelemetryService.ListLayers": 30,
     "TelemetryService.Capture": 150, "TelemetryService.CreateTap": 120, "TelemetryService.DeleteTap": 60,
-    "TelemetryService.ListTaps": 30, "TelemetryService.Subscribe": 110, "TelemetryService.SetBaseline": 110,
+    "TelemetryService.ListTaps": 30, "TelemetryService.Subscribe": 110, "TelemetryService.SetBaseline": 90,
     "TelemetryService.GetDrift": 80, "TelemetryService.GetServerStats": 30, "Health.Check": 40, "Health.Watch": 20,
     "Health.List": 20, "TelemetryService.ListIncidents": 10, "TelemetryService.GetIncident": 10,
-    "TelemetryService.DeleteIncident": 10, "TelemetryService.Explain": 30,
+    "TelemetryService.DeleteIncident": 10, "TelemetryService.Explain": 30, "TelemetryService.ExportBaseline": 10,
+    "TelemetryService.InstallBaseline": 10,
 }
