@@ -2,16 +2,17 @@
 
 Data flow, by thread:
 
-* model thread: a hook on the root module's input pins each live pass's input
-  (only while some durable tap has triggers, and only with ``--record-inputs``);
-  when the pass publishes nothing, its input is let go at once;
+* model thread: a hook on the root module's input pins a copy of each live
+  pass's input (only while some durable tap has triggers, and only with
+  ``--record-inputs``); when the pass publishes nothing, it is let go at once;
 * host-transfer thread (:meth:`Recorder.on_summaries`): triggers are checked
-  on the pass's summaries, the input is unpinned, and a firing tap becomes one
-  job on a small bounded queue (full: the incident is dropped and counted);
-* recorder thread: replays the input with captures on the tap's layers,
-  checks the replay against the summaries that fired, writes the incident to
-  the ring, counts it and tells the tap's subscribers (a ``TapEvent`` of kind
-  ``incident`` whose message is the incident id).
+  on the pass's summaries, the input is unpinned, and the taps that fired
+  become one job on a small bounded queue (full: the incidents are dropped and
+  counted); the job's input stays counted against ``--record-inputs``;
+* recorder thread: replays the input once with captures on the union of the
+  firing taps' layers, checks each tap's summaries against it, writes one
+  incident per tap to the ring, counts it and tells the tap's subscribers (a
+  ``TapEvent`` of kind ``incident`` whose message is the incident id).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from prometheus_client import CollectorRegistry, Counter
@@ -32,7 +33,7 @@ from layertap.server.codec import tensor_to_bytes, wire_dtype
 from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.host.hooks import POINT_NAMES
 from layertap.server.host.model_host import PassContext, flatten_tensors
-from layertap.server.record.replay import anomalous_rows, check, replay
+from layertap.server.record.replay import Share, anomalous_rows, replay
 from layertap.server.record.retention import InputRetention
 from layertap.server.record.store import IncidentStore, StoredTensor, new_id
 from layertap.server.record.triggers import Firing, RateLimit, enabled, evaluate, interval_of
@@ -43,7 +44,7 @@ from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-#: Incidents waiting for a replay; more in a burst are dropped and counted.
+#: Passes waiting for a replay; more in a burst are dropped and counted.
 JOB_QUEUE = 8
 #: Longest replay note kept in an incident.
 NOTE_CHARS = 2000
@@ -51,10 +52,11 @@ NOTE_CHARS = 2000
 
 @dataclass
 class _Job:
-    tap: Tap
-    firing: Firing
+    """One pass that set off triggers: every tap that fired, and its input."""
+
     ctx: PassContext
     inputs: list[torch.Tensor] | None
+    firings: list[tuple[Tap, Firing]] = field(default_factory=list)
 
 
 class Recorder(Sink):
@@ -121,8 +123,9 @@ class Recorder(Sink):
         if ctx.active or self.retention is None:
             return
         tensors = [t for _k, t in flatten_tensors(args)]
-        if self.host.device.type != "cpu":
-            tensors = [t.to("cpu", non_blocking=True) for t in tensors]
+        if sum(t.nbytes for t in tensors) <= self.retention.max_bytes:
+            # A copy, taken before the forward runs: a model may write to its input in place.
+            tensors = [t.detach().to("cpu", non_blocking=True, copy=True) for t in tensors]
         self.retention.keep(ctx.index, tensors)
 
     def pass_finished(self, ctx: PassContext) -> None:
@@ -133,10 +136,27 @@ class Recorder(Sink):
     # -- host-transfer thread ------------------------------------------------------
     def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
         inputs = self.retention.take(ctx.index) if self.retention is not None else None
+        queued = False
+        try:
+            firings = self._fired(ctx, summaries)
+            if firings:
+                self._jobs.put_nowait(_Job(ctx, inputs, firings))
+                queued = True  # the recorder thread releases the input
+        except queue.Full:
+            self.dropped += len(firings)
+            log.warning("incidents on taps %s dropped: %d replays already queued",
+                        ",".join(t.id for t, _f in firings), JOB_QUEUE)
+        finally:
+            if not queued and self.retention is not None:
+                self.retention.release(inputs)
+
+    def _fired(self, ctx: PassContext, summaries: list[pb.Summary]) -> list[tuple[Tap, Firing]]:
+        """The taps whose triggers fired on this pass and passed the rate limit."""
         with self._lock:
             taps = dict(self._taps)
         if not taps or ctx.active:
-            return
+            return []
+        fired: list[tuple[Tap, Firing]] = []
         by_tap: dict[str, list[pb.Summary]] = {}
         for s in summaries:
             if s.tap in taps:
@@ -154,11 +174,8 @@ class Recorder(Sink):
             layers = {k: [n for n in v if n in admitted] for k, v in firing.layers.items()}
             layers = {k: v for k, v in layers.items() if v}
             hits = [s for s in firing.summaries if s.layer in layers]
-            try:
-                self._jobs.put_nowait(_Job(tap, Firing(layers, hits), ctx, inputs))
-            except queue.Full:
-                self.dropped += 1
-                log.warning("incident on tap %s dropped: %d replays already queued", tap_id, JOB_QUEUE)
+            fired.append((tap, Firing(layers, hits)))
+        return fired
 
     def _baseline(self, layer: str, point: int) -> tuple[float, float] | None:
         if self.drift is None:
@@ -172,41 +189,53 @@ class Recorder(Sink):
             try:
                 self._record(job)
             except Exception:  # noqa: BLE001 - one bad incident must not stop the recorder
-                log.exception("recording an incident on tap %s failed", job.tap.id)
+                log.exception("recording incidents of pass %d failed", job.ctx.index)
             finally:
+                if self.retention is not None:
+                    self.retention.release(job.inputs)
                 self._jobs.task_done()
 
-    def _record(self, job: _Job) -> pb.Incident:
-        tap, firing, ctx = job.tap, job.firing, job.ctx
-        rec = pb.Incident(id=new_id(time.time()), tap=tap.id, triggers=firing.triggers, pass_index=ctx.index,
-                          time=timestamp(ctx.wall_time), summaries=firing.summaries)
-        tensors: list[StoredTensor] = []
-        rows: dict[str, set[int]] = {layer: set() for layer in firing.layers}
+    def _record(self, job: _Job) -> list[pb.Incident]:
+        """One replay for the pass, then one incident per tap that fired."""
+        ctx, cap = job.ctx, self.store.limits.max_incident_bytes
+        input_bytes = sum(t.nbytes for t in job.inputs or [])
+        shares = [Share(tap, firing.summaries, cap - input_bytes, self._rows_finder(tap, firing),
+                        rows={layer: set() for layer in firing.layers}) for tap, firing in job.firings]
+        captured: dict[tuple[str, int, int, int], torch.Tensor] = {}
+        note = ""
         if job.inputs is None:
-            rec.replay_note = ("the input was not retained: --record-inputs is off" if self.retention is None
-                               else "the input was not retained (pushed out by the --record-inputs bound or lost)")
+            note = ("the input was not retained: --record-inputs is off" if self.retention is None
+                    else "the input was not retained (pushed out by the --record-inputs bound or lost)")
         else:
             try:
-                again = replay(self.host, tap, job.inputs)
+                captured = replay(self.host, shares, job.inputs)
             except Exception as exc:  # noqa: BLE001 - the incident says so
-                rec.replay_note = f"the replay raised {type(exc).__name__}: {exc}"[:NOTE_CHARS]
-            else:
-                rec.replayed = True
-                problems = check(tap, firing.summaries, again.captured)
-                rec.replay_matches = not problems
-                rec.replay_note = "; ".join(problems)[:NOTE_CHARS]
-                for i, t in enumerate(again.inputs):
-                    tensors.append(_stored(t, "", pb.POINT_INPUT, i, 0, ctx.index))
-                point = tap.spec.point or pb.POINT_OUTPUT
-                for (layer, call, index), t in again.captured.items():
-                    tensors.append(_stored(t, layer, point, index, call, ctx.index))
-                    if layer in rows:
-                        rows[layer].update(anomalous_rows(t, tap.spec.triggers, firing.layers[layer],
-                                                          self._baseline(layer, point)))
-        rec.layers.extend(pb.IncidentLayer(layer=layer, point=tap.spec.point or pb.POINT_OUTPUT,
-                                           triggers=names, rows=sorted(rows[layer]))
+                note = f"the replay raised {type(exc).__name__}: {exc}"[:NOTE_CHARS]
+        replayed = job.inputs is not None and not note
+        return [self._write(ctx, firing, share, job.inputs if replayed else None, captured, note)
+                for (_tap, firing), share in zip(job.firings, shares)]
+
+    def _rows_finder(self, tap: Tap, firing: Firing) -> Callable[[str, torch.Tensor], list[int]]:
+        point = tap.spec.point or pb.POINT_OUTPUT
+        return lambda layer, t: anomalous_rows(t, tap.spec.triggers, firing.layers[layer], self._baseline(layer, point))
+
+    def _write(self, ctx: PassContext, firing: Firing, share: Share, inputs: list[torch.Tensor] | None,
+               captured: dict[tuple[str, int, int, int], torch.Tensor], note: str) -> pb.Incident:
+        tap = share.tap
+        rec = pb.Incident(id=new_id(time.time()), tap=tap.id, triggers=firing.triggers, pass_index=ctx.index,
+                          time=timestamp(ctx.wall_time), summaries=firing.summaries, replay_note=note)
+        tensors: list[StoredTensor] = []
+        if inputs is not None:
+            rec.replayed = True
+            rec.replay_matches = not share.problems
+            rec.replay_note = "; ".join(share.problems)[:NOTE_CHARS]
+            rec.tensors_dropped = share.dropped
+            tensors = [_stored(t, "", pb.POINT_INPUT, i, 0, ctx.index) for i, t in enumerate(inputs)]
+            tensors += [_stored(captured[key], key[0], key[1], key[3], key[2], ctx.index) for key in share.kept]
+        rec.layers.extend(pb.IncidentLayer(layer=layer, point=share.point, triggers=names,
+                                           rows=sorted(share.rows[layer]))
                           for layer, names in firing.layers.items())
-        rec.rows.extend(sorted(set().union(*rows.values())))
+        rec.rows.extend(sorted(set().union(*share.rows.values())))
         self.store.write(rec, tensors)
         if self._incidents is not None:
             for name in rec.triggers:

@@ -1,17 +1,18 @@
 """Replay: rerun a recorded input with captures on a tap's layers, and check it.
 
 An eval-mode forward pass is a pure function of its input, so the replay
-reproduces the tensors the live pass summarised. The check proves it: the
-tap's own reducer plan runs again on the replayed tensors and its
-deterministic results must equal the summary that fired. Sampled reducers
+reproduces the tensors the live pass summarised; one replay serves every tap
+that fired on the pass. The check proves it: each tap's own reducer plan runs
+again on the replayed tensors and its deterministic results must equal the
+summary that fired. Sampled reducers
 (histogram, quantiles) are left out of the comparison.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,8 +22,8 @@ from layertap.server.record.triggers import ABS_MAX, MEAN_SIGMA, NONFINITE
 from layertap.server.taps.tap import Tap
 from layertap.v1 import telemetry_pb2 as pb
 
-#: (layer, call index, output index) -> the replayed tensor, on the host.
-Captured = dict[tuple[str, int, int], torch.Tensor]
+#: (layer, point, call index, output index) of a replayed tensor.
+Key = tuple[str, int, int, int]
 #: Result kinds whose values a replay reproduces exactly (up to summation order).
 DETERMINISTIC = ("moments", "minmax", "abs_max", "zero_fraction", "nonfinite")
 #: Relative tolerance of the moments: the compiled and eager kernels may sum
@@ -35,40 +36,94 @@ class _Owner:
 
 
 @dataclass
-class Replay:
-    captured: Captured
-    #: The replayed model inputs, on the host.
-    inputs: list[torch.Tensor]
+class Share:
+    """One firing tap's part in a replay that serves every tap that fired on the pass.
+
+    Each tensor the tap's layers produce is checked against the summaries that
+    fired as it passes; it is kept (a host copy) only while the tap's incident
+    has ``budget`` bytes left, so the per-incident cap bounds memory too.
+    """
+
+    tap: Tap
+    summaries: Sequence[pb.Summary]
+    budget: int
+    #: Anomalous batch rows of a replayed tensor (the recorder's triggers and baselines).
+    rows_of: Callable[[str, torch.Tensor], list[int]]
+    kept: list[Key] = field(default_factory=list)
+    dropped: int = 0
+    problems: list[str] = field(default_factory=list)
+    rows: dict[str, set[int]] = field(default_factory=dict)
+    _used: int = 0
+    _reached: set[tuple[str, int, int]] = field(default_factory=set)
+
+    @property
+    def point(self) -> int:
+        return self.tap.spec.point or pb.POINT_OUTPUT
+
+    def wants(self, layer: str, point: int) -> bool:
+        return point == self.point and layer in self.tap.layers
+
+    def see(self, key: Key, tensor: torch.Tensor) -> bool:
+        """Check and take the rows of one replayed tensor; True when the incident keeps it."""
+        layer, _point, call, index = key
+        for s in self.summaries:
+            if (s.layer, s.call_index, s.output_index) == (layer, call, index):
+                self._reached.add((layer, call, index))
+                self.problems.extend(_check_one(self.tap, s, tensor))
+        if layer in self.rows:
+            self.rows[layer].update(self.rows_of(layer, tensor))
+        if self._used + tensor.nbytes > self.budget:
+            self.dropped += 1
+            return False
+        self._used += tensor.nbytes
+        self.kept.append(key)
+        return True
+
+    def finish(self) -> None:
+        """Note the fired summaries the replay never reached."""
+        self.problems.extend(
+            f"{s.layer}: the replay did not reach it (call {s.call_index}, output {s.output_index})"
+            for s in self.summaries if (s.layer, s.call_index, s.output_index) not in self._reached)
 
 
-def replay(host: ModelHost, tap: Tap, inputs: Sequence[torch.Tensor]) -> Replay:
-    """Run ``inputs`` through the model once, cloning the tap's layers to the host.
+def replay(host: ModelHost, shares: Sequence[Share], inputs: Sequence[torch.Tensor]) -> dict[Key, torch.Tensor]:
+    """Run a copy of ``inputs`` through the model once, with hooks on every share's layers.
+
+    The model gets a copy: it may write to its input in place, and the caller
+    stores the input as it was sent. Returns the tensors some share kept, on the host.
 
     Raises:
         Exception: Whatever the forward raises (the caller records it).
     """
-    captured: Captured = {}
-    calls: dict[str, int] = {}
+    captured: dict[Key, torch.Tensor] = {}
+    calls: dict[tuple[str, int], int] = {}
     owner = _Owner()
 
-    def grab(layer: str, ctx: object, value: object) -> None:
+    def grab(layer: str, point: int, ctx: object, value: object) -> None:
         if getattr(ctx, "active_owner", None) is not owner:
             return  # a live pass between hook install and ours
-        call = calls.get(layer, 0)
-        calls[layer] = call + 1
+        call = calls.get((layer, point), 0)
+        calls[(layer, point)] = call + 1
         for i, (_key, t) in enumerate(flatten_tensors(value)):
-            captured[(layer, call, i)] = t.detach().to("cpu", copy=True)
+            key = (layer, point, call, i)
+            host_copy = t.detach().to("cpu", copy=True)  # one at a time: dropped ones are freed at once
+            keep = [share.see(key, host_copy) for share in shares if share.wants(layer, point)]
+            if any(keep):
+                captured[key] = host_copy
 
-    point = tap.spec.point or pb.POINT_OUTPUT
+    sites = sorted({(layer, s.point) for s in shares for layer in s.tap.layers})
     with host.pass_lock():  # hooks go in and out between passes
-        handles = [host.hooks.add(layer, point, lambda ctx, v, _l=layer: grab(_l, ctx, v)) for layer in tap.layers]
+        handles = [host.hooks.add(layer, point, lambda ctx, v, _l=layer, _p=point: grab(_l, _p, ctx, v))
+                   for layer, point in sites]
         try:
             with host.pass_context(active_owner=owner), torch.inference_mode():
-                host.module(*[t.to(host.device) for t in inputs])
+                host.module(*[t.to(host.device, copy=True) for t in inputs])
         finally:
             for h in handles:
                 h.remove()
-    return Replay(captured, [t.detach().to("cpu") for t in inputs])
+    for share in shares:
+        share.finish()
+    return captured
 
 
 def _same(a: float, b: float, rtol: float = 0.0) -> bool:
@@ -99,23 +154,14 @@ def _short(r: pb.ReducerResult) -> str:
     return str(getattr(r, r.WhichOneof("value") or "")).replace("\n", " ").strip()
 
 
-def check(tap: Tap, summaries: Sequence[pb.Summary], captured: Captured) -> list[str]:
-    """Differences between each fired summary and the same reducers on the replay; [] when equal."""
-    problems = []
-    for s in summaries:
-        tensor = captured.get((s.layer, s.call_index, s.output_index))
-        if tensor is None:
-            problems.append(f"{s.layer}: the replay did not reach it (call {s.call_index}, output {s.output_index})")
-            continue
-        plan = tap.always if s.unsampled else tap.layer_plans.get(s.layer, tap.plan)
-        if plan is None:
-            continue
-        values = plan.run(tensor).numpy()
-        for live, again in zip(s.results, plan.decode(values, tuple(tensor.shape))):
-            why = _differs(live, again)
-            if why:
-                problems.append(f"{s.layer}: {why}")
-    return problems
+def _check_one(tap: Tap, summary: pb.Summary, tensor: torch.Tensor) -> list[str]:
+    """Differences between a fired summary and the same reducers on its replayed tensor."""
+    plan = tap.always if summary.unsampled else tap.layer_plans.get(summary.layer, tap.plan)
+    if plan is None:
+        return []
+    values = plan.run(tensor).numpy()
+    return [f"{summary.layer}: {why}" for live, again in zip(summary.results, plan.decode(values, tuple(tensor.shape)))
+            if (why := _differs(live, again))]
 
 
 def anomalous_rows(tensor: torch.Tensor, triggers: pb.Triggers, names: Sequence[str],

@@ -7,8 +7,10 @@ the order they ran, so when pass N is evaluated every older pass still held
 was lost on the way (the transfer queue dropped it); those, and pinned inputs
 pushed out by the byte bound, are counted as lost.
 
-Holding an input costs no copy on a CPU host: the tensors are the request's
-own decoded buffers, which nothing writes to.
+An input taken for a replay stays counted against the bound until the replay
+is done (:meth:`InputRetention.release`): queued replays hold memory too.
+The caller keeps a copy, not the request's tensors: a model may write to its
+input in place.
 """
 
 from __future__ import annotations
@@ -27,22 +29,30 @@ class InputRetention:
         self.max_bytes = max_bytes
         self._held: OrderedDict[int, tuple[list[torch.Tensor], int]] = OrderedDict()
         self._bytes = 0
+        #: Bytes of inputs taken for a replay and not yet released.
+        self._queued = 0
         self._lock = threading.Lock()
         #: Pinned passes released before their summaries were evaluated.
         self.lost = 0
 
     @property
     def held_bytes(self) -> int:
+        """Pinned inputs, not yet evaluated."""
         return self._bytes
+
+    @property
+    def queued_bytes(self) -> int:
+        """Inputs taken for a replay and not yet released; the bound covers both."""
+        return self._queued
 
     def keep(self, index: int, tensors: Sequence[torch.Tensor]) -> None:
         """Pin pass ``index``'s inputs (model thread): the oldest go when over the bound."""
         size = sum(t.nbytes for t in tensors)
         with self._lock:
-            if size > self.max_bytes:
-                self.lost += 1  # can never be held: it is lost before evaluation
+            if size + self._queued > self.max_bytes:
+                self.lost += 1  # cannot be held (queued replays keep their inputs): lost before evaluation
                 return
-            while self._held and self._bytes + size > self.max_bytes:
+            while self._held and self._bytes + self._queued + size > self.max_bytes:
                 _, (_, old) = self._held.popitem(last=False)
                 self._bytes -= old
                 self.lost += 1
@@ -57,7 +67,10 @@ class InputRetention:
                 self._bytes -= entry[1]
 
     def take(self, index: int) -> list[torch.Tensor] | None:
-        """Unpin pass ``index`` now that it is evaluated; older passes still held were lost."""
+        """Unpin pass ``index`` now that it is evaluated; older passes still held were lost.
+
+        The input stays counted until :meth:`release`.
+        """
         with self._lock:
             while self._held:
                 first = next(iter(self._held))
@@ -70,7 +83,16 @@ class InputRetention:
             if entry is None:
                 return None
             self._bytes -= entry[1]
+            self._queued += entry[1]
             return entry[0]
+
+    def release(self, tensors: Sequence[torch.Tensor] | None) -> None:
+        """An input from :meth:`take` is no longer needed (its replay is done, or never ran)."""
+        if tensors is None:
+            return
+        size = sum(t.nbytes for t in tensors)
+        with self._lock:
+            self._queued -= size
 
     def __len__(self) -> int:
         with self._lock:

@@ -26,6 +26,9 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
+
+from google.protobuf.message import DecodeError
 
 from layertap.server.errors import InvalidSpec, NotFound
 from layertap.v1 import telemetry_pb2 as pb
@@ -77,26 +80,58 @@ def encode(record: pb.Incident, tensors: list[StoredTensor]) -> bytes:
     return MAGIC + _U32.pack(len(head)) + _U32.pack(zlib.crc32(head)) + head + _U32.pack(zlib.crc32(body)) + body
 
 
-def _read_record(f: "os.PathLike[str] | str") -> tuple[pb.Incident, int]:
-    """The record of a file and where its tensors begin; ValueError when unreadable."""
-    with open(f, "rb") as fh:
-        prefix = fh.read(16)
-        if len(prefix) != 16 or prefix[:8] != MAGIC:
-            raise ValueError("not an incident file (bad magic)")
-        (n,), (crc,) = _U32.unpack(prefix[8:12]), _U32.unpack(prefix[12:16])
-        head = fh.read(n)
-        if len(head) != n or zlib.crc32(head) != crc:
-            raise ValueError("record truncated or corrupt (CRC mismatch)")
+def fit(record: pb.Incident, tensors: list[StoredTensor], max_bytes: int) -> int:
+    """How many leading ``tensors`` fit a file of ``max_bytes`` (one pass over the sizes)."""
+    probe = pb.Incident()
+    probe.CopyFrom(record)
+    # The record's counters at their widest: the head can only be smaller.
+    probe.tensor_count = probe.tensors_dropped = len(tensors) + record.tensors_dropped
+    probe.bytes = max_bytes
+    room = max_bytes - len(MAGIC) - 8 - len(probe.SerializeToString()) - 4
+    for n, t in enumerate(tensors):
+        room -= 4 + t.header.ByteSize() + len(t.data)
+        if room < 0:
+            return n
+    return len(tensors)
+
+
+def _exactly(fh: BinaryIO, n: int) -> bytes:
+    data = fh.read(n)
+    if len(data) != n:
+        raise ValueError(f"truncated: {len(data)} of {n} bytes")
+    return data
+
+
+def _read_record(fh: BinaryIO) -> pb.Incident:
+    """The record at the start of an open file, leaving ``fh`` where its tensors begin.
+
+    Raises:
+        ValueError: Not an incident file, truncated or corrupt.
+    """
+    prefix = _exactly(fh, 16)
+    if prefix[:8] != MAGIC:
+        raise ValueError("not an incident file (bad magic)")
+    (n,), (crc,) = _U32.unpack(prefix[8:12]), _U32.unpack(prefix[12:16])
+    head = fh.read(n)
+    if len(head) != n or zlib.crc32(head) != crc:
+        raise ValueError("record truncated or corrupt (CRC mismatch)")
+    try:
         rec = pb.Incident.FromString(head)
-        if not ID_PATTERN.fullmatch(rec.id):
-            raise ValueError(f"bad incident id {rec.id[:40]!r}")
-        return rec, 16 + n
+    except DecodeError as exc:
+        raise ValueError(f"record does not decode: {exc}") from None
+    if not ID_PATTERN.fullmatch(rec.id):
+        raise ValueError(f"bad incident id {rec.id[:40]!r}")
+    return rec
 
 
 def _decode_tensors(body: bytes) -> list[StoredTensor]:
     out, pos = [], 0
     while pos < len(body):
+        if pos + 4 > len(body):
+            raise ValueError("tensor section truncated")
         (n,) = _U32.unpack_from(body, pos)
+        if pos + 4 + n > len(body):
+            raise ValueError("tensor header truncated")
         header = pb.CaptureHeader.FromString(body[pos + 4: pos + 4 + n])
         pos += 4 + n
         out.append(StoredTensor(header, body[pos: pos + header.total_bytes]))
@@ -129,7 +164,8 @@ class IncidentStore:
             tmp.unlink(missing_ok=True)  # a write that a crash cut short
         for path in sorted(self.dir.glob(f"*{SUFFIX}")):
             try:
-                rec, _ = _read_record(path)
+                with open(path, "rb") as fh:
+                    rec = _read_record(fh)
                 if path.name != f"{rec.id}{SUFFIX}":
                     raise ValueError("file name does not match its incident id")
             except (OSError, ValueError, Exception) as exc:  # noqa: BLE001 - DecodeError too
@@ -147,13 +183,14 @@ class IncidentStore:
             return sum(r.bytes for r in self._index.values())
 
     def write(self, record: pb.Incident, tensors: list[StoredTensor]) -> pb.Incident:
-        """Store an incident, dropping tensors from the end to fit the per-incident cap."""
-        kept = list(tensors)
+        """Store an incident, dropping tensors from the end to fit the per-incident cap.
+
+        The cut is computed from the sizes, then the file is encoded once:
+        re-encoding per dropped tensor was quadratic in the incident's size.
+        """
+        kept = tensors[:fit(record, tensors, self.limits.max_incident_bytes)]
+        record.tensors_dropped += len(tensors) - len(kept)
         data = encode(record, kept)
-        while len(data) > self.limits.max_incident_bytes and kept:
-            kept.pop()
-            record.tensors_dropped += 1
-            data = encode(record, kept)
         path = self._path(record.id)
         tmp = self.dir / f".{record.id}{SUFFIX}.tmp"
         with open(tmp, "wb") as fh:
@@ -198,18 +235,26 @@ class IncidentStore:
         return rec
 
     def read(self, incident_id: str) -> tuple[pb.Incident, list[StoredTensor]]:
-        """The record and its tensors, CRC-checked."""
+        """The record and its tensors, CRC-checked, from one open of the file.
+
+        One handle: a delete or eviction between two opens would have looked
+        like a corrupt file. A file gone since the index said so is NOT_FOUND
+        and not counted; an unreadable one is dropped from the index and counted.
+        """
         self.get(incident_id)
         try:
-            rec, start = _read_record(self._path(incident_id))
             with open(self._path(incident_id), "rb") as fh:
-                fh.seek(start)
-                (crc,) = _U32.unpack(fh.read(4))
+                rec = _read_record(fh)
+                (crc,) = _U32.unpack(_exactly(fh, 4))
                 body = fh.read()
             if zlib.crc32(body) != crc:
                 raise ValueError("tensor section corrupt (CRC mismatch)")
             return rec, _decode_tensors(body)
-        except (OSError, ValueError) as exc:
+        except FileNotFoundError:
+            with self._lock:
+                self._index.pop(incident_id, None)
+            raise NotFound(f"no incident {incident_id}: it was deleted or evicted", field="id") from None
+        except (OSError, ValueError, struct.error, DecodeError) as exc:
             with self._lock:
                 self._index.pop(incident_id, None)
                 self.skipped_files += 1

@@ -18,7 +18,8 @@ def start_recorder(config: ServerConfig, taps: TapEngine, drift: DriftMonitor,
     """The recorder as a sink of ``taps``, or None without ``--incident-dir``.
 
     Raises:
-        ValueError: A flag out of range, or ``--record-inputs`` without ``--incident-dir``.
+        ValueError: A flag out of range, ``--incident-max-file-bytes`` above ``--incident-max-bytes``,
+            or ``--record-inputs`` without ``--incident-dir``.
     """
     if config.record_inputs < 0:
         raise ValueError(f"--record-inputs {config.record_inputs}: must be >= 0 MiB")
@@ -34,6 +35,9 @@ def start_recorder(config: ServerConfig, taps: TapEngine, drift: DriftMonitor,
                         ("--incident-max-age", config.incident_max_age)):
         if not value > 0:
             raise ValueError(f"{flag} {value}: must be > 0")
+    if config.incident_max_file_bytes > config.incident_max_bytes:
+        raise ValueError(f"--incident-max-file-bytes {config.incident_max_file_bytes} must be <= --incident-max-bytes "
+                         f"{config.incident_max_bytes}: an incident that size would be evicted as soon as it is written")
     store = IncidentStore(config.incident_dir, RingLimits(
         max_count=config.incident_max_count, max_bytes=config.incident_max_bytes,
         max_incident_bytes=config.incident_max_file_bytes, max_age_seconds=config.incident_max_age))

@@ -217,3 +217,107 @@ def test_the_client_sets_triggers_and_reads_them_back(make_server, tmp_path):
         _settle(srv)
         (incident,) = Incidents(c).list()
     assert incident.tap == info.id and incident.triggers == ("nonfinite",) and incident.rows == (1,)
+
+
+def test_a_model_that_writes_its_input_in_place_is_recorded_as_sent(make_server, tmp_path):
+    """Retention holds a copy taken before the forward, and the replay gets its own copy."""
+    import torch
+    from torch import nn
+
+    from layertap.server.host.sources import InputSpec, LoadedModel
+
+    class Doubles(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.mul_(2.0)  # in-place preprocessing
+            return self.fc(x)
+
+    taps = tmp_path / "fc_taps.json"
+    taps.write_text(json.dumps({"taps": [{"name": "guard", "selector": "fc", "reducers": ["minmax", "nonfinite"],
+                                          "triggers": {"nonfinite": True}}]}))
+    torch.manual_seed(0)
+    srv = _server(make_server, tmp_path, tap_config=str(taps),
+                  loaded=LoadedModel(Doubles().eval(), "doubles", "factory", [InputSpec("x", torch.float32, (-1, 8))]))
+    x = np.arange(16, dtype=np.float32).reshape(2, 8)
+    x[1, 3] = np.nan
+    _infer(srv, x)
+    _settle(srv)
+    with Client(srv.port) as c:
+        (info,) = Incidents(c).list()
+        assert info.replayed and info.replay_matches, info.replay_note
+        inc = Incidents(c).get(info.id)
+    np.testing.assert_array_equal(inc.inputs[0], x)
+    model = srv.state.host.module
+    want = (2.0 * x.astype(np.float64)) @ model.fc.weight.detach().double().numpy().T + model.fc.bias.detach().double().numpy()
+    np.testing.assert_allclose(inc.layers["fc"][0], want[0], rtol=1e-5)
+
+
+def test_one_pass_firing_many_taps_replays_once(make_server, tmp_path):
+    """A pass yields one incident per tap, from a single replay over the union of their layers."""
+    from layertap import Triggers
+
+    srv = make_server(incident_dir=str(tmp_path / "incidents"), record_inputs=16)
+    selectors = {"all": "layer*", "first": "layer1", "pair": "layer[12]", "last": "layer3"}
+    with Client(srv.port) as c:
+        for name, selector in selectors.items():
+            for k in range(3):  # 12 trigger taps, more than the replay queue holds
+                c.create_tap(selector, name=f"{name}{k}", reducers=["minmax", "nonfinite"],
+                             triggers=Triggers(nonfinite=True), forever=True)
+        bad = batch(3, seed=9)
+        bad[1, 0, 2, 2] = np.nan
+        before = srv.state.host.passes
+        _infer(srv, bad)
+        _settle(srv)
+        infos = Incidents(c).list()
+        assert srv.state.host.passes - before == 2  # the live pass and one replay
+        assert srv.state.recorder.dropped == 0
+        assert sorted(i.tap for i in infos) == sorted(f"{n}{k}" for n in selectors for k in range(3))
+        layers_of = {t.id: set(t.layers) for t in c.taps()}
+        for info in infos:
+            assert info.replayed and info.replay_matches, info.replay_note
+            assert info.rows == (1,)
+            inc = Incidents(c).get(info.id)
+            np.testing.assert_array_equal(inc.inputs[0], bad)
+            assert set(inc.layers) == layers_of[info.tap]
+            for t in inc.layers.values():
+                nan_rows = np.flatnonzero(np.isnan(t.reshape(t.shape[0], -1)).any(axis=1))
+                assert nan_rows.tolist() == [1]
+
+
+def test_the_per_incident_cap_bounds_what_the_replay_holds(make_server, tmp_path):
+    """Tensors past the cap are checked and dropped as they pass, never all held at once."""
+    import torch
+
+    from layertap.server.record.replay import Share, replay
+
+    srv = make_server()
+    host = srv.state.host
+    with Client(srv.port) as c:
+        info = c.create_tap("layer*", reducers=["minmax", "nonfinite"], forever=True)
+    tap = srv.state.taps.get(info.id)
+    x = torch.from_numpy(batch(2, seed=4))
+    everything = Share(tap, [], 1 << 40, lambda _l, _t: [])
+    full = replay(host, [everything], [x])
+    sizes = [full[k].nbytes for k in everything.kept]
+    assert len(sizes) >= 3 and everything.dropped == 0
+    budget = sizes[0] + sizes[1] // 2
+    small = Share(tap, [], budget, lambda _l, _t: [])
+    held = replay(host, [small], [x])
+    assert sum(t.nbytes for t in held.values()) <= budget
+    room, want = budget, []
+    for key in everything.kept:  # each tensor is kept while it still fits
+        if full[key].nbytes <= room:
+            room -= full[key].nbytes
+            want.append(key)
+    assert list(held) == small.kept == want and small.dropped == len(sizes) - len(want) > 0
+    for key, t in held.items():
+        torch.testing.assert_close(t, full[key], rtol=0, atol=0)
+
+
+def test_file_cap_above_ring_cap_is_refused_at_start(make_server, tmp_path):
+    with pytest.raises(ValueError) as err:
+        make_server(incident_dir=str(tmp_path / "inc"), incident_max_bytes=1 << 20, incident_max_file_bytes=2 << 20)
+    assert "--incident-max-file-bytes" in str(err.value) and "--incident-max-bytes" in str(err.value)

@@ -159,3 +159,111 @@ def test_anomalous_rows_match_a_float64_reference():
     rows = x.double().reshape(5, -1).mean(1)
     want = [i for i in range(5) if math.isnan(rows[i]) or abs(float(rows[i])) > 3 * 1.0]
     assert anomalous_rows(x, trig, ["mean_sigma"], (0.0, 1.0)) == want
+
+
+def test_per_incident_cap_cuts_once_and_keeps_what_fits(tmp_path, monkeypatch):
+    """Over the cap the cut comes from the sizes and the file is encoded once (it was once per dropped tensor)."""
+    from layertap.server.record import store as store_module
+
+    calls = []
+    real = store_module.encode
+    monkeypatch.setattr(store_module, "encode", lambda rec, ts: calls.append(len(ts)) or real(rec, ts))
+    store = IncidentStore(tmp_path, RingLimits(max_incident_bytes=20_000), clock=lambda: 2.0)
+    rec = pb.Incident(id=new_id(1.0), tap="t", time=timestamp(1.0))
+    tensors = [StoredTensor(pb.CaptureHeader(layer=f"l{i}", dtype=1, shape=[250], total_bytes=1000), bytes([i]) * 1000)
+               for i in range(200)]
+    store.write(rec, tensors)
+    assert len(calls) == 1
+    kept = calls[0]
+    size = (tmp_path / f"{rec.id}.incident").stat().st_size
+    assert size == rec.bytes <= 20_000
+    # One more tensor would not have fitted.
+    probe = pb.Incident()
+    probe.CopyFrom(rec)
+    assert len(real(probe, tensors[:kept + 1])) > 20_000
+    got, stored = store.read(rec.id)
+    assert (got.tensor_count, got.tensors_dropped) == (kept, 200 - kept)
+    assert [t.header.layer for t in stored] == [f"l{i}" for i in range(kept)]
+    assert all(t.data == bytes([i]) * 1000 for i, t in enumerate(stored))
+
+
+def _file_of(store: IncidentStore, rec: pb.Incident):
+    return store.dir / f"{rec.id}.incident"
+
+
+def test_truncated_or_crafted_tensor_sections_are_skipped_not_internal(tmp_path):
+    import struct
+    import zlib
+
+    from layertap.server.record import store as store_module
+
+    store = IncidentStore(tmp_path, clock=lambda: 10.0e8)
+    cut = _incident(store, 10.0e8)
+    path = _file_of(store, cut)
+    raw = path.read_bytes()
+    n = struct.unpack("<I", raw[8:12])[0]
+    path.write_bytes(raw[:16 + n + 2])  # inside the tensor CRC
+    crafted = pb.Incident(id=new_id(10.0e8 + 1), tap="t", time=timestamp(10.0e8 + 1))
+    head, body = crafted.SerializeToString(), b"\xff\xff\xff\x7fjunk"  # a header "length" past the end
+    u32 = struct.Struct("<I").pack
+    _file_of(store, crafted).write_bytes(store_module.MAGIC + u32(len(head)) + u32(zlib.crc32(head)) + head
+                                         + u32(zlib.crc32(body)) + body)
+    garbled = pb.Incident(id=new_id(10.0e8 + 2), tap="t", time=timestamp(10.0e8 + 2))
+    body = u32(3) + b"\xff\xff\xff"  # a header that does not decode
+    head = garbled.SerializeToString()
+    _file_of(store, garbled).write_bytes(store_module.MAGIC + u32(len(head)) + u32(zlib.crc32(head)) + head
+                                         + u32(zlib.crc32(body)) + body)
+    again = IncidentStore(tmp_path, clock=lambda: 10.0e8)
+    assert len(again.entries()) == 3 and again.skipped_files == 0
+    for k, rec in enumerate((cut, crafted, garbled), start=1):
+        with pytest.raises(NotFound) as err:
+            again.read(rec.id)
+        assert "unreadable" in str(err.value)
+        assert again.skipped_files == k and rec.id not in {r.id for r in again.entries()}
+
+
+def test_a_file_deleted_after_the_index_lookup_is_not_found_and_not_counted(tmp_path):
+    store = IncidentStore(tmp_path, clock=lambda: 10.0e8)
+    rec = _incident(store, 10.0e8)
+    _file_of(store, rec).unlink()  # an eviction or delete racing the read
+    with pytest.raises(NotFound) as err:
+        store.read(rec.id)
+    assert "unreadable" not in str(err.value)
+    assert store.skipped_files == 0 and store.entries() == []
+
+
+def test_read_uses_one_handle(tmp_path, monkeypatch):
+    """A delete between reading the record and the tensors must not look like a corrupt file."""
+    from layertap.server.record import store as store_module
+
+    store = IncidentStore(tmp_path, clock=lambda: 10.0e8)
+    rec = _incident(store, 10.0e8)
+    real = store_module._read_record
+
+    def then_delete(fh):
+        got = real(fh)
+        _file_of(store, rec).unlink()
+        return got
+
+    monkeypatch.setattr(store_module, "_read_record", then_delete)
+    got, tensors = store.read(rec.id)
+    assert got.id == rec.id and tensors[0].data == bytes(1000)
+    assert store.skipped_files == 0
+
+
+def test_inputs_taken_for_a_replay_stay_counted_until_released():
+    t = torch.zeros(256)  # 1 KiB
+    r = InputRetention(3 * 1024)
+    r.keep(0, [t])
+    taken = r.take(0)
+    assert taken is not None and (r.held_bytes, r.queued_bytes) == (0, 1024)
+    for i in range(1, 4):
+        r.keep(i, [t])
+        assert r.held_bytes + r.queued_bytes <= 3 * 1024
+    assert len(r) == 2 and r.lost == 1  # pass 1 pushed out: the queued input holds its KiB
+    r.keep(9, [torch.zeros(768)])  # 3 KiB: only fits once the queued input is released
+    assert r.lost == 2 and len(r) == 2
+    r.release(taken)
+    assert r.queued_bytes == 0
+    r.keep(10, [torch.zeros(768)])
+    assert r.held_bytes == 3 * 1024 and len(r) == 1
