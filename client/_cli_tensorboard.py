@@ -24,7 +24,8 @@ def _cmd_tensorboard(args: argparse.Namespace) -> int:
         print(f"layertap: {exc}")
         return 1
     options = tb.FollowOptions(selector=args.selector, every=args.every, images=tuple(args.images or ()),
-                               image_every=args.image_every, duration=args.duration, passes=args.passes)
+                               image_every=args.image_every, image_timeout=args.image_timeout,
+                               duration=args.duration, passes=args.passes)
     bridge = tb.TensorBoardBridge(args.logdir)
     try:
         with Client(args.host, timeout=args.timeout, token=args.token, tls=args.tls_ca or args.tls) as client:
@@ -37,7 +38,8 @@ def _cmd_tensorboard(args: argparse.Namespace) -> int:
         written = None
     finally:
         bridge.close()
-    print(f"{args.logdir}: last step {bridge.step}" + ("" if written is None else f" ({written} passes)"))
+    skipped = f", {bridge.images_skipped} image(s) skipped: no pass in time" if bridge.images_skipped else ""
+    print(f"{args.logdir}: last step {bridge.step}" + ("" if written is None else f" ({written} passes)") + skipped)
     return 0
 
 
@@ -71,6 +73,8 @@ def add_tensorboard_command(command: Callable[[str, str], argparse.ArgumentParse
                    help="capture this layer's feature maps as an image grid (repeatable)")
     p.add_argument("--image-every", type=_positive_int, default=10,
                    help="capture the --images layers every N written passes (default 10)")
+    p.add_argument("--image-timeout", type=_positive_float, default=2.0,
+                   help="wait this many seconds for a pass to capture --images from; none skips the image (default 2)")
     p.add_argument("--duration", type=_positive_float, help="stop after this many seconds")
     p.add_argument("--passes", type=_positive_int, help="stop after this many passes")
     p.set_defaults(func=_cmd_tensorboard)

@@ -12,7 +12,11 @@ module's i-th output tensor, first call of the pass only):
   ``DBL_MAX``); TensorBoard's buckets are ``(previous limit, limit]``;
 * ``drift/L/{psi,js,wasserstein,mean_shift}`` for layers with a ready baseline;
 * ``L/feature_maps``: an image grid of the first sample's channels, each
-  scaled to its own range, from a capture of an ``--images`` layer.
+  scaled to its own range, from a capture of an ``--images`` layer. The
+  capture waits for the next live pass, after the pass's summaries are
+  written; it is labelled with the step of the pass it came from (the
+  summary of that pass, once it arrives). No pass within ``image_timeout``
+  (traffic paused) skips the image, counted in ``images_skipped``.
 
 Steps: the training step when the summary has one, else the pass index. They
 never go backwards within one logdir: when the server's count restarts (a
@@ -22,6 +26,7 @@ which it reads back from the logdir's existing event files when it starts.
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
@@ -32,7 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from . import _capture
 from ._client import Client
+from ._errors import DeadlineExceeded
 from ._png import encode_png
 from ._types import LayerDrift, Summary
 
@@ -44,6 +51,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("the TensorBoard bridge needs TensorBoard: pip install 'layertap[tensorboard]'") from exc
 
 __all__ = ["BRIDGE_REDUCERS", "TensorBoardBridge", "follow", "last_step"]
+
+log = logging.getLogger(__name__)
 
 #: What the bridge taps: everything it writes per layer.
 BRIDGE_REDUCERS: tuple[str, ...] = ("moments", "minmax", "zero_fraction", "nonfinite", "histogram")
@@ -117,6 +126,8 @@ class TensorBoardBridge:
         self._writer = EventFileWriter(str(self.logdir))
         self._offset = 0
         self._raw: int | None = None
+        #: Feature-map captures that saw no pass in time (see FollowOptions.image_timeout).
+        self.images_skipped = 0
 
     @property
     def step(self) -> int | None:
@@ -132,12 +143,21 @@ class TensorBoardBridge:
                 self._offset = self._last + 1 - raw
         return raw + self._offset
 
-    def _emit(self, step: int, values: list[Any], wall_time: float | None = None) -> None:
+    def step_of_pass(self, pass_index: int, near: Summary) -> int:
+        """The step of a pass that has no summary here, counted from a summary ``near`` it.
+
+        Exact for a served model (its step is the pass index); in a training
+        run it assumes one pass per step between the two.
+        """
+        return self.step_of(near) + pass_index - near.pass_index
+
+    def _emit(self, step: int, values: list[Any], wall_time: float | None = None, *, advance: bool = True) -> None:
         if values:
             event = event_pb2.Event(wall_time=wall_time or time.time(), step=step,
                                     summary=summary_pb2.Summary(value=values))
             self._writer.add_event(event)
-            self._last = step if self._last is None else max(self._last, step)
+            if advance:
+                self._last = step if self._last is None else max(self._last, step)
 
     def write_summary(self, s: Summary) -> int | None:
         """Writes one summary's scalars and histogram; returns its step (None: skipped, a repeated call)."""
@@ -165,11 +185,16 @@ class TensorBoardBridge:
         self._emit(step, values)
 
     def write_image(self, layer: str, maps: np.ndarray[Any, Any], step: int) -> None:
-        """Writes a feature-map grid of ``maps`` (one sample: ``(C, H, W)``)."""
+        """Writes a feature-map grid of ``maps`` (one sample: ``(C, H, W)``).
+
+        An image does not move the restart check's last step: one labelled
+        ahead of the summaries (its pass's summary never came) must not shift
+        the summaries of that pass when they do.
+        """
         rgb = feature_grid(maps)
         image = summary_pb2.Summary.Image(height=rgb.shape[0], width=rgb.shape[1], colorspace=3,
                                           encoded_image_string=encode_png(rgb))
-        self._emit(step, [summary_pb2.Summary.Value(tag=f"{layer}/feature_maps", image=image)])
+        self._emit(step, [summary_pb2.Summary.Value(tag=f"{layer}/feature_maps", image=image)], advance=False)
 
     def flush(self) -> None:
         self._writer.flush()
@@ -192,40 +217,96 @@ class FollowOptions:
     passes: int | None = None
     #: Poll drift scores at most this often, in seconds.
     drift_interval: float = 5.0
+    #: Wait this long for a pass to capture images from; none skips the image, not the run.
+    image_timeout: float = 2.0
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A feature map captured from ``pass_index``, waiting for that pass's step."""
+
+    pass_index: int
+    layer: str
+    maps: np.ndarray[Any, Any]
+
+
+def _capture_first(client: Client, layer: str, timeout: float) -> _capture.CapturedTensor:
+    """``client.capture(layer, max_batch=1)``, keeping the header's pass index that ``capture`` drops."""
+    req = _capture.capture_request([layer], input=None, passes=1, point="output", max_batch=1, dtype=None)
+    assembler = _capture.CaptureAssembler(as_torch=False)
+    with client._translating(layer_hint=True):
+        _capture.receive(client._capture_rpc(req, timeout=client._deadline(timeout)), assembler)
+    return assembler.finish()[0]
+
+
+def _capture_images(client: Client, bridge: TensorBoardBridge, options: FollowOptions) -> list[_Pending]:
+    """One first-sample capture of every ``images`` layer, from the next pass; none if no pass comes in time."""
+    found: list[_Pending] = []
+    for layer in options.images:
+        try:
+            first = _capture_first(client, layer, options.image_timeout)
+        except DeadlineExceeded:
+            bridge.images_skipped += 1
+            log.warning("tensorboard: no pass within %.1fs to capture %r from; image skipped",
+                        options.image_timeout, layer)
+            continue
+        maps = np.asarray(first.value)
+        found.append(_Pending(first.pass_index, layer, maps[0] if maps.ndim > 2 else maps))
+    return found
 
 
 def follow(client: Client, bridge: TensorBoardBridge, options: FollowOptions,
-           on_summary: Callable[[Summary, int], None] | None = None) -> int:
+           on_summary: Callable[[Summary, int], None] | None = None,
+           on_image: Callable[[str, int, int], None] | None = None) -> int:
     """Follows a stream tap into ``bridge`` until the budget is spent; returns the passes written.
 
     Args:
         on_summary: Called with each written summary and its step (tests, progress).
+        on_image: Called with each written image's layer, pass index and step.
     """
     deadline = None if options.duration is None else time.monotonic() + options.duration
     passes = 0
-    last_pass: int | None = None
+    last: Summary | None = None
     next_drift = 0.0
-    with client.watch(options.selector, reducers=list(BRIDGE_REDUCERS), every=options.every,
-                      timeout=options.duration) as stream:
-        for batch in stream.batches():
-            for s in batch:
-                if s.pass_index != last_pass:
-                    if options.passes is not None and passes == options.passes:
-                        return passes
-                    last_pass = s.pass_index
-                    passes += 1
-                    if options.images and passes % options.image_every == 1 % options.image_every:
-                        image_step = bridge.step_of(s)
-                        for layer in options.images:
-                            captured = np.asarray(client.capture(layer, max_batch=1))
-                            bridge.write_image(layer, captured[0] if captured.ndim > 2 else captured, image_step)
-                step = bridge.write_summary(s)
-                if step is not None and on_summary is not None:
-                    on_summary(s, step)
-            if batch and time.monotonic() >= next_drift:
-                next_drift = time.monotonic() + options.drift_interval
-                bridge.write_drift(client.drift(options.selector), bridge.step_of(batch[-1]))
+    pending: list[_Pending] = []
+
+    def write_images(upto: Summary, *, all_left: bool = False) -> None:
+        # A map from the pass of ``upto`` takes that summary's step; one from a
+        # pass the tap skipped (``every``), or, at the end, one never summarized,
+        # is counted from it.
+        for p in [p for p in pending if all_left or p.pass_index <= upto.pass_index]:
+            pending.remove(p)
+            step = bridge.step_of(upto) if p.pass_index == upto.pass_index else bridge.step_of_pass(p.pass_index, upto)
+            bridge.write_image(p.layer, p.maps, step)
+            if on_image is not None:
+                on_image(p.layer, p.pass_index, step)
+
+    try:
+        with client.watch(options.selector, reducers=list(BRIDGE_REDUCERS), every=options.every,
+                          timeout=options.duration) as stream:
+            for batch in stream.batches():
+                capture_due = False
+                for s in batch:
+                    if last is None or s.pass_index != last.pass_index:
+                        if options.passes is not None and passes == options.passes:
+                            return passes
+                        passes += 1
+                        capture_due |= bool(options.images) and passes % options.image_every == 1 % options.image_every
+                    last = s
+                    step = bridge.write_summary(s)
+                    write_images(s)
+                    if step is not None and on_summary is not None:
+                        on_summary(s, step)
+                if batch and time.monotonic() >= next_drift:
+                    next_drift = time.monotonic() + options.drift_interval
+                    bridge.write_drift(client.drift(options.selector), bridge.step_of(batch[-1]))
+                bridge.flush()  # the summaries are on disk before a capture waits for traffic
+                if capture_due:
+                    pending.extend(_capture_images(client, bridge, options))
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+    finally:
+        if last is not None:
+            write_images(last, all_left=True)
             bridge.flush()
-            if deadline is not None and time.monotonic() >= deadline:
-                break
     return passes

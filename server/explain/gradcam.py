@@ -16,6 +16,14 @@ that the model ends exactly as it was:
   off. Each module's own ``training`` flag is put back afterwards.
 * The pass is marked active, so taps, baselines and passive captures skip it.
 
+Limitation: warm-up and Infer run under ``torch.inference_mode()`` (faster,
+and the compiled reducer kernels are keyed on it). A model that builds a
+cache lazily on its first forward (rotary tables, positional caches) builds
+it there as an inference tensor, which autograd cannot save for backward; it
+cannot be explained, and Explain answers FAILED_PRECONDITION saying so
+rather than blaming the caller's input. Building the cache in ``__init__``
+(or cloning it when used) avoids it.
+
 The map is computed in float32 whatever the model's dtype, so a half-precision
 model's explanation loses no further precision to the weighting and the sum.
 """
@@ -124,11 +132,24 @@ def _finish(cam: torch.Tensor, opts: GradCamOptions, input_size: Sequence[int]) 
                               field="upsample")
         cam = F.interpolate(cam[:, None], size=list(input_size), mode=mode, align_corners=False)[:, 0]
     if opts.normalize:
-        flat = cam.flatten(1)
+        flat = cam.reshape(cam.shape[0], -1)  # a layer without spatial dims gives one value per sample
         low = flat.min(dim=1).values.view(-1, *[1] * (cam.dim() - 1))
         span = flat.max(dim=1).values.view_as(low) - low
         cam = torch.where(span > 0, (cam - low) / span.clamp_min(torch.finfo(cam.dtype).tiny), torch.zeros_like(cam))
     return cam
+
+
+#: Autograd's messages when a forward outside inference mode meets a tensor made inside it.
+_INFERENCE_TENSOR_ERRORS = ("Inference tensors cannot be saved for backward",
+                            "Inplace update to inference tensor outside InferenceMode")
+_CACHED_INFERENCE_TENSOR = (
+    "the model cached a tensor during serving (warm-up and Infer run under torch.inference_mode) and autograd "
+    "cannot use it for Explain's backward; build the cache in the model's __init__ or clone it where it is used")
+
+
+def _uses_inference_tensor(exc: Exception) -> bool:
+    """The forward touched an inference tensor the model kept: the model's state, not the caller's input, is at fault."""
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _INFERENCE_TENSOR_ERRORS)
 
 
 def require_hooks(host: ModelHost) -> None:
@@ -145,6 +166,8 @@ def grad_cam(host: ModelHost, inputs: Sequence[torch.Tensor], opts: GradCamOptio
         Unsupported: TorchScript, a layer that does not run exactly once or
             does not output a floating tensor ``(N, C, ...)``, an output that
             is not ``(N, classes)`` without targets (FAILED_PRECONDITION).
+            A model that cached an inference tensor while serving (see the
+            module docstring).
         InvalidSpec: Bad targets, or the model raised on the input.
         LimitExceeded: The device ran out of memory.
     """
@@ -166,6 +189,8 @@ def grad_cam(host: ModelHost, inputs: Sequence[torch.Tensor], opts: GradCamOptio
             except torch.OutOfMemoryError:
                 raise LimitExceeded("the device ran out of memory for this pass; send a smaller batch") from None
             except Exception as exc:  # noqa: BLE001 - the caller's input made the model raise
+                if _uses_inference_tensor(exc):
+                    raise Unsupported(_CACHED_INFERENCE_TENSOR, reason="INFERENCE_TENSOR_CACHED") from None
                 raise model_raised(exc) from None
             leaf = _layer_output(grab, opts.layer, n)
             index, score = _scores(out, n, opts.targets)

@@ -96,6 +96,8 @@ class HookRegistry:
         self.errors = 0
         #: Modules found writing their input in place: grad_input hooks them without an alias.
         self._inplace: set[int] = set()
+        #: Timers by module id: (handle, start pre-hook), kept last among layertap's pre-hooks.
+        self._timers: dict[int, list[tuple[HookHandle, Callable[[nn.Module, Any], None]]]] = {}
 
     @property
     def active(self) -> int:
@@ -106,17 +108,42 @@ class HookRegistry:
     def add_timer(self, layer: str, on_start: HookCallback, on_stop: HookCallback) -> HookHandle:
         """Install a timer around ``layer``'s forward: ``on_start(ctx, None)`` as its last
         pre-hook and ``on_stop(ctx, None)`` as its FIRST forward hook, so the time spans
-        the forward and as few other hooks as possible; the caller owns removal."""
+        the forward and as few other hooks as possible; the caller owns removal.
+
+        A pre-hook layertap adds to the module later (an input tap) moves the
+        start back to the end (see :meth:`_start_last`), so a slow input
+        reducer is never timed as the module's forward.
+        """
         module = self._modules[layer]
         handle = HookHandle(layer, pb.POINT_OUTPUT, [], self)
         start = self._firer(layer, pb.POINT_INPUT, on_start, handle)
         stop = self._firer(layer, pb.POINT_OUTPUT, on_stop, handle)
-        handles = [module.register_forward_pre_hook(lambda _m, _a: start(None)),
+
+        def pre(_m: nn.Module, _a: Any) -> None:
+            start(None)
+
+        handles = [module.register_forward_pre_hook(pre),
                    module.register_forward_hook(lambda _m, _a, _o: stop(None), prepend=True)]
         handle._handles = handles
         with self._lock:
             self._live.update(id(h) for h in handles)
+            self._timers.setdefault(id(module), []).append((handle, pre))
         return handle
+
+    def _start_last(self, module: nn.Module) -> None:
+        """Re-register the start pre-hook of each timer on ``module`` so it runs after every other.
+
+        The new hook goes in before the old one goes: a pass starting in
+        between sees two starts (the timer keeps the later), never none.
+        """
+        with self._lock:
+            for handle, pre in self._timers.get(id(module), ()):
+                old = handle._handles[0]
+                new = module.register_forward_pre_hook(pre)
+                old.remove()
+                handle._handles[0] = new
+                self._live.discard(id(old))
+                self._live.add(id(new))
 
     def _firer(self, layer: str, point: int, callback: HookCallback, handle: HookHandle) -> Callable[[Any], None]:
         """Wraps ``callback`` so it fires only inside a pass, never raises, and stops once removed."""
@@ -177,6 +204,8 @@ class HookRegistry:
         handle._handles = handles
         with self._lock:
             self._live.update(id(h) for h in handles)
+        if point in (pb.POINT_INPUT, pb.POINT_GRAD_INPUT):
+            self._start_last(module)
         return handle
 
     def read_param_grads(self) -> None:
@@ -246,7 +275,14 @@ class HookRegistry:
             for h in handle._handles:
                 self._live.discard(id(h))
             self._readers = tuple(r for r in self._readers if r[0] is not handle)
-        for h in handle._handles:
+            key = id(self._modules[handle.layer])
+            timers = [t for t in self._timers.get(key, ()) if t[0] is not handle]
+            if timers:
+                self._timers[key] = timers
+            else:
+                self._timers.pop(key, None)
+            handles = list(handle._handles)
+        for h in handles:
             h.remove()
 
 

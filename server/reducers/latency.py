@@ -7,8 +7,12 @@ module). The reducer itself writes no device slot; the engine attaches the
 pass's :class:`Lap` to the summary and :func:`fill_latency` resolves it on the
 host-transfer thread.
 
-* CPU: ``time.perf_counter`` at both hooks; the module's own forward plus the
-  other hooks that run between the two (pre-hooks added before the timer's).
+* CPU: ``time.perf_counter`` at both hooks; the module's own forward, and
+  nothing of layertap's other hooks: pre-hooks run in registration order, so
+  the start pre-hook is re-registered last whenever layertap adds a pre-hook
+  to the module (an input tap added after the latency tap), and the stop is
+  the first forward hook. A pre-hook the model itself adds after the tap
+  would still run inside the span.
 * CUDA: two timing events recorded on the current stream. They are read on
   the host-transfer thread after the pass's own copy event, which the stream
   records after both, so reading them never waits on the model thread.

@@ -244,3 +244,46 @@ def test_cli_writes_the_heatmap_over_the_input(demo_server, client, tmp_path, ca
     assert main(["explain", str(demo_server.port), "--input", str(tmp_path / "x.npy"), "--layer", "nope",
                  "-o", str(out)]) == 1
     assert "unknown layer 'nope'" in capsys.readouterr().err
+
+
+def test_normalize_a_layer_without_spatial_dims(client):
+    """``fc`` gives one value per sample: normalizing it over that sample is a flat map, zeros."""
+    x = batch(3, seed=12)
+    plain = client.explain(x, "fc")
+    assert plain.maps.shape == (3,) and plain.maps.max() > 0
+    found = client.explain(x, "fc", normalize=True)
+    ref = plain.maps.astype(np.float64).reshape(3, -1)
+    span = ref.max(axis=1, keepdims=True) - ref.min(axis=1, keepdims=True)
+    want = np.where(span > 0, (ref - ref.min(axis=1, keepdims=True)) / np.where(span > 0, span, 1), 0.0)
+    assert found.maps.shape == (3,) and found.maps.dtype == np.float32
+    np.testing.assert_array_equal(found.maps, want.reshape(3))
+    assert found.classes == plain.classes
+
+
+class LazyCache(nn.Module):
+    """Builds a per-channel scale on its first forward, as rotary and positional caches do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 5)
+        self.cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cache is None:
+            self.cache = torch.ones(4, 1, 1)  # made in the server's warm-up, under inference_mode
+        return self.fc((self.conv(x) * self.cache).mean(dim=(2, 3)))
+
+
+def test_model_caching_an_inference_tensor_is_a_precondition_not_the_callers_input(make_server):
+    torch.manual_seed(0)
+    srv = make_server(LoadedModel(LazyCache().eval(), "lazy", "factory",
+                                  [InputSpec("x", torch.float32, (-1, 3, 8, 8))]))
+    x = np.random.default_rng(0).random((2, 3, 8, 8), dtype=np.float32)
+    with layertap.Client(f"127.0.0.1:{srv.port}") as client:
+        assert client.infer(x).shape == (2, 5)
+        with pytest.raises(layertap.FailedPrecondition) as err:
+            client.explain(x, "conv")
+        assert err.value.reason == "INFERENCE_TENSOR_CACHED" and "inference_mode" in str(err.value)
+        assert err.value.field is None
+        assert client.stats().active_hooks == 0

@@ -45,8 +45,10 @@ class _Traffic:
         self._thread.join(10)
 
 
-def _run(srv, logdir, passes: int, *, drift: bool = False) -> list[tuple[Summary, int]]:
+def _run(srv, logdir, passes: int, *, drift: bool = False,
+         images: list[tuple[str, int, int]] | None = None) -> list[tuple[Summary, int]]:
     got: list[tuple[Summary, int]] = []
+    images = [] if images is None else images
     with Client(f"127.0.0.1:{srv.port}", timeout=60) as client, _Traffic(client):
         if drift:
             client.set_baseline("layer4", passes=3, window=2)
@@ -55,7 +57,8 @@ def _run(srv, logdir, passes: int, *, drift: bool = False) -> list[tuple[Summary
         try:
             follow(client, bridge, FollowOptions(SELECTOR, images=("conv1",), image_every=2, passes=passes,
                                                  drift_interval=0.0),
-                   on_summary=lambda s, step: got.append((s, step)))
+                   on_summary=lambda s, step: got.append((s, step)),
+                   on_image=lambda layer, pass_index, step: images.append((layer, pass_index, step)))
         finally:
             bridge.close()
     return got
@@ -68,7 +71,8 @@ def _accumulator(logdir) -> EventAccumulator:
 
 
 def test_event_files_hold_what_the_client_received(make_server, tmp_path):
-    got = _run(make_server(), tmp_path, passes=4, drift=True)
+    written: list[tuple[str, int, int]] = []
+    got = _run(make_server(), tmp_path, passes=4, drift=True, images=written)
     assert {s.layer for s, _ in got} == set(LAYERS) and len(got) == 8
     acc = _accumulator(tmp_path)
     tags = acc.Tags()
@@ -94,9 +98,15 @@ def test_event_files_hold_what_the_client_received(make_server, tmp_path):
         assert events and all(e.step in steps and np.isfinite(e.value) and e.value >= 0 for e in events)
     # Feature maps of conv1 (16 channels of 32x32): a 4x4 grid, each tile scaled to its own range.
     images = acc.Images("conv1/feature_maps")
-    assert len(images) == 2  # passes 1 and 3 of 4, image_every=2
+    assert len(images) == 2  # after passes 1 and 3 of 4, image_every=2
+    # Each from the first live pass after its trigger's summaries, labelled with that pass's own step.
+    passes = sorted({s.pass_index for s, _ in got})
+    assert [layer for layer, _, _ in written] == ["conv1", "conv1"]
+    assert [im.step for im in images] == [step for _, _, step in written]
+    for (_, pass_index, step), trigger in zip(written, (passes[0], passes[2])):
+        assert step == pass_index > trigger
     for im in images:
-        assert im.step in steps and (im.width, im.height) == (4 * 33 - 1, 4 * 33 - 1)
+        assert (im.width, im.height) == (4 * 33 - 1, 4 * 33 - 1)
         pixels = np.asarray(Image.open(io.BytesIO(im.encoded_image_string)).convert("RGB"))
         assert pixels.shape == (im.height, im.width, 3)
         tiles = [pixels[r * 33 : r * 33 + 32, c * 33 : c * 33 + 32, 0] for r in range(4) for c in range(4)]
@@ -104,8 +114,10 @@ def test_event_files_hold_what_the_client_received(make_server, tmp_path):
 
 
 def test_steps_continue_after_a_server_restart(make_server, tmp_path):
-    first = _run(make_server(), tmp_path, passes=3)
-    last = max(step for _, step in first)
+    images: list[tuple[str, int, int]] = []
+    first = _run(make_server(), tmp_path, passes=3, images=images)
+    # An image from a pass after the last summarized one carries that later pass's step.
+    last = max([step for _, step in first] + [step for _, _, step in images])
     second = _run(make_server(), tmp_path, passes=2)  # a new server: its pass count starts again
     assert min(step for _, step in second) == last + 1
     assert [step for _, step in second] == sorted(step for _, step in second)
@@ -125,3 +137,27 @@ def test_feature_grid_scales_each_channel_to_its_own_range():
     for r, c in ((0, 0), (0, 1), (1, 0)):
         assert (grid[r * 3 : r * 3 + 2, c * 4 : c * 4 + 3, 1] == expected).all()
     assert (grid[3:, 4:] == 0).all()  # the unused fourth tile stays black
+
+
+def test_a_traffic_pause_skips_the_image_not_the_summary(make_server, tmp_path, capsys):
+    """With --images, the pass's summaries are written first; a capture that sees no further pass is skipped."""
+    from layertap.cli import main
+
+    srv = make_server()
+
+    def one_pass() -> None:
+        with Client(f"127.0.0.1:{srv.port}") as c:
+            assert wait_for(lambda: c.stats().subscribers > 0, 10)
+            c.infer(batch(1, seed=5))
+
+    sender = threading.Thread(target=one_pass)
+    sender.start()
+    assert main(["tensorboard", str(srv.port), "layer1", "--logdir", str(tmp_path), "--images", "conv1",
+                 "--image-every", "1", "--image-timeout", "0.5", "--duration", "4", "--timeout", "30"]) == 0
+    sender.join(10)
+    out = capsys.readouterr().out
+    assert out.endswith(", 1 image(s) skipped: no pass in time\n")
+    acc = _accumulator(tmp_path)
+    assert "conv1/feature_maps" not in acc.Tags()["images"]
+    (mean,) = acc.Scalars("layer1/mean")
+    assert f": last step {mean.step}, 1 image" in out
