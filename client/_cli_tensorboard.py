@@ -11,6 +11,7 @@ import importlib
 from collections.abc import Callable
 from pathlib import Path
 
+from ._cli_args import positive_float, positive_int
 from ._client import Client
 from ._errors import LayertapError
 
@@ -43,38 +44,18 @@ def _cmd_tensorboard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-    return value
-
-
 def add_tensorboard_command(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
     """Register ``tensorboard`` with the CLI's ``command(name, help)`` factory (which adds HOST and the connection flags)."""
     p = command("tensorboard", "Follow a tap and write TensorBoard event files (needs layertap[tensorboard]).")
     p.add_argument("selector", metavar="SELECTOR", help="module name, glob ('layer*') or re:regex")
     p.add_argument("--logdir", type=Path, required=True, help="TensorBoard run directory (continued if it has events)")
-    p.add_argument("--every", type=_positive_int, help="summarize every N-th pass")
+    p.add_argument("--every", type=positive_int, help="summarize every N-th pass")
     p.add_argument("--images", action="append", metavar="LAYER",
                    help="capture this layer's feature maps as an image grid (repeatable)")
-    p.add_argument("--image-every", type=_positive_int, default=10,
+    p.add_argument("--image-every", type=positive_int, default=10,
                    help="capture the --images layers every N written passes (default 10)")
-    p.add_argument("--image-timeout", type=_positive_float, default=2.0,
+    p.add_argument("--image-timeout", type=positive_float, default=2.0,
                    help="wait this many seconds for a pass to capture --images from; none skips the image (default 2)")
-    p.add_argument("--duration", type=_positive_float, help="stop after this many seconds")
-    p.add_argument("--passes", type=_positive_int, help="stop after this many passes")
+    p.add_argument("--duration", type=positive_float, help="stop after this many seconds")
+    p.add_argument("--passes", type=positive_int, help="stop after this many passes")
     p.set_defaults(func=_cmd_tensorboard)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
+from ._cli_args import positive_float, positive_int
 from ._cli_explain import add_explain_command
 from ._cli_incidents import add_incidents_command
 from ._cli_json import write_json_lines
@@ -51,26 +52,6 @@ def _host(text: str) -> str:
         raise argparse.ArgumentTypeError(exc.details) from None
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-    return value
-
-
 def _reducer_list(text: str) -> list[str]:
     names = [part.strip() for part in text.split(",") if part.strip()]
     if not names:
@@ -99,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("host", type=_host, metavar="HOST", help="host:port, or a port on 127.0.0.1")
         p.add_argument(
             "--timeout",
-            type=_positive_float,
+            type=positive_float,
             default=DEFAULT_TIMEOUT,
             help=f"deadline of each call in seconds (default {DEFAULT_TIMEOUT:g})",
         )
@@ -117,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="module name(s), globs ('layer*') or re:regex; several or a pattern give an .npz keyed by layer")
     p.add_argument("-o", "--output", required=True, type=Path, help="output .npy or .npz file")
     p.add_argument("--input", type=Path, help="run this .npy (or multi-argument .npz) input instead of waiting for live traffic")
-    p.add_argument("--n", type=_positive_int, default=1, help="live passes to capture (default 1)")
+    p.add_argument("--n", type=positive_int, default=1, help="live passes to capture (default 1)")
     p.add_argument("--point", choices=("output", "input"), default="output")
-    p.add_argument("--max-batch", type=_positive_int, help="keep at most this many batch rows")
+    p.add_argument("--max-batch", type=positive_int, help="keep at most this many batch rows")
     p.add_argument("--dtype", choices=("float16", "bfloat16"), help="downcast floating tensors on the server")
     p.set_defaults(func=_cmd_capture)
 
@@ -136,20 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_REDUCERS),
         help=f"comma-separated reducers (default {','.join(DEFAULT_REDUCERS)})",
     )
-    p.add_argument("--every", type=_positive_int, help="summarize every N-th pass")
+    p.add_argument("--every", type=positive_int, help="summarize every N-th pass")
     p.add_argument("--point", default="output", help="output, input, grad_output, grad_input, param_grad")
-    p.add_argument("--queue-size", type=_positive_int, help="server-side queue length")
-    p.add_argument("--count", type=_positive_int, help="stop after this many summaries")
-    p.add_argument("--duration", type=_positive_float, help="stop after this many seconds")
+    p.add_argument("--queue-size", type=positive_int, help="server-side queue length")
+    p.add_argument("--count", type=positive_int, help="stop after this many summaries")
+    p.add_argument("--duration", type=positive_float, help="stop after this many seconds")
     p.set_defaults(func=_cmd_watch)
 
     p = command("baseline", "Freeze a drift baseline from the next N live passes.")
     p.add_argument("selector", metavar="SELECTOR")
-    p.add_argument("--passes", type=_positive_int, default=100, help="passes in the baseline (default 100)")
-    p.add_argument("--window", type=_positive_int, default=50, help="sliding window compared with it (default 50)")
+    p.add_argument("--passes", type=positive_int, default=100, help="passes in the baseline (default 100)")
+    p.add_argument("--window", type=positive_int, default=50, help="sliding window compared with it (default 50)")
     p.add_argument("--point", default="output")
     for metric in ("psi", "js", "wasserstein", "mean-shift"):
-        p.add_argument(f"--{metric}", type=_positive_float, help=f"{metric} threshold")
+        p.add_argument(f"--{metric}", type=positive_float, help=f"{metric} threshold")
     p.set_defaults(func=_cmd_baseline)
 
     p = command("drift", "Show current drift scores against the baselines.")

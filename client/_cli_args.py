@@ -1,0 +1,29 @@
+"""Argument types shared by the CLI's command modules (argparse ``type=`` callables)."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["positive_float", "positive_int"]
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1, or argparse's usage error naming the bad value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A number > 0 (NaN refused), or argparse's usage error naming the bad value."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
