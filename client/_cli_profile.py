@@ -14,10 +14,10 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from ._cli_args import positive_float, positive_int
 from ._client import Client
 from ._errors import LayertapError
 from ._types import Summary
@@ -139,21 +139,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-        return value
-
-    return parse
-
-
 def _passes(text: str) -> int:
-    value: int = _positive(int)(text)
+    value = positive_int(text)
     if value > MAX_PASSES:
         raise argparse.ArgumentTypeError(f"at most {MAX_PASSES} passes (the server queues {MAX_PASSES + 2} for --input)")
     return value
@@ -163,8 +150,8 @@ def add_profile_command(command: Callable[[str, str], argparse.ArgumentParser]) 
     """Register ``profile`` with the CLI's ``command(name, help)`` factory (which adds HOST and the connection flags)."""
     p = command("profile", "Time every module's forward over a few passes; print the slowest, like torch.profiler.")
     p.add_argument("selector", nargs="?", default="**", metavar="SELECTOR", help="modules to time (default: all)")
-    p.add_argument("--top", type=_positive(int), help="print only the N slowest layers (by self time)")
+    p.add_argument("--top", type=positive_int, help="print only the N slowest layers (by self time)")
     p.add_argument("--passes", type=_passes, default=10, help=f"passes to time (default 10, at most {MAX_PASSES})")
     p.add_argument("--input", type=Path, help="run this .npy input for each pass instead of waiting for live traffic")
-    p.add_argument("--duration", type=_positive(float), help="stop waiting for passes after this many seconds")
+    p.add_argument("--duration", type=positive_float, help="stop waiting for passes after this many seconds")
     p.set_defaults(func=_cmd_profile)

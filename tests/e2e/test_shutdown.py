@@ -33,6 +33,28 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+def _ports(proc: subprocess.Popen) -> tuple[int | None, int | None]:
+    """``(grpc port, metrics port)`` from a ``serve`` subprocess's start-up lines."""
+    port = metrics_port = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "serving on" in line:
+            port = int(line.rsplit(":", 1)[1])
+        if "metrics on" in line:
+            metrics_port = int(line.rsplit(":", 1)[1].split("/")[0])
+        if line.startswith("layertap: try"):
+            break
+    return port, metrics_port
+
+
+def _sigterm(proc: subprocess.Popen) -> tuple[int, float]:
+    """SIGTERM, then ``(exit code, seconds to exit)``; it must exit within the grace plus slack."""
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(GRACE + EXIT_SLACK)
+    return code, time.monotonic() - start
+
+
 def test_sigterm_during_a_cold_compile_exits_0_within_the_grace(tmp_path):
     """A tap queues a reducer compile that takes 15-20 s cold; SIGTERM must not wait for it,
     and the process must not abort (the compile thread is inside inductor's C++)."""
@@ -41,21 +63,12 @@ def test_sigterm_during_a_cold_compile_exits_0_within_the_grace(tmp_path):
         [sys.executable, "-m", "layertap.cli", "serve", "--port", "0", "--grace", str(GRACE)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        port = None
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if "serving on" in line:
-                port = int(line.rsplit(":", 1)[1])
-            if line.startswith("layertap: try"):
-                break
+        port, _ = _ports(proc)
         assert port
         with layertap.Client(f"127.0.0.1:{port}") as client:
             client.create_tap("layer1", reducers=["moments"], ttl=60)  # queues the compile
             client.infer(batch(seed=0))
-        start = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(GRACE + EXIT_SLACK)
-        took = time.monotonic() - start
+        code, took = _sigterm(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -75,25 +88,14 @@ def test_sigterm_stops_metrics_and_transfer_then_exits_0(tmp_path):
              "--grace", str(GRACE), "--health-address", "127.0.0.1:0"],
             stdout=subprocess.PIPE, stderr=log_file, text=True, env=env)
     try:
-        port = metrics_port = None
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if "serving on" in line:
-                port = int(line.rsplit(":", 1)[1])
-            if "metrics on" in line:
-                metrics_port = int(line.rsplit(":", 1)[1].split("/")[0])
-            if line.startswith("layertap: try"):
-                break
+        port, metrics_port = _ports(proc)
         assert port and metrics_port, log_path.read_text()
         with layertap.Client(f"127.0.0.1:{port}") as client:
             client.create_tap("layer1", reducers=["moments"], ttl=60)
             for i in range(3):  # work for the host-transfer thread
                 client.infer(batch(seed=i))
         assert scrape(metrics_port)
-        start = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(GRACE + EXIT_SLACK)
-        took = time.monotonic() - start
+        code, took = _sigterm(proc)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,7 +18,7 @@ from torch import nn
 import layertap
 from layertap.server.host.demo_model import build_demo_model
 from support.e2e import wait_for
-from support.training import batches, inplace_net, train_steps
+from support.training import batches, free_port_pair, inplace_net, train_steps
 
 DEMO = (3, 32, 32)
 
@@ -113,26 +112,11 @@ def test_inplace_model_trains_with_gradient_taps_over_grpc(agents):
     assert agent.host.hooks.errors == 0
 
 
-def _free_pair() -> int:
-    """A base port whose next port is free too (racy, as any free-port pick)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            base = a.getsockname()[1] - 1
-        try:
-            with socket.socket() as b:
-                b.bind(("127.0.0.1", base + 1))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
-
-
 def test_rank_ports_and_rank_label(agents, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    base, mbase = _free_pair(), _free_pair()
+    base, mbase = free_port_pair(), free_port_pair()
     model, opt = demo()
     agent = agents(model, opt, port=base, metrics_port=mbase)
     assert (agent.port, agent.metrics_port) == (base + 1, mbase + 1)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,20 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from support.training import free_port, rank_env
+
 TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("model", ["demo", "inplace"])
 def test_both_ranks_report_the_all_reduced_total_norm(model: str) -> None:
     """``inplace``: the in-place-ReLU model trains under DDP with every gradient point tapped."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        master = s.getsockname()[1]
+    master = free_port()
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "OMP_NUM_THREADS": "1", "LT_MODEL": model,
-               "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+        env = rank_env(rank, master, TESTS, LT_MODEL=model)
         procs.append(subprocess.Popen([sys.executable, str(TESTS / "support" / "ddp_worker.py")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []

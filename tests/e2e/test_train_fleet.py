@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,6 +25,7 @@ import layertap
 from layertap.server.host.demo_model import build_demo_model
 from support.e2e import wait_for
 from support.prom import PrometheusServer, prometheus_binary
+from support.training import free_port, free_port_pair, rank_env
 
 TESTS = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -45,31 +44,11 @@ KILLED = textwrap.dedent("""
 """)
 
 
-def _free_pair() -> int:
-    """A base port whose next port is free too (racy, as any free-port pick)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            base = a.getsockname()[1] - 1
-        try:
-            with socket.socket() as b:
-                b.bind(("127.0.0.1", base + 1))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
-
-
 def _start_ranks(control: Path, port: int, metrics_port: int) -> list[subprocess.Popen[str]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        master = s.getsockname()[1]
+    master = free_port()
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "OMP_NUM_THREADS": "1",
-               "LT_DIR": str(control), "LT_PORT": str(port), "LT_METRICS_PORT": str(metrics_port),
-               "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+        env = rank_env(rank, master, TESTS, LT_DIR=str(control), LT_PORT=str(port), LT_METRICS_PORT=str(metrics_port))
         procs.append(subprocess.Popen([sys.executable, str(TESTS / "support" / "ddp_fleet_worker.py")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
@@ -85,7 +64,7 @@ def test_fleet_and_prometheus_follow_both_ranks_of_a_ddp_run(tmp_path: Path) -> 
     prometheus_binary()  # skip before starting anything when it is not installed
     control = tmp_path / "control"
     control.mkdir()
-    port, metrics_port = _free_pair(), _free_pair()
+    port, metrics_port = free_port_pair(), free_port_pair()
     procs = _start_ranks(control, port, metrics_port)
     targets = [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
     try:

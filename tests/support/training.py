@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -55,3 +58,32 @@ def train_steps(model: nn.Module, opt: torch.optim.Optimizer, data: Iterator[tup
             on_grads(i)
         opt.step()
     return norms
+
+
+def free_port_pair() -> int:
+    """A base port whose next port is free too (racy, as any free-port pick)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1] - 1
+        try:
+            with socket.socket() as b:
+                b.bind(("127.0.0.1", base + 1))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+def free_port() -> int:
+    """A port free right now on loopback (racy, as any free-port pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(rank: int, master: int, tests_dir: Path, **extra: str) -> dict[str, str]:
+    """The environment torchrun would give rank ``rank`` of 2 on one CPU host, plus ``extra``."""
+    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "OMP_NUM_THREADS": "1", **extra,
+            "PYTHONPATH": os.pathsep.join([str(tests_dir), os.environ.get("PYTHONPATH", "")])}
