@@ -273,6 +273,7 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
     running = LayertapServer(server, state, port, health_servicer, auth=auth, tls=tls, streams=streams,
                              health_server=health_server, health_port=health_port)
     running._closers.append(("host-transfer thread", state.taps.close))
+    running._closers.append(("model thread", state.host.model_thread.close))
     if state.recorder is not None:
         running._closers.append(("flight recorder", state.recorder.close))
     if state.registry is not None:

@@ -18,9 +18,9 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -28,10 +28,12 @@ from torch import nn
 from layertap.server.codec import dtype_name
 from layertap.server.errors import InvalidSpec, LimitExceeded, Unsupported
 from layertap.server.host.hooks import HookRegistry, ParamGrad
+from layertap.server.host.model_thread import ModelThread
 from layertap.server.host.sources import InputSpec, LoadedModel
 
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: Most seconds between two shape recordings while traffic flows.
 PROBE_SECONDS = 1.0
@@ -136,6 +138,8 @@ class ModelHost:
             for s in loaded.inputs
         ]
         self._lock = threading.RLock()
+        #: Runs the server's own passes (Infer, captures, replays, Explain): see model_thread.
+        self.model_thread = ModelThread()
         self._counter = itertools.count()
         self._current: PassContext | None = None
         # Copy-on-write under its own small lock: observers can leave from
@@ -256,8 +260,13 @@ class ModelHost:
         """A training step's gradients are final: fire the ``param_grad`` hooks."""
         self.hooks.read_param_grads()
 
+    def on_model_thread(self, fn: Callable[..., _T], *args: object) -> _T:
+        """``fn(*args)`` on the model thread (see :mod:`.model_thread`), for every
+        server-side pass; inline for a caller already holding the model lock."""
+        return self.model_thread.call(fn, *args, inline=self._lock._is_owned())  # type: ignore[attr-defined]
+
     def run(self, inputs: Sequence[torch.Tensor], *, active_owner: object | None = None) -> tuple[Any, PassContext]:
-        """Validate, move to the device and run one inference pass.
+        """Validate, then move to the device and run one inference pass on the model thread.
 
         The move happens under the model lock: requests waiting for the model
         hold host tensors only, not a device copy each.
@@ -268,6 +277,9 @@ class ModelHost:
                 BatchNorm statistics, dropout's RNG and the autograd graph.
         """
         self.validate_inputs(inputs)
+        return self.on_model_thread(self._run_here, inputs, active_owner)
+
+    def _run_here(self, inputs: Sequence[torch.Tensor], active_owner: object | None) -> tuple[Any, PassContext]:
         try:
             with self.pass_context(active_owner=active_owner) as ctx, torch.inference_mode():
                 moved = [t.to(self.device, dtype=spec.dtype, non_blocking=True) for t, spec in zip(inputs, self.inputs)]
@@ -300,6 +312,9 @@ class ModelHost:
             return
         dummy = [torch.zeros([1 if d == -1 else d for d in s.shape], dtype=s.dtype) for s in self.inputs]
         self._probe_armed = self.loaded.hooks_supported
+        self.on_model_thread(self._warm_up_here, dummy)
+
+    def _warm_up_here(self, dummy: list[torch.Tensor]) -> None:
         with self.pass_context(active_owner="warm-up"), torch.inference_mode():
             self.module(*[d.to(self.device) for d in dummy])
 

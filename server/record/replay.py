@@ -112,15 +112,19 @@ def replay(host: ModelHost, shares: Sequence[Share], inputs: Sequence[torch.Tens
                 captured[key] = host_copy
 
     sites = sorted({(layer, s.point) for s in shares for layer in s.tap.layers})
-    with host.pass_lock():  # hooks go in and out between passes
-        handles = [host.hooks.add(layer, point, lambda ctx, v, _l=layer, _p=point: grab(_l, _p, ctx, v))
-                   for layer, point in sites]
-        try:
-            with host.pass_context(active_owner=owner), torch.inference_mode():
-                host.module(*[t.to(host.device, copy=True) for t in inputs])
-        finally:
-            for h in handles:
-                h.remove()
+
+    def run() -> None:
+        with host.pass_lock():  # hooks go in and out between passes
+            handles = [host.hooks.add(layer, point, lambda ctx, v, _l=layer, _p=point: grab(_l, _p, ctx, v))
+                       for layer, point in sites]
+            try:
+                with host.pass_context(active_owner=owner), torch.inference_mode():
+                    host.module(*[t.to(host.device, copy=True) for t in inputs])
+            finally:
+                for h in handles:
+                    h.remove()
+
+    host.on_model_thread(run)
     for share in shares:
         share.finish()
     return captured

@@ -41,6 +41,6 @@ class ExplainMethods:
         # Same byte cap, shape and dtype checks as Infer; a training agent refuses here.
         opts = explain_options(request, self.state)
         inputs = decode_inputs(list(request.inputs), self.state)
-        found = grad_cam(self.state.host, inputs, opts)
+        found = self.state.host.on_model_thread(grad_cam, self.state.host, inputs, opts)
         return pb.ExplainResponse(maps=tensor_to_proto(found.maps, "maps"), targets=found.targets.tolist(),
                                   scores=found.scores.tolist())

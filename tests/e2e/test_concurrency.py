@@ -101,3 +101,24 @@ def test_passive_capture_skips_a_pass_whose_forward_failed(moody):
     with torch.inference_mode():
         want = model.lin(torch.from_numpy(good)).numpy()
     np.testing.assert_array_equal(out[0], want)
+
+
+def test_every_server_pass_runs_on_one_model_thread(make_server):
+    """Infer from many RPC threads, an active capture and Explain all run on
+    one thread: a forward on each gRPC worker would leave an OpenMP team per
+    worker and slow every later forward (server/host/model_thread.py)."""
+    srv = make_server()
+    ran_on: set[str] = set()
+    srv.state.host.module.register_forward_hook(lambda *_: ran_on.add(threading.current_thread().name))
+    img = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    with layertap.Client(f"127.0.0.1:{srv.port}") as client:
+        callers = [threading.Thread(target=client.infer, args=(img,)) for _ in range(8)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(30)
+        got = client.capture("layer4", input=img)
+        found = client.explain(img, "layer3")
+    assert got.shape[0] == 2 and found is not None
+    assert srv.state.host.passes >= 10
+    assert len(ran_on) == 1 and next(iter(ran_on)).startswith("layertap-model"), ran_on

@@ -380,6 +380,31 @@ def test_a_compile_failure_is_counted_and_stays_eager(monkeypatch: pytest.Monkey
         cs.close()
 
 
+def test_kernels_warm_up_on_a_thread_that_exits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up runs the kernel, and libgomp keeps an OpenMP team for every
+    thread that ran a parallel region until that thread exits: on the
+    long-lived compile thread it would oversubscribe the cores for good."""
+    warmed_on: list[threading.Thread] = []
+    real = compiled_worker.example_of
+
+    def spy(sig: Signature) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        warmed_on.append(threading.current_thread())
+        return real(sig)
+
+    monkeypatch.setattr(compiled_worker, "example_of", spy)
+    cs = CompiledStats()
+    try:
+        assert cs.compile_ahead(_sig(torch.float32)) and cs.wait_idle(WAIT)
+        assert cs.states() == {_sig(torch.float32): "ready"}
+        compile_thread = cs._compiler._thread
+        assert compile_thread is not None and compile_thread.is_alive()
+        assert len(warmed_on) == 1 and warmed_on[0] is not compile_thread
+        warmed_on[0].join(WAIT)
+        assert not warmed_on[0].is_alive()
+    finally:
+        cs.close()
+
+
 def test_disabled_never_compiles_nor_starts_a_thread() -> None:
     cs = CompiledStats(enabled=False)
     x = torch.randn(300)
