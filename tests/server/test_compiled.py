@@ -27,7 +27,7 @@ from torch import nn
 
 from layertap.server.reducers import compiled_worker, plan as plan_module
 from layertap.server.reducers.compiled import MAX_GUARD_MISSES, CompiledStats
-from layertap.server.reducers.compiled_kernel import DENSE, ROWS, Signature, canonical_form, signature_of
+from layertap.server.reducers.compiled_kernel import DENSE, ROWS, SHIFT_SAMPLE, Signature, canonical_form, signature_of
 from layertap.server.reducers.kernels import COUNT, MAX, MIN, NAN, S1, S2, SHIFT, ZEROS, StatNeeds, fused_basic_stats
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.spec import parse_reducer_names
@@ -41,7 +41,7 @@ SUM_RTOL = 1e-9
 WAIT = 600.0  # seconds; a cold compile on a busy 2-core machine takes ~20 s
 
 
-#: Every case has more than 64 elements (smaller ones stay eager, see below).
+#: Every case has more than SHIFT_SAMPLE elements (smaller ones stay eager, see below).
 CASES: dict[str, Callable[[], torch.Tensor]] = {
     "f32_random": lambda: torch.randn(4, 8, 5, 5, generator=gen()) * 3 + 0.5,
     "f32_nan_inf": lambda: plant_nonfinite(torch.randn(5, 100, generator=gen(1))),
@@ -117,7 +117,7 @@ def test_compiled_vector_agrees_with_eager_and_numpy(compiled: CompiledStats, ca
     np.testing.assert_array_equal(g[[ZEROS, NAN, COUNT, MIN, MAX]], w[[ZEROS, NAN, COUNT, MIN, MAX]])
     if x.is_floating_point():
         assert g[SHIFT] == w[SHIFT]
-    else:  # a mean of 64 integers: float64 summation order only
+    else:  # a mean of SHIFT_SAMPLE integers: float64 summation order only
         assert g[SHIFT] == pytest.approx(w[SHIFT], rel=1e-15, abs=1e-15)
     a = _np(x)
     fin = a[np.isfinite(a)]
@@ -177,7 +177,7 @@ def test_plan_results_match_eager_plan(use: CompiledStats, monkeypatch: pytest.M
     "name, make",
     [
         ("empty", lambda: torch.empty(3, 0, 4)),
-        ("tiny", lambda: torch.randn(8, 8)),  # 64 elements: shift_of reads them all
+        ("tiny", lambda: torch.randn(4, SHIFT_SAMPLE // 4)),  # shift_of reads them all
         ("scalar", lambda: torch.tensor(2.5)),
         ("expanded", lambda: torch.randn(3, 1, 90).expand(3, 4, 90)),
         ("strided_inner", lambda: torch.randn(40, 40)[:, ::2]),
