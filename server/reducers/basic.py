@@ -7,12 +7,15 @@ the statistics it needs and the slots it reads.
 
 from __future__ import annotations
 
+import abc
+import functools
 import math
 from collections.abc import Sequence
 from typing import ClassVar
 
 import numpy as np
 import torch
+from google.protobuf.message import Message
 
 from layertap.server.reducers.base import Reducer, shape_numel
 from layertap.server.reducers.kernels import COUNT, MAX, MIN, NAN, SHIFT, ZEROS, StatNeeds
@@ -32,9 +35,17 @@ __all__ = [
 
 
 class BasicReducer(Reducer):
-    """A reducer whose slots are a slice of the basic-statistics vector."""
+    """A reducer whose slots are a slice of the basic-statistics vector.
+
+    Its result is one flat message of numbers: :meth:`numbers` computes them
+    from the slots, in the order of the message's fields, and both
+    :meth:`decode` and the collector's wire encoder
+    (:mod:`~layertap.server.taps.summary_wire`) build on it.
+    """
 
     slots: ClassVar[tuple[int, int]]
+    #: The ``ReducerResult`` oneof field this reducer fills.
+    result_field: ClassVar[str]
 
     def width(self, shape: Sequence[int]) -> int:
         return self.slots[1] - self.slots[0]
@@ -42,6 +53,22 @@ class BasicReducer(Reducer):
     def compute(self, ws: Workspace) -> torch.Tensor:
         assert ws.basic is not None
         return ws.basic[self.slots[0] : self.slots[1]]
+
+    @abc.abstractmethod
+    def numbers(self, values: Sequence[float], shape: Sequence[int]) -> tuple[float, ...]:
+        """The result message's field values, in field order, from this reducer's slots."""
+
+    def decode(self, values: np.ndarray, shape: Sequence[int]) -> pb.ReducerResult:
+        message, names = _result_message(self.result_field)
+        fields = dict(zip(names, self.numbers(values.tolist(), shape)))
+        return pb.ReducerResult(**{self.result_field: message(**fields)})
+
+
+@functools.cache
+def _result_message(field: str) -> tuple[type[Message], tuple[str, ...]]:
+    """The message class of a ``ReducerResult`` oneof field, and its field names in order."""
+    descriptor = pb.ReducerResult.DESCRIPTOR.fields_by_name[field].message_type
+    return descriptor._concrete_class, tuple(f.name for f in descriptor.fields)
 
 
 def _finite_or_nan(lo: float, hi: float) -> tuple[float, float]:
@@ -56,17 +83,18 @@ class MomentsReducer(BasicReducer):
     needs = StatNeeds(count=True, sums=True, shifted=True)
     slots = (COUNT, SHIFT + 1)
 
-    def decode(self, values: np.ndarray, shape: Sequence[int]) -> pb.ReducerResult:
-        count, s1, s2, shift = values.tolist()
+    result_field = "moments"
+
+    def numbers(self, values: Sequence[float], shape: Sequence[int]) -> tuple[float, ...]:
+        count, s1, s2, shift = values
         n = int(count)
         if n == 0:
-            return pb.ReducerResult(moments=pb.Moments(count=0, mean=math.nan, std=math.nan))
+            return 0, math.nan, math.nan
         d = s1 / count
         if math.isinf(s2):  # float64 data beyond ~1e154: the square overflowed
-            return pb.ReducerResult(moments=pb.Moments(count=n, mean=shift + d, std=math.inf))
+            return n, shift + d, math.inf
         var = s2 / count - d * d
-        std = math.sqrt(var) if var > 0 else 0.0  # also maps a NaN var to 0, never NaN
-        return pb.ReducerResult(moments=pb.Moments(count=n, mean=shift + d, std=std))
+        return n, shift + d, math.sqrt(var) if var > 0 else 0.0  # also maps a NaN var to 0, never NaN
 
 
 class MinMaxReducer(BasicReducer):
@@ -76,9 +104,10 @@ class MinMaxReducer(BasicReducer):
     needs = StatNeeds(minmax=True)
     slots = (MIN, MAX + 1)
 
-    def decode(self, values: np.ndarray, shape: Sequence[int]) -> pb.ReducerResult:
-        lo, hi = _finite_or_nan(float(values[0]), float(values[1]))
-        return pb.ReducerResult(minmax=pb.MinMax(min=lo, max=hi))
+    result_field = "minmax"
+
+    def numbers(self, values: Sequence[float], shape: Sequence[int]) -> tuple[float, ...]:
+        return _finite_or_nan(values[0], values[1])
 
 
 class AbsMaxReducer(BasicReducer):
@@ -88,10 +117,11 @@ class AbsMaxReducer(BasicReducer):
     needs = StatNeeds(minmax=True)
     slots = (MIN, MAX + 1)
 
-    def decode(self, values: np.ndarray, shape: Sequence[int]) -> pb.ReducerResult:
-        lo, hi = _finite_or_nan(float(values[0]), float(values[1]))
-        value = math.nan if math.isnan(lo) else max(abs(lo), abs(hi))
-        return pb.ReducerResult(abs_max=pb.AbsMax(value=value))
+    result_field = "abs_max"
+
+    def numbers(self, values: Sequence[float], shape: Sequence[int]) -> tuple[float, ...]:
+        lo, hi = _finite_or_nan(values[0], values[1])
+        return (math.nan if math.isnan(lo) else max(abs(lo), abs(hi)),)
 
 
 class ZeroFractionReducer(BasicReducer):
@@ -101,10 +131,11 @@ class ZeroFractionReducer(BasicReducer):
     needs = StatNeeds(zeros=True)
     slots = (ZEROS, ZEROS + 1)
 
-    def decode(self, values: np.ndarray, shape: Sequence[int]) -> pb.ReducerResult:
+    result_field = "zero_fraction"
+
+    def numbers(self, values: Sequence[float], shape: Sequence[int]) -> tuple[float, ...]:
         n = shape_numel(shape)
-        fraction = float(values[0]) / n if n else math.nan
-        return pb.ReducerResult(zero_fraction=pb.ZeroFraction(fraction=fraction, count=n))
+        return (values[0] / n if n else math.nan), n
 
 
 class NonfiniteReducer(BasicReducer):
@@ -114,10 +145,11 @@ class NonfiniteReducer(BasicReducer):
     needs = StatNeeds(nan=True, count=True)
     slots = (NAN, COUNT + 1)
 
-    def decode(self, values: np.ndarray, shape: Sequence[int]) -> pb.ReducerResult:
+    result_field = "nonfinite"
+
+    def numbers(self, values: Sequence[float], shape: Sequence[int]) -> tuple[float, ...]:
         nan, finite = int(values[0]), int(values[1])
-        inf = shape_numel(shape) - finite - nan
-        return pb.ReducerResult(nonfinite=pb.Nonfinite(nan_count=nan, inf_count=inf))
+        return nan, shape_numel(shape) - finite - nan
 
 
 class NormReducer(BasicReducer):
@@ -127,14 +159,16 @@ class NormReducer(BasicReducer):
     needs = StatNeeds(count=True, sums=True)
     slots = (COUNT, SHIFT + 1)
 
-    def decode(self, values: np.ndarray, shape: Sequence[int]) -> pb.ReducerResult:
-        count, s1, s2, shift = values.tolist()
+    result_field = "norm"
+
+    def numbers(self, values: Sequence[float], shape: Sequence[int]) -> tuple[float, ...]:
+        count, s1, s2, shift = values
         # sum(x**2) = sum((x-K)**2) + 2K sum(x-K) + n K**2; K is 0 unless the
         # plan also computes moments.
         sumsq = s2 + 2.0 * shift * s1 + count * shift * shift
         if math.isinf(s2) or math.isinf(sumsq):
-            return pb.ReducerResult(norm=pb.Norm(l2=math.inf))  # overflow: inf, as numpy says
-        return pb.ReducerResult(norm=pb.Norm(l2=math.sqrt(sumsq) if sumsq > 0 else 0.0))
+            return (math.inf,)  # overflow: inf, as numpy says
+        return (math.sqrt(sumsq) if sumsq > 0 else 0.0,)
 
 
 #: Every basic reducer, by ``ReducerKind``: they take no parameters.

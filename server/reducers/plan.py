@@ -11,6 +11,7 @@ host array back into ``ReducerResult`` messages off the model thread.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -120,8 +121,13 @@ class ReducerPlan:
         # A plan of basic reducers only is one gather from the basic vector.
         self._basic_slots: tuple[int, ...] | None = None
         basic = [r for r in self.reducers if isinstance(r, BasicReducer)]
+        #: For a plan of basic reducers only: each one with its slice of
+        #: :meth:`run`'s output (shape-independent), for the collector's wire path.
+        self.basic_layout: tuple[tuple[BasicReducer, int, int], ...] | None = None
         if basic and len(basic) == len(self.reducers):
             self._basic_slots = tuple(i for r in basic for i in range(*r.slots))
+            ends = list(itertools.accumulate(r.slots[1] - r.slots[0] for r in basic))
+            self.basic_layout = tuple((r, end - (r.slots[1] - r.slots[0]), end) for r, end in zip(basic, ends))
         self._slot_cache: DeviceCache = {}
         #: Whether the tap must time its layers (see :mod:`.latency`).
         self.timed = any(isinstance(r, LatencyReducer) for r in self.reducers)

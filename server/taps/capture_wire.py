@@ -39,8 +39,14 @@ _TENSOR_ID, _CHUNK_INDEX, _OFFSET = 1, 2, 3  # CaptureChunk varint fields
 _DATA = bytes([(4 << 3) | _LEN])  # CaptureChunk.data = 4
 
 
+_SMALL = [bytes((i,)) for i in range(128)]
+
+
 def varint(n: int) -> bytes:
-    """``n`` (>= 0, < 2**64) as a protobuf base-128 varint."""
+    """``n`` (-2**63 <= n < 2**64) as a protobuf base-128 varint; negatives (int64) as ten bytes."""
+    if 0 <= n < 128:
+        return _SMALL[n]
+    n &= (1 << 64) - 1
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from layertap.server.stream.broker import Broker
 from layertap.server.stream.sinks import Sinks
@@ -34,6 +35,7 @@ from layertap.server.reducers.spec import SpecError
 from layertap.server.record.triggers import check_triggers, enabled
 from layertap.server.taps.sampling import Clock, Sampler
 from layertap.server.taps.selectors import MAX_SELECTOR_BYTES, select_layers
+from layertap.server.taps.summary_wire import SummaryWire, result_bytes
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")
@@ -74,6 +76,7 @@ class TapEngine:
         #: Downstream consumers; the app assembles them (see stream.sinks).
         self.sinks: Sinks = sinks if sinks is not None else Sinks()
         self.transfer = HostTransfer(maxsize=transfer_queue)
+        self._wire = SummaryWire()
         #: Set by the flight recorder; without it a spec with triggers is refused.
         self.triggers_recorded = False
         #: Index of the last pass handed to the host-transfer thread (the recorder's cue).
@@ -288,30 +291,44 @@ class TapEngine:
     # -- host-transfer thread ----------------------------------------------------
     def _publish(self, ctx: PassContext, pieces: list[_Piece], values: dict[int, np.ndarray]) -> None:
         wall = timestamp(ctx.wall_time)
+        pass_part = SummaryWire.pass_part(ctx.index, ctx.step, wall.seconds, wall.nanos)
+        rank_part = SummaryWire.rank_part(self.host.rank[0] if self.host.rank is not None else None)
         summaries = []
         seen: set[str] = set()
         for i, p in enumerate(pieces):
             if p.tap.disabled:
                 continue
-            results = p.plan.decode(values[i], p.shape)
-            if p.lap is not None:
-                fill_latency(results, p.lap)
-            summary = pb.Summary(
-                tap=p.tap.id, layer=p.layer, point=p.tap.spec.point, output_index=p.output_index,
-                pass_index=ctx.index, wall_time=wall, results=results,
-                unsampled=not p.sampled, call_index=p.call_index,
-            )
-            if ctx.step is not None:
-                summary.step = ctx.step
-                summary.has_step = True
-            if self.host.rank is not None:
-                summary.rank, summary.has_rank = self.host.rank[0], True
+            layout = p.plan.basic_layout
+            if layout is not None and p.lap is None:  # the common case: see summary_wire
+                slots = values[i].tolist()
+                results = b"".join(result_bytes(r, slots[a:b], p.shape) for r, a, b in layout)
+                summary = self._wire.summary(p.tap.id, p.layer, p.tap.spec.point, p.output_index, p.call_index,
+                                             not p.sampled, pass_part, results, rank_part)
+            else:
+                summary = self._summary(ctx, p, wall, values[i])
             summaries.append(summary)
             if p.sampled and p.tap.id not in seen:
                 seen.add(p.tap.id)
                 p.tap.hits += 1
         self.broker.publish(summaries, self.is_durable())
         self.sinks.on_summaries(ctx, summaries)
+
+    def _summary(self, ctx: PassContext, p: _Piece, wall: Timestamp, values: np.ndarray) -> pb.Summary:
+        """A summary built from messages: plans with distribution or latency reducers."""
+        results = p.plan.decode(values, p.shape)
+        if p.lap is not None:
+            fill_latency(results, p.lap)
+        summary = pb.Summary(
+            tap=p.tap.id, layer=p.layer, point=p.tap.spec.point, output_index=p.output_index,
+            pass_index=ctx.index, wall_time=wall, results=results,
+            unsampled=not p.sampled, call_index=p.call_index,
+        )
+        if ctx.step is not None:
+            summary.step = ctx.step
+            summary.has_step = True
+        if self.host.rank is not None:
+            summary.rank, summary.has_rank = self.host.rank[0], True
+        return summary
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every finished pass has been published."""

@@ -1,0 +1,77 @@
+"""The collector's hand-written summaries equal the ones built from messages, for any slot values."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from layertap.server.reducers.basic import BASIC_REDUCERS
+from layertap.server.reducers.kernels import BASIC_WIDTH
+from layertap.server.reducers.plan import ReducerPlan, build_reducers
+from layertap.server.taps.summary_wire import SummaryWire, result_bytes
+from layertap.server.taps.tap import timestamp
+from layertap.v1 import telemetry_pb2 as pb
+
+SLOT = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, -0.0, 1.0, 2.0**53, 1e300, -1e-300, math.nan, math.inf, -math.inf]),
+)
+KINDS = sorted(BASIC_REDUCERS)
+
+
+def by_messages(plan: ReducerPlan, values: list[float], shape: tuple[int, ...], *, tap: str, layer: str,
+                point: int, output_index: int, call_index: int, unsampled: bool, pass_index: int,
+                step: int | None, rank: int | None, wall: float) -> pb.Summary:
+    """The engine's message path (``TapEngine._summary``), written out."""
+    import numpy as np
+
+    summary = pb.Summary(tap=tap, layer=layer, point=point, output_index=output_index, pass_index=pass_index,
+                         wall_time=timestamp(wall), results=plan.decode(np.array(values), shape),
+                         unsampled=unsampled, call_index=call_index)
+    if step is not None:
+        summary.step, summary.has_step = step, True
+    if rank is not None:
+        summary.rank, summary.has_rank = rank, True
+    return summary
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=len(KINDS), unique=True),
+    data=st.data(),
+    shape=st.lists(st.integers(0, 3000), min_size=0, max_size=4).map(tuple),
+    tap=st.text(max_size=40), layer=st.text(max_size=200),
+    point=st.sampled_from([pb.POINT_OUTPUT, pb.POINT_INPUT, pb.POINT_GRAD_OUTPUT, pb.POINT_PARAM_GRAD]),
+    output_index=st.integers(0, 2**32 - 1), call_index=st.integers(0, 2**32 - 1), unsampled=st.booleans(),
+    pass_index=st.integers(0, 2**64 - 1), step=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+    rank=st.one_of(st.none(), st.integers(0, 2**32 - 1)), wall=st.floats(0, 4e9),
+)
+def test_wire_summary_equals_the_message_built_one(kinds, data, shape, tap, layer, point, output_index, call_index,
+                                                   unsampled, pass_index, step, rank, wall) -> None:
+    plan = ReducerPlan(build_reducers([pb.ReducerSpec(kind=k) for k in kinds]))
+    assert plan.basic_layout is not None
+    # The kernel's basic vector: counts are exact integers with nan + finite <= numel.
+    numel = math.prod(shape)
+    count = data.draw(st.integers(0, numel))
+    nan = data.draw(st.integers(0, numel - count))
+    zeros = data.draw(st.integers(0, count))
+    basic = [float(zeros), float(nan), float(count), *data.draw(st.lists(SLOT, min_size=BASIC_WIDTH - 3, max_size=BASIC_WIDTH - 3))]
+    values = [basic[i] for i in plan._basic_slots]
+    expected = by_messages(plan, values, shape, tap=tap, layer=layer, point=point, output_index=output_index,
+                           call_index=call_index, unsampled=unsampled, pass_index=pass_index, step=step, rank=rank,
+                           wall=wall)
+    ts = timestamp(wall)
+    wire = SummaryWire()
+    got = wire.summary(tap, layer, point, output_index, call_index, unsampled,
+                       SummaryWire.pass_part(pass_index, step, ts.seconds, ts.nanos),
+                       b"".join(result_bytes(r, values[a:b], shape) for r, a, b in plan.basic_layout),
+                       SummaryWire.rank_part(rank))
+    assert got.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
+    assert [x.WhichOneof("value") for x in got.results] == [r.result_field for r, _, _ in plan.basic_layout]
+
+
+def test_plans_with_other_reducers_keep_the_message_path() -> None:
+    assert ReducerPlan(build_reducers([pb.ReducerSpec(kind=pb.REDUCER_KIND_MOMENTS),
+                                       pb.ReducerSpec(kind=pb.REDUCER_KIND_HISTOGRAM)])).basic_layout is None
