@@ -70,6 +70,8 @@ _COMPILE_COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Tapped tensors summarised by a compiled kernel."),
     ("eager_calls", "layertap_reducer_eager_calls_total",
      "Tapped tensors that fell back to the eager path (kernel not ready, failed, or a guard miss); rising after warm-up costs overhead."),
+    ("bad_packages", "layertap_reducer_bad_packages_total",
+     "Cached compiled-kernel packages that did not load and were rebuilt (a damaged or foreign cache volume)."),
 )
 _BASELINE_SKIPPED = (
     "layertap_baseline_skipped_passes_total",

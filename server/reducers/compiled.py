@@ -74,15 +74,16 @@ class CompiledStats:
     ``compiles`` and ``compile_failures`` (the background thread),
     ``compiled_calls``, ``eager_calls`` (calls that fell back: signature not
     ready yet, failed or stale, tensor unsupported, or a guard miss) and
-    ``guard_misses`` (a ready kernel's guards did not hold; never a compile).
+    ``guard_misses`` (a ready kernel's guards did not hold; never a compile)
+    and ``bad_packages`` (cached AOTInductor packages that did not load).
     Calls declined up front (disabled, counts-only needs, an active torch
     mode) count in neither.
     """
 
     def __init__(self, *, enabled: bool = True, max_signatures: int = 16, direct: bool = True,
-                 gate: AbstractContextManager[Any] | None = None) -> None:
+                 gate: AbstractContextManager[Any] | None = None, aoti: bool = True) -> None:
         self._enabled = False
-        self._compiler = Compiler(max_signatures, gate=gate, direct=direct)
+        self._compiler = Compiler(max_signatures, gate=gate, direct=direct, aoti=aoti)
         self._consts: dict[tuple[torch.device, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.compiled_calls = 0
         self.eager_calls = 0
@@ -115,7 +116,7 @@ class CompiledStats:
         """Every counter by name."""
         return {"compiles": self.compiles, "compile_failures": self.compile_failures,
                 "compiled_calls": self.compiled_calls, "eager_calls": self.eager_calls,
-                "guard_misses": self.guard_misses}
+                "guard_misses": self.guard_misses, "bad_packages": self._compiler.bad_packages}
 
     def states(self) -> dict[Signature, str]:
         """Each known signature's state: queued, compiling, ready, failed or stale."""

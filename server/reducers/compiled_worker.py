@@ -38,12 +38,14 @@ from typing import Any, TypeVar
 
 import torch
 
+from layertap.server.reducers import compiled_aoti
 from layertap.server.reducers.compiled_kernel import (
     DENSE,
     SHIFT_SAMPLE,
     UNCOMPILED,
     Signature,
     alias,
+    basic_stats_body,
     kernel_function,
 )
 from layertap.server.reducers.workspace import F64
@@ -55,6 +57,7 @@ log = logging.getLogger("layertap.server.compiled")
 _T = TypeVar("_T")
 
 QUEUED, COMPILING, READY, FAILED, STALE = "queued", "compiling", "ready", "failed", "stale"
+AOTI, DIRECT, RUN_ONLY = "aoti", "direct", "run-only"
 
 #: Shape of the synthetic warm-up tensors. Inductor sizes its CPU loops by
 #: the example (below 512 elements per thread it emits a serial loop), so
@@ -115,7 +118,12 @@ class Entry:
     sig: Signature
     state: str = QUEUED
     run: Kernel = field(default=_never, repr=False)
-    direct: bool = False  # guards checked by us, dynamo's wrapper skipped
+    backend: str = ""  # AOTI, DIRECT or RUN_ONLY once ready
+
+    @property
+    def direct(self) -> bool:
+        """Whether calls skip dynamo's per-call wrapper (AOTInductor, or our own guard check)."""
+        return self.backend in (AOTI, DIRECT)
     misses: int = 0
     error: str = ""
 
@@ -193,12 +201,15 @@ class Compiler:
         gate: Held around each compile when given (see the module caveat).
         direct: Call kernels past dynamo's wrapper, checking its guards
             ourselves (see :func:`_direct`); False keeps dynamo's run-only mode.
+        aoti: Use the AOTInductor kernel where it applies (:mod:`.compiled_aoti`);
+            False compiles every signature with dynamo.
     """
 
     def __init__(self, max_signatures: int = 16, gate: AbstractContextManager[Any] | None = None,
-                 direct: bool = True) -> None:
+                 direct: bool = True, aoti: bool = True) -> None:
         self.max_signatures = max_signatures
         self.direct = direct
+        self.aoti = aoti
         self.gate = gate
         self._entries: dict[Signature, Entry] = {}
         self._lock = threading.Lock()
@@ -210,6 +221,8 @@ class Compiler:
         self._broken: set[str] = set()  # device types without a working C++ compiler
         self.compiles = 0
         self.failures = 0
+        #: Cached AOTInductor packages that did not load (deleted and rebuilt).
+        self.bad_packages = 0
 
     def ready(self, sig: Signature) -> Entry | None:
         """The signature's entry when its kernel is ready (lock-free: one dict read)."""
@@ -300,7 +313,7 @@ class Compiler:
                 entry.state = COMPILING
             try:
                 with self.gate if self.gate is not None else contextlib.nullcontext():
-                    run, direct = _in_own_thread(self._compile, entry.sig, self.direct)
+                    run, backend, bad = _in_own_thread(self._compile, entry.sig, self.direct, self.aoti)
             except Exception as exc:  # noqa: BLE001 - any compile error means eager for this signature
                 with self._lock:
                     self.failures += 1
@@ -316,26 +329,40 @@ class Compiler:
                 continue
             with self._lock:
                 self.compiles += 1
-                entry.run, entry.direct, entry.state = run, direct, READY
+                self.bad_packages += bad
+                entry.run, entry.backend, entry.state = run, backend, READY
                 self._done()
 
     @staticmethod
-    def _compile(sig: Signature, direct: bool = True) -> tuple[Kernel, bool]:
-        """Compiles and warms one signature; raises when the result would not be used.
+    def _compile(sig: Signature, direct: bool = True, aoti: bool = True) -> tuple[Kernel, str, bool]:
+        """Compiles (or loads) and warms one signature; raises when the result would not be used.
 
         Returns:
-            The kernel, and whether it is the direct (self-guarded) one.
+            The kernel; its backend: ``aoti`` (:mod:`.compiled_aoti`), ``direct``
+            (dynamo's compiled code behind guards we check) or ``run-only``;
+            and whether a cached AOTInductor package was unreadable.
         """
+        if aoti and compiled_aoti.applies(sig):
+            with torch.no_grad():  # export wants plain tensors, whatever the signature's modes
+                example = example_of(sig)
+            aot_kernel, bad = compiled_aoti.load_or_compile(sig, example)
+            with _modes(sig):
+                x, rnd, on = example_of(sig)
+                got = aot_kernel(x, rnd, on)
+                expected = basic_stats_body(x, rnd, on)  # eager: zeros make every slot exact
+            if got is None or not torch.equal(got, expected):
+                raise RuntimeError("the AOTInductor kernel miscomputes its own example")
+            return aot_kernel, AOTI, bad
         fn = kernel_function(sig)
         compiled = torch.compile(fn, backend="inductor", dynamic=True, fullgraph=True)
         with _modes(sig):
             x, rnd, on = example_of(sig)
             expected = compiled(x, rnd, on)
             kernel = _direct(fn) if direct else None
-            is_direct = kernel is not None
+            backend = DIRECT if kernel is not None else RUN_ONLY
             if kernel is None:
                 kernel = _run_only(compiled)
             got = kernel(x, rnd, on)
             if got is None or not torch.equal(got, expected):
                 raise RuntimeError("the fresh kernel rejects (or miscomputes) its own example")
-        return kernel, is_direct
+        return kernel, backend, False

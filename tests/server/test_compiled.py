@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch import nn
 
-from layertap.server.reducers import compiled_worker, plan as plan_module
+from layertap.server.reducers import compiled_aoti, compiled_worker, plan as plan_module
 from layertap.server.reducers.compiled import MAX_GUARD_MISSES, CompiledStats
 from layertap.server.reducers.compiled_kernel import DENSE, ROWS, SHIFT_SAMPLE, Signature, canonical_form, signature_of
 from layertap.server.reducers.kernels import COUNT, MAX, MIN, NAN, S1, S2, SHIFT, ZEROS, StatNeeds, fused_basic_stats
@@ -213,19 +213,21 @@ def test_under_a_dispatch_mode_the_plan_runs_eager_without_sync(use: CompiledSta
 
 
 class _Compiles:
-    """Records which thread each dynamo frame compile runs on."""
+    """Records which thread each compile runs on: dynamo frame compiles and AOTInductor packages built."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         import torch._dynamo.convert_frame as convert_frame
 
         self.threads: list[int] = []
-        inner = convert_frame._compile
+        for module, name in ((convert_frame, "_compile"), (compiled_aoti, "_compile")):
+            monkeypatch.setattr(module, name, self._spy(getattr(module, name)))
 
+    def _spy(self, inner: Callable[..., object]) -> Callable[..., object]:
         def spy(*args: object, **kwargs: object) -> object:
             self.threads.append(threading.get_ident())
             return inner(*args, **kwargs)
 
-        monkeypatch.setattr(convert_frame, "_compile", spy)
+        return spy
 
     def on(self, ident: int) -> int:
         return sum(t == ident for t in self.threads)
@@ -302,8 +304,10 @@ def test_a_pass_never_compiles_and_runs_compiled_once_ready(monkeypatch: pytest.
 
 
 def test_a_guard_miss_goes_eager_without_compiling(compiled: CompiledStats, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards are dynamo's: the rows form (dense CPU tensors get the guard-free AOTInductor kernel)."""
     spy = _Compiles(monkeypatch)
-    x = CASES["f32_random"]()
+    x = CASES["sliced_last_dim"]()
+    assert compiled._compiler.ready(signature_of(x, inference=True)).backend == "direct"  # type: ignore[union-attr]
     sig = signature_of(x, inference=True)
     assert compiled.states()[sig] == "ready"
     misses = compiled.guard_misses
@@ -322,7 +326,7 @@ def test_a_guard_miss_goes_eager_without_compiling(compiled: CompiledStats, monk
 
 
 def test_run_only_mode_counts_misses_and_goes_stale(monkeypatch: pytest.MonkeyPatch) -> None:
-    cs = CompiledStats(direct=False)
+    cs = CompiledStats(direct=False, aoti=False)
     try:
         assert cs.compile_ahead(_sig(torch.float32))
         assert cs.wait_idle(WAIT) and cs.compiles == 1, cs.states()
@@ -353,7 +357,11 @@ def test_run_only_mode_counts_misses_and_goes_stale(monkeypatch: pytest.MonkeyPa
 # --------------------------------------------------- failures and switches
 
 
-def test_a_compile_failure_is_counted_and_stays_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("aoti", [True, False])
+def test_a_compile_failure_is_counted_and_stays_eager(monkeypatch: pytest.MonkeyPatch, aoti: bool) -> None:
+    def unbuildable(sig: Signature, example: object) -> object:
+        raise RuntimeError("the package does not build")
+
     def broken(sig: Signature) -> Callable[..., torch.Tensor]:
         def kernel(x: torch.Tensor, rnd: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
             if x.sum() > 0:  # data-dependent control flow: no full graph
@@ -363,7 +371,8 @@ def test_a_compile_failure_is_counted_and_stays_eager(monkeypatch: pytest.Monkey
         return kernel
 
     monkeypatch.setattr(compiled_worker, "kernel_function", broken)
-    cs = CompiledStats()
+    monkeypatch.setattr(compiled_aoti, "load_or_compile", unbuildable)
+    cs = CompiledStats(aoti=aoti)
     try:
         x = torch.randn(300)
         with torch.inference_mode():
@@ -375,7 +384,7 @@ def test_a_compile_failure_is_counted_and_stays_eager(monkeypatch: pytest.Monkey
         assert cs.states() == {sig: "failed"}
         assert not cs.compile_ahead(sig)  # never retried
         assert cs.counters() == {"compiles": 0, "compile_failures": 1, "compiled_calls": 0,
-                                 "eager_calls": 2, "guard_misses": 0}
+                                 "eager_calls": 2, "guard_misses": 0, "bad_packages": 0}
     finally:
         cs.close()
 
@@ -398,9 +407,56 @@ def test_kernels_warm_up_on_a_thread_that_exits(monkeypatch: pytest.MonkeyPatch)
         assert cs.states() == {_sig(torch.float32): "ready"}
         compile_thread = cs._compiler._thread
         assert compile_thread is not None and compile_thread.is_alive()
-        assert len(warmed_on) == 1 and warmed_on[0] is not compile_thread
+        assert warmed_on and {*warmed_on} == {warmed_on[0]} and warmed_on[0] is not compile_thread
         warmed_on[0].join(WAIT)
         assert not warmed_on[0].is_alive()
+    finally:
+        cs.close()
+
+
+def test_dense_cpu_tensors_get_the_aoti_kernel_and_rows_keep_dynamo(compiled: CompiledStats) -> None:
+    for dtype in DTYPES:
+        assert compiled._compiler.ready(_sig(dtype)).backend == "aoti"  # type: ignore[union-attr]
+    assert compiled._compiler.ready(_sig(torch.float32, ROWS)).backend == "direct"  # type: ignore[union-attr]
+
+
+def test_another_mode_loads_the_cached_package_without_compiling(compiled: CompiledStats,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Modes do not reach an AOTInductor library: a grad-mode signature (a training
+    agent's) loads the package the inference signature built, as a restart does."""
+    spy = _Compiles(monkeypatch)
+    sig = _sig(torch.float32)
+    path = compiled_aoti.package_path(sig)
+    built = path.stat().st_mtime_ns
+    x = CASES["f32_nan_inf"]()
+    with torch.inference_mode():
+        want = compiled.stats(_ws(x), ALL_NEEDS)
+    grad_sig = sig._replace(grad=True, inference=False)
+    assert compiled.compile_ahead(grad_sig) and compiled.wait_idle(WAIT)
+    assert compiled.states()[grad_sig] == "ready"
+    with torch.enable_grad():
+        got = compiled.stats(_ws(x), ALL_NEEDS)
+    assert got is not None and want is not None and torch.equal(got, want)
+    assert spy.threads == [] and path.stat().st_mtime_ns == built
+
+
+def test_a_cached_package_that_does_not_load_is_rebuilt_and_counted(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiled_aoti, "cache_dir", lambda: tmp_path)
+    sig = _sig(torch.float32)
+    path = compiled_aoti.package_path(sig)
+    path.write_bytes(b"not a package")
+    cs = CompiledStats()
+    try:
+        assert cs.compile_ahead(sig) and cs.wait_idle(WAIT)
+        assert cs.states() == {sig: "ready"} and cs.counters()["bad_packages"] == 1
+        assert path.stat().st_size > 1000 and [p.name for p in tmp_path.iterdir()] == [path.name]
+        x = CASES["f32_random"]()
+        with torch.inference_mode():
+            got = cs.stats(_ws(x), ALL_NEEDS)
+            want = fused_basic_stats(_ws(x), ALL_NEEDS)
+        assert got is not None
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-9, atol=1e-9)
     finally:
         cs.close()
 
@@ -437,6 +493,7 @@ def test_no_cxx_compiler_turns_the_device_type_off(monkeypatch: pytest.MonkeyPat
         raise no_compiler("No working C++ compiler found")
 
     monkeypatch.setattr(compiled_worker, "kernel_function", missing)
+    monkeypatch.setattr(compiled_aoti, "load_or_compile", lambda sig, example: missing(sig))
     cs = CompiledStats()
     try:
         assert cs.compile_ahead(_sig(torch.float64))

@@ -1,0 +1,130 @@
+"""The basic-statistics kernel ahead-of-time compiled (AOTInductor) for dense CPU tensors.
+
+Why: a dynamo-compiled call walks Python layers (guards, AOTAutograd's
+runtime wrappers, inductor's Python wrapper allocating a dozen buffers)
+around one C++ kernel. On the 2-core CPU machine that was ~25 us of a ~30 us
+call on a small tensor, and about twice that inside a forward, where the
+model's kernels have evicted it from the caches. AOTInductor compiles the same
+:func:`~layertap.server.reducers.compiled_kernel.basic_stats_body` into a
+shared library whose C++ wrapper is called once: measured in the demo model's
+hooks, 18.6 us per call against 39.7 us (benchmarks/overhead.py and
+docs/benchmarks.md).
+
+Scope: CPU tensors in the ``dense`` form. The exported program has one
+dynamic dimension (the element count); ``rows`` tensors need a dynamic
+stride, and CUDA is unmeasured here, so both keep the dynamo kernel. There
+are no guards: the caller's signature (dtype, device, form) and
+:func:`~layertap.server.reducers.compiled_kernel.canonical_form` (more than
+``SHIFT_SAMPLE`` elements) are the whole contract, and grad, inference and
+autocast modes do not reach a library that dispatches nothing.
+
+Packages are cached on disk (``<inductor cache>/layertap-aoti``) under a key
+of torch's and Python's versions, the body's source and the signature, so a
+restart loads instead of compiling (cold compile ~15-20 s on 2 cores, load
+well under a second). A package that does not load is deleted, counted and
+rebuilt, never fatal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from layertap.server.reducers.compiled_kernel import DENSE, SHIFT_SAMPLE, Signature, basic_stats_body
+
+__all__ = ["AotiKernel", "applies", "cache_dir", "load_or_compile", "package_path"]
+
+log = logging.getLogger("layertap.server.compiled")
+
+# torch 2.13's export pickles pytree specs through a deprecated isinstance
+# check and warns on every compile; nothing here can act on it.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+
+
+def applies(sig: Signature) -> bool:
+    """Whether the signature gets the AOTInductor kernel (dense CPU, a torch that exports)."""
+    return sig.device.type == "cpu" and sig.form == DENSE and hasattr(torch._inductor, "aoti_compile_and_package")
+
+
+def cache_dir() -> Path:
+    """Where packages live: beside inductor's own cache, so one volume keeps both."""
+    root = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not root:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+        root = inductor_cache_dir()
+    return Path(root) / "layertap-aoti"
+
+
+def package_path(sig: Signature) -> Path:
+    """The package file of a signature; modes are left out (they do not reach the library)."""
+    key = "\n".join([torch.__version__, sys.version, inspect.getsource(basic_stats_body), str(SHIFT_SAMPLE),
+                     sig.device.type, str(sig.dtype), sig.form])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    return cache_dir() / f"basic_stats-{str(sig.dtype).removeprefix('torch.')}-{sig.form}-{digest}.pt2"
+
+
+class _Body(torch.nn.Module):
+    def forward(self, x: torch.Tensor, rnd: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+        return basic_stats_body(x, rnd, on)
+
+
+def _compile(path: Path, example: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """Exports the body and writes its package to ``path`` atomically (a rename)."""
+    count = torch.export.Dim("n", min=SHIFT_SAMPLE + 1)
+    with torch.no_grad():
+        program = torch.export.export(_Body(), example, dynamic_shapes=({0: count}, None, None), strict=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f"{path.stem}-", suffix=".tmp.pt2", dir=path.parent)
+    os.close(fd)
+    try:
+        torch._inductor.aoti_compile_and_package(program, package_path=tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class AotiKernel:
+    """A loaded package, called as a kernel ``(x, rnd, on) -> statistics``."""
+
+    def __init__(self, compiled: Any) -> None:
+        loader = getattr(compiled, "loader", None)
+        # The loader's run skips the pytree flattening of the model's __call__.
+        self._run = loader.run if loader is not None and hasattr(loader, "run") else None
+        self._compiled = compiled
+
+    def __call__(self, x: torch.Tensor, rnd: torch.Tensor, on: torch.Tensor) -> torch.Tensor | None:
+        if self._run is not None:
+            out: torch.Tensor = self._run([x, rnd, on])[0]
+            return out
+        return self._compiled(x, rnd, on)  # type: ignore[no-any-return]
+
+
+def load_or_compile(sig: Signature, example: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[AotiKernel, bool]:
+    """The signature's kernel from its cached package, compiling it first when missing or unreadable.
+
+    Returns:
+        The kernel, and whether a cached package was unreadable (deleted and rebuilt).
+    """
+    path = package_path(sig)
+    bad = False
+    if path.exists():
+        try:
+            return AotiKernel(torch._inductor.aoti_load_package(str(path))), False
+        except Exception as exc:  # noqa: BLE001 - a bad cache file is rebuilt, never fatal
+            bad = True
+            log.warning("compiled basic statistics: cached package %s does not load (%s: %s); rebuilding it",
+                        path.name, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            path.unlink(missing_ok=True)
+    _compile(path, example)
+    return AotiKernel(torch._inductor.aoti_load_package(str(path))), bad
