@@ -6,6 +6,7 @@ forward passes. The ratio of a round is variant / the base run next to it;
 the script prints the median ratio and its spread (min..max) over rounds.
 
 Variants:
+  0  nothing installed: base against base, the spread any ratio carries
   a  seed-style hooks: ``.item()`` per statistic (mean, std, min, max, zeros, nan, inf)
   b  layertap taps: moments, minmax, zero_fraction, nonfinite on every block-level module
   c  b + histogram + quantiles
@@ -142,6 +143,7 @@ def main() -> None:
         return lambda: [engine.delete(i) for i in ids] and None
 
     variants: dict[str, Callable[[], Callable[[], None]]] = {
+        "0 no hooks either (A/A: the noise floor)": lambda: lambda: None,
         "a seed .item() hooks": lambda: seed_style_hooks(host.module, layers),
         "b taps: moments,minmax,zero_fraction,nonfinite": lambda: taps(BASIC),
         "c b + histogram + quantiles": lambda: taps(BASIC + ["histogram", "quantiles"]),

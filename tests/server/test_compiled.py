@@ -461,6 +461,21 @@ def test_a_cached_package_that_does_not_load_is_rebuilt_and_counted(tmp_path: Pa
         cs.close()
 
 
+def test_counts_only_plans_run_the_aoti_kernel_and_decline_dynamo(use: CompiledStats) -> None:
+    """every=N taps run nonfinite alone on most passes: the AOTInductor kernel costs
+    less than the eager counts there, a dynamo kernel's call more."""
+    plan = ReducerPlan(build_reducers(parse_reducer_names("nonfinite")))
+    dense, rows = CASES["f32_nan_inf"](), CASES["sliced_last_dim"]()
+    before = use.counters()
+    for x, compiled_calls in ((dense, 1), (rows, 1)):  # cumulative: the rows call adds none
+        with torch.inference_mode():
+            (got,) = plan.decode(plan.run(x).numpy(), x.shape)
+        values = _np(x)
+        assert (got.nonfinite.nan_count, got.nonfinite.inf_count) == (np.isnan(values).sum(), np.isinf(values).sum())
+        assert use.compiled_calls == before["compiled_calls"] + compiled_calls
+    assert use.eager_calls == before["eager_calls"]  # the rows call was declined, not a fallback
+
+
 def test_disabled_never_compiles_nor_starts_a_thread() -> None:
     cs = CompiledStats(enabled=False)
     x = torch.randn(300)
