@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -118,7 +119,15 @@ class Fleet:
                  token: str | None = None, tls: TlsOption = None) -> None:
         if isinstance(targets, (str, int)) or not targets:
             raise InvalidArgument("targets: give a list of one or more 'host:port' targets")
-        self._clients = [Client(t, timeout=timeout, token=token, tls=tls) for t in targets]
+        self._clients: list[Client] = []
+        self._streams: weakref.WeakSet[FleetStream] = weakref.WeakSet()
+        try:
+            for t in targets:
+                self._clients.append(Client(t, timeout=timeout, token=token, tls=tls))
+        except BaseException:  # a malformed target: the channels opened so far are closed, not leaked
+            for c in self._clients:
+                c.close()
+            raise
         self.targets = [c.target for c in self._clients]
         if len(set(self.targets)) != len(self.targets):
             self.close()
@@ -141,8 +150,10 @@ class Fleet:
         return f"<layertap.Fleet {len(self.targets)} targets{' closed' if self._closed else ''}>"
 
     def close(self) -> None:
-        """Closes every member's channel (and their streams). Idempotent."""
+        """Closes every open :class:`FleetStream` and member channel. Idempotent."""
         self._closed = True
+        for stream in list(self._streams):
+            stream.close()  # first: a stream closed this way ends quietly, not with a member error each
         for c in self._clients:
             c.close()
         pool = getattr(self, "_pool", None)
@@ -257,7 +268,9 @@ class Fleet:
         def opener(client: Client) -> Callable[[], SummaryStream]:
             return lambda: client.watch(selector, queue_size=queue_size, timeout=timeout, **options)
 
-        return FleetStream([(c, opener(c)) for c in self._clients])
+        stream = FleetStream([(c, opener(c)) for c in self._clients])
+        self._streams.add(stream)
+        return stream
 
 
 class _End:

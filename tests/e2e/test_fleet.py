@@ -96,3 +96,39 @@ def test_bad_targets_and_use_after_close():
         fleet.layers()
     with pytest.raises(layertap.ClientClosed):
         fleet.watch("fc")
+
+
+def test_a_malformed_target_closes_the_channels_already_open(monkeypatch):
+    opened: list[layertap.Client] = []
+    real = layertap._fleet.Client
+
+    def tracked(*args, **kwargs):
+        client = real(*args, **kwargs)
+        opened.append(client)
+        return client
+
+    monkeypatch.setattr(layertap._fleet, "Client", tracked)
+    with pytest.raises(layertap.InvalidArgument):
+        layertap.Fleet(["127.0.0.1:5", "127.0.0.1:6", ""])  # an empty target is refused
+    assert len(opened) == 2 and all(c.closed for c in opened)
+
+
+def test_closing_the_fleet_ends_its_open_streams(replicas):
+    live, _dead = replicas
+    fleet = layertap.Fleet(live, timeout=5)
+    stream = fleet.watch("fc", reducers="moments", timeout=60)
+    assert wait_for(lambda: all(i.value.active_hooks > 0 for i in fleet.stats()), 10)
+    done = threading.Event()
+
+    def drain() -> None:
+        for _ in stream:
+            pass
+        done.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    fleet.close()
+    assert done.wait(10)  # iteration ended, no member error for a close we asked for
+    assert stream.errors == []
+    with layertap.Fleet(live, timeout=5) as again:
+        assert wait_for(lambda: all(i.value.subscribers == 0 and i.value.active_hooks == 0
+                                    for i in again.stats()), 10)
