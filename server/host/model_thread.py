@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from layertap.server.errors import Unavailable
+
 __all__ = ["ModelThread"]
 
 _T = TypeVar("_T")
@@ -38,6 +40,7 @@ class ModelThread:
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._ident: int | None = None
+        self._closed = False
         self.calls = 0
 
     def _remember(self) -> None:
@@ -52,16 +55,20 @@ class ModelThread:
         if inline or threading.get_ident() == self._ident:
             return fn(*args)
         with self._lock:
+            if self._closed:
+                raise Unavailable("the server is shutting down; its model thread has stopped")
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=self._name, initializer=self._remember)
-            pool = self._pool
-        self.calls += 1
-        return pool.submit(fn, *args).result()
+            # Submitted under the lock: close() cannot shut the pool in between.
+            future = self._pool.submit(fn, *args)
+            self.calls += 1
+        return future.result()
 
     def close(self) -> None:
-        """Lets the thread finish its queue and exit; later calls start a new one."""
+        """Lets the thread finish what was queued and exit; later calls are refused (UNAVAILABLE)."""
         with self._lock:
+            self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False)

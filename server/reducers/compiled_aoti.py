@@ -19,7 +19,8 @@ are no guards: the caller's signature (dtype, device, form) and
 autocast modes do not reach a library that dispatches nothing.
 
 Packages are cached on disk (``<inductor cache>/layertap-aoti``) under a key
-of torch's and Python's versions, the body's source and the signature, so a
+of torch's and Python's versions, the body's source, the host's CPU flags and
+C++ toolchain (the code is built for the native CPU) and the signature, so a
 restart loads instead of compiling (cold compile ~15-20 s on 2 cores, load
 well under a second). A package that does not load is deleted, counted and
 rebuilt, never fatal.
@@ -27,10 +28,12 @@ rebuilt, never fatal.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import logging
 import os
+import platform
 import sys
 import tempfile
 import warnings
@@ -65,9 +68,31 @@ def cache_dir() -> Path:
     return Path(root) / "layertap-aoti"
 
 
+@functools.cache
+def _host_build() -> str:
+    """What the compiled code depends on beyond torch: inductor builds CPU code
+    with ``-march=native``, so a package from another CPU can die of SIGILL on
+    its first call (a load would succeed), on a cache volume shared by hosts."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    try:
+        from torch._inductor import cpp_builder
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        toolchain = f"{pick_vec_isa()} {cpp_builder.get_cpp_compiler()} {os.environ.get('CXX', '')}"
+    except Exception:  # noqa: BLE001 - a torch without these helpers: the flags still separate hosts
+        toolchain = ""
+    return "\n".join([platform.machine(), platform.processor(), flags, toolchain])
+
+
 def package_path(sig: Signature) -> Path:
     """The package file of a signature; modes are left out (they do not reach the library)."""
-    key = "\n".join([torch.__version__, sys.version, inspect.getsource(basic_stats_body), str(SHIFT_SAMPLE),
+    key = "\n".join([torch.__version__, sys.version, inspect.getsource(basic_stats_body),
+                     inspect.getsource(_Body), str(SHIFT_SAMPLE), _host_build(),
                      sig.device.type, str(sig.dtype), sig.form])
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     return cache_dir() / f"basic_stats-{str(sig.dtype).removeprefix('torch.')}-{sig.form}-{digest}.pt2"
@@ -88,6 +113,7 @@ def _compile(path: Path, example: tuple[torch.Tensor, torch.Tensor, torch.Tensor
     os.close(fd)
     try:
         torch._inductor.aoti_compile_and_package(program, package_path=tmp)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make replicas running as other users rebuild it
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -32,6 +32,14 @@ _double = struct.Struct("<d").pack
 MAX_HEADERS = 4096
 
 
+def _unsigned(value: float) -> bytes:
+    """A count as a varint; out of range raises, as the message constructors do (never wraps)."""
+    n = int(value)
+    if not 0 <= n < 1 << 64:
+        raise ValueError(f"count out of range for uint64: {n}")
+    return varint(n)
+
+
 def _key(number: int, wire_type: int) -> bytes:
     return varint(number << 3 | wire_type)
 
@@ -65,7 +73,7 @@ def _encoder(result_field: str) -> Callable[[Sequence[float]], bytes]:
                f.type == FieldDescriptor.TYPE_DOUBLE) for f in oneof.message_type.fields]
 
     def encode(numbers: Sequence[float]) -> bytes:
-        body = b"".join([k + (_double(v) if double else varint(int(v))) for (k, double), v in zip(fields, numbers)])
+        body = b"".join([k + (_double(v) if double else _unsigned(v)) for (k, double), v in zip(fields, numbers)])
         inner = key + varint(len(body)) + body
         return _RESULTS_KEY + varint(len(inner)) + inner
 

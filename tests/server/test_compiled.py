@@ -476,6 +476,16 @@ def test_counts_only_plans_run_the_aoti_kernel_and_decline_dynamo(use: CompiledS
     assert use.eager_calls == before["eager_calls"]  # the rows call was declined, not a fallback
 
 
+def test_the_package_key_separates_cpus_and_modes_share_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor builds for the native CPU: another host's package must never be loaded."""
+    sig = _sig(torch.float32)
+    here = compiled_aoti.package_path(sig)
+    assert compiled_aoti.package_path(sig._replace(grad=True, inference=False)) == here
+    assert compiled_aoti.package_path(_sig(torch.float16)) != here
+    monkeypatch.setattr(compiled_aoti, "_host_build", lambda: "x86_64 avx2 g++")
+    assert compiled_aoti.package_path(sig) != here
+
+
 def test_disabled_never_compiles_nor_starts_a_thread() -> None:
     cs = CompiledStats(enabled=False)
     x = torch.randn(300)

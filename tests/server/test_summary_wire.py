@@ -75,3 +75,17 @@ def test_wire_summary_equals_the_message_built_one(kinds, data, shape, tap, laye
 def test_plans_with_other_reducers_keep_the_message_path() -> None:
     assert ReducerPlan(build_reducers([pb.ReducerSpec(kind=pb.REDUCER_KIND_MOMENTS),
                                        pb.ReducerSpec(kind=pb.REDUCER_KIND_HISTOGRAM)])).basic_layout is None
+
+
+def test_an_impossible_count_raises_as_the_message_path_does() -> None:
+    """3 NaN and 5 finite in a 4-element tensor would make inf_count -4: both paths refuse, neither wraps."""
+    import numpy as np
+    import pytest
+
+    plan = ReducerPlan(build_reducers([pb.ReducerSpec(kind=pb.REDUCER_KIND_NONFINITE)]))
+    assert plan.basic_layout is not None
+    ((reducer, _, _),) = plan.basic_layout
+    with pytest.raises(ValueError):
+        plan.decode(np.array([3.0, 5.0]), (4,))
+    with pytest.raises(ValueError, match="out of range"):
+        result_bytes(reducer, [3.0, 5.0], (4,))
