@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from layertap.server.reducers import compiled_aoti
-from layertap.server.reducers.compiled_kernel import SHIFT_SAMPLE, Signature, alias, canonical_form, signature_of
+from layertap.server.reducers.compiled_kernel import DENSE, SHIFT_SAMPLE, Signature, alias, canonical_form, signature_of
 from layertap.server.reducers.compiled_worker import Compiler
 from layertap.server.reducers.kernels import StatNeeds
 from layertap.server.reducers.workspace import F64, Workspace
@@ -181,6 +181,16 @@ class CompiledStats:
             return None  # a mode would see the compiled graph's ops (and its guards fail)
         x = ws.x
         canon = canonical_form(x)
+        if canon is not None and canon[0] == DENSE:
+            aot = self._compiler.aoti_kernels.get((x.device, x.dtype))
+            if aot is not None:  # any mode: no signature to work out (~1.5 us a call)
+                rnd, off, on = self._constants(x.device, torch.is_inference_mode_enabled())
+                if needs.shifted and ws.floating:
+                    rnd = torch.randint(0, ws.numel, (SHIFT_SAMPLE,), generator=ws.generator, device=x.device)
+                flat = x.view(-1) if x.is_contiguous() else alias(x, canon[1], canon[2])
+                out = aot(flat, rnd, on if needs.shifted else off)
+                self.compiled_calls += 1
+                return out
         sig = signature_of(x, canon) if canon is not None else None
         if not (needs.sums or needs.minmax) and not (sig is not None and self._compiler.aoti
                                                      and compiled_aoti.applies(sig)):

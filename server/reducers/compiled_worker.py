@@ -223,6 +223,9 @@ class Compiler:
         self.failures = 0
         #: Cached AOTInductor packages that did not load (deleted and rebuilt).
         self.bad_packages = 0
+        #: Ready AOTInductor kernels of dense tensors by (device, dtype): modes
+        #: do not reach them, so one serves every signature of that pair.
+        self.aoti_kernels: dict[tuple[torch.device, torch.dtype], Kernel] = {}
 
     def ready(self, sig: Signature) -> Entry | None:
         """The signature's entry when its kernel is ready (lock-free: one dict read)."""
@@ -331,6 +334,8 @@ class Compiler:
                 self.compiles += 1
                 self.bad_packages += bad
                 entry.run, entry.backend, entry.state = run, backend, READY
+                if backend == AOTI:
+                    self.aoti_kernels.setdefault((entry.sig.device, entry.sig.dtype), run)
                 self._done()
 
     @staticmethod

@@ -432,6 +432,12 @@ def test_another_mode_loads_the_cached_package_without_compiling(compiled: Compi
     with torch.inference_mode():
         want = compiled.stats(_ws(x), ALL_NEEDS)
     grad_sig = sig._replace(grad=True, inference=False)
+    known = compiled.states()
+    with torch.enable_grad():  # the ready kernel serves it at once: nothing queued, nothing eager
+        eager_before = compiled.eager_calls
+        assert torch.equal(compiled.stats(_ws(x), ALL_NEEDS), want)
+    assert compiled.states() == known and compiled.eager_calls == eager_before
+    # And compiling the mode's own signature (a restart, a training agent) loads the package.
     assert compiled.compile_ahead(grad_sig) and compiled.wait_idle(WAIT)
     assert compiled.states()[grad_sig] == "ready"
     with torch.enable_grad():
