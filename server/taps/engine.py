@@ -35,7 +35,7 @@ from layertap.server.reducers.spec import SpecError
 from layertap.server.record.triggers import check_triggers, enabled
 from layertap.server.taps.sampling import Clock, Sampler
 from layertap.server.taps.selectors import MAX_SELECTOR_BYTES, select_layers
-from layertap.server.taps.summary_wire import SummaryWire, result_bytes
+from layertap.server.taps.summary_wire import SummaryWire, results_bytes
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")
@@ -300,8 +300,7 @@ class TapEngine:
                 continue
             layout = p.plan.basic_layout
             if layout is not None and p.lap is None:  # the common case: see summary_wire
-                slots = values[i].tolist()
-                results = b"".join(result_bytes(r, slots[a:b], p.shape) for r, a, b in layout)
+                results = results_bytes(layout, values[i].tolist(), p.shape)
                 summary = self._wire.summary(p.tap.id, p.layer, p.tap.spec.point, p.output_index, p.call_index,
                                              not p.sampled, pass_part, results, rank_part)
             else:

@@ -22,7 +22,7 @@ from layertap.server.reducers.basic import BasicReducer
 from layertap.server.taps.capture_wire import varint
 from layertap.v1 import telemetry_pb2 as pb
 
-__all__ = ["SummaryWire", "result_bytes"]
+__all__ = ["SummaryWire", "result_bytes", "results_bytes"]
 
 _VARINT, _FIXED64, _LENGTH = 0, 1, 2
 _SUMMARY = pb.Summary.DESCRIPTOR.fields_by_name
@@ -66,16 +66,46 @@ _RESULTS_KEY = _key(_SUMMARY["results"].number, _LENGTH)
 
 @functools.cache
 def _encoder(result_field: str) -> Callable[[Sequence[float]], bytes]:
-    """Writes one ``Summary.results`` entry of this oneof field from its field values."""
+    """Writes one ``Summary.results`` entry of this oneof field from its field values.
+
+    Every field number here is below 16, so each key is one byte: the doubles
+    of a message go out in one ``struct`` call with their keys interleaved,
+    counts as varints, and the two length prefixes come from a table (the
+    body is never longer than 127 bytes).
+    """
     oneof = _RESULTS[result_field]
+    fields = list(oneof.message_type.fields)
+    doubles = [f.type == FieldDescriptor.TYPE_DOUBLE for f in fields]
+    keys = [f.number << 3 | (_FIXED64 if d else _VARINT) for f, d in zip(fields, doubles)]
+    if max(keys) >= 0x80:
+        raise ValueError(f"{result_field}: field numbers past 15 need multi-byte keys")
     key = _key(oneof.number, _LENGTH)
-    fields = [(_key(f.number, _FIXED64 if f.type == FieldDescriptor.TYPE_DOUBLE else _VARINT),
-               f.type == FieldDescriptor.TYPE_DOUBLE) for f in oneof.message_type.fields]
+    prefix = [_RESULTS_KEY + varint(len(key) + 1 + n) + key + bytes((n,)) for n in range(0x80)]
+    if all(doubles):
+        pack = struct.Struct("<" + "Bd" * len(fields)).pack
+        if len(fields) == 1:
+            k0 = keys[0]
+            return lambda numbers: prefix[9] + pack(k0, numbers[0])
+        if len(fields) == 2:
+            k0, k1 = keys
+            return lambda numbers: prefix[18] + pack(k0, numbers[0], k1, numbers[1])
+    heads = [bytes((k,)) for k in keys]
+    if doubles == [False, True, True]:  # moments: count, mean, std
+        h0, k1, k2, pack2 = heads[0], keys[1], keys[2], struct.Struct("<BdBd").pack
+        return lambda numbers: prefix[19 + len(c := _unsigned(numbers[0]))] + h0 + c + pack2(
+            k1, numbers[1], k2, numbers[2])
+    if doubles == [False, False]:  # nonfinite: two counts
+        h0, h1 = heads
+
+        def counts(numbers: Sequence[float]) -> bytes:
+            body = h0 + _unsigned(numbers[0]) + h1 + _unsigned(numbers[1])
+            return prefix[len(body)] + body
+
+        return counts
 
     def encode(numbers: Sequence[float]) -> bytes:
-        body = b"".join([k + (_double(v) if double else _unsigned(v)) for (k, double), v in zip(fields, numbers)])
-        inner = key + varint(len(body)) + body
-        return _RESULTS_KEY + varint(len(inner)) + inner
+        body = b"".join([h + (_double(v) if d else _unsigned(v)) for h, d, v in zip(heads, doubles, numbers)])
+        return prefix[len(body)] + body
 
     return encode
 
@@ -83,6 +113,20 @@ def _encoder(result_field: str) -> Callable[[Sequence[float]], bytes]:
 def result_bytes(reducer: BasicReducer, values: Sequence[float], shape: Sequence[int]) -> bytes:
     """One ``Summary.results`` entry, as wire bytes, from the reducer's host slots."""
     return _encoder(reducer.result_field)(reducer.numbers(values, shape))
+
+
+Layout = tuple[tuple[BasicReducer, int, int], ...]
+
+
+@functools.lru_cache(maxsize=1024)  # one entry per live plan; bounded as taps come and go
+def _plan_encoders(layout: Layout) -> tuple[tuple[Callable[..., tuple[float, ...]], Callable[[Sequence[float]], bytes],
+                                                  int, int], ...]:
+    return tuple((r.numbers, _encoder(r.result_field), a, b) for r, a, b in layout)
+
+
+def results_bytes(layout: Layout, slots: Sequence[float], shape: Sequence[int]) -> bytes:
+    """Every ``Summary.results`` entry of a basic-only plan (its ``basic_layout``), joined."""
+    return b"".join([encode(numbers(slots[a:b], shape)) for numbers, encode, a, b in _plan_encoders(layout)])
 
 
 class SummaryWire:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from layertap.server.reducers.basic import BASIC_REDUCERS
 from layertap.server.reducers.kernels import BASIC_WIDTH
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
-from layertap.server.taps.summary_wire import SummaryWire, result_bytes
+from layertap.server.taps.summary_wire import SummaryWire, result_bytes, results_bytes
 from layertap.server.taps.tap import timestamp
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -66,7 +66,7 @@ def test_wire_summary_equals_the_message_built_one(kinds, data, shape, tap, laye
     wire = SummaryWire()
     got = wire.summary(tap, layer, point, output_index, call_index, unsampled,
                        SummaryWire.pass_part(pass_index, step, ts.seconds, ts.nanos),
-                       b"".join(result_bytes(r, values[a:b], shape) for r, a, b in plan.basic_layout),
+                       results_bytes(plan.basic_layout, values, shape),
                        SummaryWire.rank_part(rank))
     assert got.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
     assert [x.WhichOneof("value") for x in got.results] == [r.result_field for r, _, _ in plan.basic_layout]
