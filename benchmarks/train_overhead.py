@@ -58,11 +58,12 @@ def step_times(model: nn.Module, opt: torch.optim.Optimizer, data: Iterator[tupl
 
 
 class Variant:
-    def __init__(self, name: str, base: nn.Module, agent: bool) -> None:
+    def __init__(self, name: str, base: nn.Module, agent: bool, compile_reducers: bool = False) -> None:
         self.name = name
         self.model = copy.deepcopy(base).train()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
-        self.agent = layertap.attach(self.model, self.opt, metrics_port=0) if agent else None
+        self.agent = (layertap.attach(self.model, self.opt, metrics_port=0, compile_reducers=compile_reducers)
+                      if agent else None)
         self.client = layertap.Client(self.agent.address) if self.agent else None
 
 
@@ -110,12 +111,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--compile", action="store_true",
+                   help="agents attach with compile_reducers=True (the kernel is process-wide, so compare two runs)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     base = build_demo_model(0)
     plan: list[tuple[str, bool, str]] = [("base", False, "none"), ("attached", True, "none"),
                                          ("grad", True, "read"), ("stalled", True, "stall")]
-    variants = {name: Variant(name, base, agent) for name, agent, _ in plan}
+    variants = {name: Variant(name, base, agent, args.compile) for name, agent, _ in plan}
     data = {name: batches(args.batch) for name in variants}
     ratios: dict[str, list[float]] = {name: [] for name, _, _ in plan[1:]}
     bases: list[float] = []
@@ -138,7 +141,7 @@ def main() -> None:
             if v.agent is not None:
                 v.agent.close()
     print(f"# {platform.node()} {platform.machine()} torch {torch.__version__} threads={args.threads} "
-          f"batch={args.batch} steps={args.steps} repeats={args.repeats}")
+          f"batch={args.batch} steps={args.steps} repeats={args.repeats} compile={args.compile}")
     print(f"base step: median {1e3 * statistics.median(bases):.1f} ms")
     print(f"{'variant':10s} {'ratio':>7s} {'min..max':>13s} {'read':>8s} {'dropped':>8s}")
     for name, rs in ratios.items():

@@ -89,6 +89,11 @@ class CompiledStats:
         self.compiled_calls = 0
         self.eager_calls = 0
         self.guard_misses = 0
+        #: Compile in the background (a first sighting, a tap's ahead-compile).
+        #: A training process turns it off: a compile saves and restores the
+        #: global RNG, so one overlapping a step would change its dropout
+        #: draws. It compiles with :meth:`compile_now` before its loop instead.
+        self.background = True
         self.set_enabled(enabled)
 
     # -- control ---------------------------------------------------------------
@@ -135,10 +140,18 @@ class CompiledStats:
         Returns:
             True when the signature is ready, queued or compiling.
         """
-        if not self._enabled:
+        if not self._enabled or not self.background:
             return False
         sig = what if isinstance(what, Signature) else signature_of(what, grad=grad, inference=inference)
         return sig is not None and self._compiler.request(sig)
+
+    def compile_now(self, sig: Signature, timeout: float | None = None) -> bool:
+        """Compiles (or loads) ``sig`` and waits for it, background or not: for a
+        training process, before its loop starts. True when the kernel is ready."""
+        if not self._enabled or not self._compiler.request(sig):
+            return False
+        self._compiler.wait_idle(timeout)
+        return self._compiler.ready(sig) is not None
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Blocks until no compile is queued or running; False on timeout."""
@@ -202,7 +215,7 @@ class CompiledStats:
         entry = self._compiler.ready(sig) if sig is not None else None
         if entry is None:
             self.eager_calls += 1
-            if sig is not None:
+            if sig is not None and self.background:
                 self._compiler.request(sig)
             return None
         assert canon is not None and sig is not None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
@@ -23,6 +24,8 @@ from layertap.server.config import ServerConfig
 from layertap.server.host.model_host import ModelHost, PassContext
 from layertap.server.host.sources import LoadedModel
 from layertap.server.main import check_exposure
+from layertap.server.reducers.compiled import COMPILED_STATS
+from layertap.server.reducers.compiled_kernel import DENSE, Signature
 from layertap.server.train.labels import LabelledRegistry
 from layertap.server.train.names import is_compiled, unwrap
 from layertap.server.train.ranks import Rank
@@ -33,6 +36,9 @@ log = logging.getLogger("layertap.server")
 #: ServerConfig fields that describe a model to load: an agent hosts the caller's.
 _MODEL_FIELDS = frozenset({"model", "seed", "weights", "input_shape", "input_dtype", "device", "dtype"})
 _CONFIG_FIELDS = frozenset(f.name for f in fields(ServerConfig)) - _MODEL_FIELDS
+#: Seconds attach() waits for the statistics kernel (compile_reducers=True):
+#: ~20 s cold on 2 cores, under 1 s from the package cache.
+COMPILE_TIMEOUT = 300.0
 
 
 class Agent:
@@ -50,6 +56,8 @@ class Agent:
         self.rank = rank
         self.port = server.port
         self.metrics_port = server.metrics_port
+        #: Whether this agent turned background compiles off (compile_reducers=True); close turns them back on.
+        self.compiles = False
         self._closed = False
 
     @property
@@ -77,6 +85,8 @@ class Agent:
         self._closed = True
         self.steps.close()
         self.server.stop(0)
+        if self.compiles:
+            COMPILED_STATS.background = True
 
     def __enter__(self) -> Agent:
         return self
@@ -86,6 +96,16 @@ class Agent:
 
     def __repr__(self) -> str:
         return f"<layertap Agent {self.address} rank={self.rank.rank}/{self.rank.world_size}>"
+
+
+def _compile_before_training(device: torch.device, dtype: torch.dtype) -> None:
+    """The statistics kernel for the parameters' dtype, now, while no step draws
+    random numbers; on CPU it serves gradients in every mode (compiled_aoti)."""
+    started = time.monotonic()
+    sig = Signature(device, dtype, DENSE, grad=True, inference=False, autocast=None)
+    ready = COMPILED_STATS.compile_now(sig, timeout=COMPILE_TIMEOUT)
+    log.info("layertap.attach: statistics kernel for %s %s %s in %.1f s; the training process never compiles "
+             "in the background", device, dtype, "ready" if ready else "NOT ready (eager)", time.monotonic() - started)
 
 
 def _placement(model: nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -164,11 +184,17 @@ def attach(
                          f"training (rank {rank.rank} of {rank.world_size})", inputs=[])
     training_host = ModelHost(loaded, device=device, dtype=dtype, training=True)
     training_host.rank = (rank.rank, rank.world_size)
+    if config.compile_reducers:
+        COMPILED_STATS.background = False  # before any tap can queue one: see CompiledStats.background
     server = start_server(config, host=training_host, registry=LabelledRegistry({"rank": str(rank.rank)}))
+    if config.compile_reducers:
+        _compile_before_training(device, dtype)
     try:
         steps = StepTracker(training_host, optimizer, start_step=start_step)
     except BaseException:
         server.stop(0)
         raise
     log.info("layertap agent for %s on %s (rank %d of %d)", loaded.name, server.address, rank.rank, rank.world_size)
-    return Agent(server, steps, rank)
+    agent = Agent(server, steps, rank)
+    agent.compiles = config.compile_reducers
+    return agent

@@ -231,3 +231,29 @@ def test_example_trains_with_an_agent():
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "layertap agent on 127.0.0.1:" in out.stdout and "done: 3 steps" in out.stdout
+
+
+def test_compile_reducers_compiles_before_training_and_never_during_it(agents):
+    """A compile saves and restores the global RNG, so one overlapping a step would
+    change its dropout draws: an agent compiles in attach() and never afterwards."""
+    from layertap.server.reducers.compiled import COMPILED_STATS
+
+    model, opt = demo()
+    agent = agents(model, opt, metrics_port=None, compile_reducers=True)
+    assert not COMPILED_STATS.background
+    states, before = COMPILED_STATS.states(), COMPILED_STATS.counters()
+    assert "ready" in states.values()
+    with layertap.Client(agent.address) as client:
+        norms = client.watch("*", point="param_grad", reducers="norm", queue_size=10_000, timeout=60)
+        ready(norms)  # its tap exists: a serving server would have queued an ahead-compile now
+        want = train_steps(model, opt, batches(0, 8, DEMO), 3)
+        got: dict[int, float] = {}
+        for s in itertools.islice(norms, 3 * len(list(model.parameters()))):
+            got[s.step] = got.get(s.step, 0.0) + s.results["norm"].l2 ** 2
+        norms.close()
+    after = COMPILED_STATS.counters()
+    assert COMPILED_STATS.states() == states and after["compiles"] == before["compiles"]  # nothing compiled since
+    assert after["compiled_calls"] > before["compiled_calls"]  # the gradients ran the compiled kernel
+    np.testing.assert_allclose([math.sqrt(got[i]) for i in sorted(got)], want, rtol=1e-6)
+    agent.close()
+    assert COMPILED_STATS.background
