@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 
 import layertap
+from infer_latency import timed_requests  # benchmarks/ is on sys.path when run as a script
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 BASIC = ["moments", "minmax", "abs_max", "nonfinite"]
@@ -65,15 +65,6 @@ def set_tap(stub: telemetry_pb2_grpc.TelemetryServiceStub, recording: bool) -> N
     stub.CreateTap(telemetry_pb2.CreateTapRequest(spec=spec, forever=True))
 
 
-def timed(client: layertap.Client, x: np.ndarray, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        client.infer(x)
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
@@ -101,8 +92,8 @@ def main() -> None:
                     med = {}
                     for name in order:
                         set_tap(stub, name == "on")
-                        timed(client, x, 1)  # the first pass after a new tap records shapes
-                        lat = timed(client, x, n)
+                        timed_requests(client, x, 1)  # the first pass after a new tap records shapes
+                        lat = timed_requests(client, x, n)
                         per[name] += lat
                         med[name] = statistics.median(lat)
                     ratios.append(med["on"] / med["off"])

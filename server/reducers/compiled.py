@@ -40,7 +40,7 @@ import torch
 
 from layertap.server.reducers import compiled_aoti
 from layertap.server.reducers.compiled_kernel import DENSE, SHIFT_SAMPLE, Signature, alias, canonical_form, signature_of
-from layertap.server.reducers.compiled_worker import Compiler
+from layertap.server.reducers.compiled_worker import Compiler, Entry
 from layertap.server.reducers.kernels import StatNeeds
 from layertap.server.reducers.workspace import F64, Workspace
 
@@ -194,35 +194,34 @@ class CompiledStats:
             return None  # a mode would see the compiled graph's ops (and its guards fail)
         x = ws.x
         canon = canonical_form(x)
-        if canon is not None and canon[0] == DENSE:
-            aot = self._compiler.aoti_kernels.get((x.device, x.dtype))
-            if aot is not None:  # any mode: no signature to work out (~1.5 us a call)
-                rnd, off, on = self._constants(x.device, torch.is_inference_mode_enabled())
-                if needs.shifted and ws.floating:
-                    rnd = torch.randint(0, ws.numel, (SHIFT_SAMPLE,), generator=ws.generator, device=x.device)
-                flat = x.view(-1) if x.is_contiguous() else alias(x, canon[1], canon[2])
-                out = aot(flat, rnd, on if needs.shifted else off)
-                self.compiled_calls += 1
-                return out
-        sig = signature_of(x, canon) if canon is not None else None
-        if not (needs.sums or needs.minmax) and not (sig is not None and self._compiler.aoti
-                                                     and compiled_aoti.applies(sig)):
-            # Counts alone (the nonfinite-only passes of every=N taps) cost the
-            # eager path two light ops, less than a dynamo kernel's call; the
-            # AOTInductor kernel costs less than both (18 vs 19-62 us, 320 to
-            # 131k elements, on the 2-core CPU machine).
-            return None
-        entry = self._compiler.ready(sig) if sig is not None else None
-        if entry is None:
-            self.eager_calls += 1
-            if sig is not None and self.background:
-                self._compiler.request(sig)
-            return None
-        assert canon is not None and sig is not None
-        rnd, off, on = self._constants(x.device, sig.inference)
+        entry: Entry | None = None
+        # A ready AOTInductor kernel serves dense tensors in any mode: no signature to work out (~1.5 us a call).
+        aot = self._compiler.aoti_kernels.get((x.device, x.dtype)) if canon is not None and canon[0] == DENSE else None
+        if aot is None:
+            sig = signature_of(x, canon) if canon is not None else None
+            if not (needs.sums or needs.minmax) and not (sig is not None and self._compiler.aoti
+                                                         and compiled_aoti.applies(sig)):
+                # Counts alone (the nonfinite-only passes of every=N taps) cost the
+                # eager path two light ops, less than a dynamo kernel's call; the
+                # AOTInductor kernel costs less than both (18 vs 19-62 us, 320 to
+                # 131k elements, on the 2-core CPU machine).
+                return None
+            entry = self._compiler.ready(sig) if sig is not None else None
+            if entry is None:
+                self.eager_calls += 1
+                if sig is not None and self.background:
+                    self._compiler.request(sig)
+                return None
+        assert canon is not None
+        rnd, off, on = self._constants(x.device, torch.is_inference_mode_enabled())
         if needs.shifted and ws.floating:  # shift_of's draw, from the same generator
             rnd = torch.randint(0, ws.numel, (SHIFT_SAMPLE,), generator=ws.generator, device=x.device)
-        out = entry.run(alias(x, canon[1], canon[2]), rnd, on if needs.shifted else off)
+        shift = on if needs.shifted else off
+        if aot is not None:
+            self.compiled_calls += 1
+            return aot(x.view(-1) if x.is_contiguous() else alias(x, canon[1], canon[2]), rnd, shift)
+        assert entry is not None
+        out = entry.run(alias(x, canon[1], canon[2]), rnd, shift)
         if out is None:
             self.guard_misses += 1
             self.eager_calls += 1
@@ -230,7 +229,6 @@ class CompiledStats:
             return None
         self.compiled_calls += 1
         return out
-
 
 #: The process's instance, off until the server turns it on (``--no-compile``
 #: keeps it off), so tests and in-process users never compile unless asked.

@@ -119,11 +119,6 @@ class Entry:
     state: str = QUEUED
     run: Kernel = field(default=_never, repr=False)
     backend: str = ""  # AOTI, DIRECT or RUN_ONLY once ready
-
-    @property
-    def direct(self) -> bool:
-        """Whether calls skip dynamo's per-call wrapper (AOTInductor, or our own guard check)."""
-        return self.backend in (AOTI, DIRECT)
     misses: int = 0
     error: str = ""
 

@@ -22,7 +22,7 @@ from layertap.server.reducers.basic import BasicReducer
 from layertap.server.taps.capture_wire import varint
 from layertap.v1 import telemetry_pb2 as pb
 
-__all__ = ["SummaryWire", "result_bytes", "results_bytes"]
+__all__ = ["SummaryWire", "results_bytes"]
 
 _VARINT, _FIXED64, _LENGTH = 0, 1, 2
 _SUMMARY = pb.Summary.DESCRIPTOR.fields_by_name
@@ -110,11 +110,6 @@ def _encoder(result_field: str) -> Callable[[Sequence[float]], bytes]:
     return encode
 
 
-def result_bytes(reducer: BasicReducer, values: Sequence[float], shape: Sequence[int]) -> bytes:
-    """One ``Summary.results`` entry, as wire bytes, from the reducer's host slots."""
-    return _encoder(reducer.result_field)(reducer.numbers(values, shape))
-
-
 Layout = tuple[tuple[BasicReducer, int, int], ...]
 
 
@@ -153,7 +148,7 @@ class SummaryWire:
 
     def summary(self, tap: str, layer: str, point: int, output_index: int, call_index: int, unsampled: bool,
                 pass_part: bytes, results: bytes, rank_part: bytes = b"") -> pb.Summary:
-        """A parsed ``Summary``; ``results`` is :func:`result_bytes` of each reducer, joined."""
+        """A parsed ``Summary``; ``results`` is :func:`results_bytes` of its plan."""
         key = (tap, layer, point, output_index, call_index, unsampled)
         header = self._headers.get(key)
         if header is None:

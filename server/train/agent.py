@@ -50,14 +50,14 @@ class Agent:
         rank: This process's rank, local rank and world size.
     """
 
-    def __init__(self, server: LayertapServer, steps: StepTracker, rank: Rank) -> None:
+    def __init__(self, server: LayertapServer, steps: StepTracker, rank: Rank, *, compiles: bool = False) -> None:
         self.server = server
         self.steps = steps
         self.rank = rank
         self.port = server.port
         self.metrics_port = server.metrics_port
         #: Whether this agent turned background compiles off (compile_reducers=True); close turns them back on.
-        self.compiles = False
+        self.compiles = compiles
         self._closed = False
 
     @property
@@ -195,6 +195,4 @@ def attach(
         server.stop(0)
         raise
     log.info("layertap agent for %s on %s (rank %d of %d)", loaded.name, server.address, rank.rank, rank.world_size)
-    agent = Agent(server, steps, rank)
-    agent.compiles = config.compile_reducers
-    return agent
+    return Agent(server, steps, rank, compiles=config.compile_reducers)

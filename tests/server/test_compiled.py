@@ -330,7 +330,7 @@ def test_run_only_mode_counts_misses_and_goes_stale(monkeypatch: pytest.MonkeyPa
     try:
         assert cs.compile_ahead(_sig(torch.float32))
         assert cs.wait_idle(WAIT) and cs.compiles == 1, cs.states()
-        assert not cs._compiler.ready(_sig(torch.float32)).direct  # type: ignore[union-attr]
+        assert cs._compiler.ready(_sig(torch.float32)).backend == "run-only"  # type: ignore[union-attr]
         x = CASES["f32_nan_inf"]()
         with torch.inference_mode():
             got = cs.stats(_ws(x), ALL_NEEDS)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from layertap.server.reducers.basic import BASIC_REDUCERS
 from layertap.server.reducers.kernels import BASIC_WIDTH
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
-from layertap.server.taps.summary_wire import SummaryWire, result_bytes, results_bytes
+from layertap.server.taps.summary_wire import SummaryWire, results_bytes
 from layertap.server.taps.tap import timestamp
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -84,8 +84,7 @@ def test_an_impossible_count_raises_as_the_message_path_does() -> None:
 
     plan = ReducerPlan(build_reducers([pb.ReducerSpec(kind=pb.REDUCER_KIND_NONFINITE)]))
     assert plan.basic_layout is not None
-    ((reducer, _, _),) = plan.basic_layout
     with pytest.raises(ValueError):
         plan.decode(np.array([3.0, 5.0]), (4,))
     with pytest.raises(ValueError, match="out of range"):
-        result_bytes(reducer, [3.0, 5.0], (4,))
+        results_bytes(plan.basic_layout, [3.0, 5.0], (4,))
