@@ -34,6 +34,7 @@ from layertap.server.record.wiring import start_recorder
 from layertap.server.codec import DTYPE_BY_NAME
 from layertap.server.rpc.inference import InferenceService
 from layertap.server.host.model_host import ModelHost
+from layertap.server.host.model_thread import in_own_thread
 from layertap.server.host.sources import LoadedModel, ModelLoadError, load_model
 from layertap.server.rpc.admission import StreamAdmission
 from layertap.server.rpc.auth import SERVER_OWNER, Authenticator
@@ -156,6 +157,13 @@ class LayertapServer:
         self.stop(0)
 
 
+def _load_host(config: ServerConfig, loaded: LoadedModel | None) -> ModelHost:
+    if loaded is None:
+        loaded = load_model(config.model, seed=config.seed, weights=config.weights,
+                            input_shape=config.input_shape, input_dtype=config.input_dtype)
+    return ModelHost(loaded, device=pick_device(config.device), dtype=DTYPE_BY_NAME[config.dtype])
+
+
 def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host: ModelHost | None = None,
                 registry: CollectorRegistry | None = None) -> ServerState:
     """Load the model and assemble the pipeline (no sockets yet).
@@ -168,12 +176,10 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
         registry: What ``/metrics`` serves, when metrics are on (default: a new one).
     """
     if host is None:
-        if loaded is None:
-            loaded = load_model(config.model, seed=config.seed, weights=config.weights,
-                                input_shape=config.input_shape, input_dtype=config.input_dtype)
         if config.dtype not in MODEL_DTYPES:
             raise ModelLoadError(f"--dtype {config.dtype!r}: expected one of {', '.join(MODEL_DTYPES)}")
-        host = ModelHost(loaded, device=pick_device(config.device), dtype=DTYPE_BY_NAME[config.dtype])
+        # Loaded on a thread that exits: see model_thread (one OpenMP team per process).
+        host = in_own_thread(_load_host, config, loaded)
         host.warm_up()
     loaded = host.loaded
     # One process-wide switch: inductor's caches are process-wide too.

@@ -11,7 +11,9 @@ pays a futex wake-up. Measured on the 2-core CPU machine (demo model, batch
 Triton's and TorchServe's model workers do.
 
 Passes stay serialized by the host's model lock, as before: this module
-changes which thread runs them, not when.
+changes which thread runs them, not when. Torch work that must run before the
+model thread exists (loading the model, a compile's warm-up) runs on a thread
+that exits (:func:`in_own_thread`), which takes its team with it.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from layertap.server.errors import Unavailable
 
-__all__ = ["ModelThread"]
+__all__ = ["ModelThread", "in_own_thread"]
 
 _T = TypeVar("_T")
 
@@ -72,3 +74,29 @@ class ModelThread:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False)
+
+
+def in_own_thread(fn: Callable[..., _T], *args: Any) -> _T:
+    """Runs ``fn(*args)`` on a fresh thread that exits when it returns, and returns or re-raises its outcome.
+
+    For torch work off the model thread: loading the model (its random init
+    and weight copies run parallel regions) or warming up a compiled kernel.
+    Measured on the 2-core CPU machine: a server whose main thread had loaded
+    the demo model ran every later forward in 12-14 ms instead of 7.4 ms, for
+    the rest of the process; loaded here, 7.4 ms.
+    """
+    result: list[_T] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            error.append(exc)
+
+    worker = threading.Thread(target=target, name="layertap-torch-job", daemon=True)
+    worker.start()
+    worker.join()
+    if error:
+        raise error[0]
+    return result[0]

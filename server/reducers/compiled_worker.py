@@ -34,10 +34,11 @@ import types
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
+from layertap.server.host.model_thread import in_own_thread
 from layertap.server.reducers import compiled_aoti
 from layertap.server.reducers.compiled_kernel import (
     DENSE,
@@ -54,7 +55,6 @@ __all__ = ["Compiler", "Entry", "Kernel", "example_of"]
 
 log = logging.getLogger("layertap.server.compiled")
 
-_T = TypeVar("_T")
 
 QUEUED, COMPILING, READY, FAILED, STALE = "queued", "compiling", "ready", "failed", "stale"
 AOTI, DIRECT, RUN_ONLY = "aoti", "direct", "run-only"
@@ -76,35 +76,6 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | No
 #: use inductor's worker pool and finish; plain ``atexit`` runs after that
 #: shutdown, and the compile then fails with "cannot schedule new futures".
 _at_exit: Callable[..., Any] = getattr(threading, "_register_atexit", atexit.register)
-
-
-def _in_own_thread(fn: Callable[..., _T], *args: Any) -> _T:
-    """Runs ``fn(*args)`` on a fresh thread that exits when it returns.
-
-    Why: the warm-up runs the kernel (and eager ops) on this thread, and
-    libgomp gives every thread that enters a parallel region a worker team of
-    its own, kept until the thread exits. A long-lived compile thread holding
-    one puts more OpenMP threads in the process than cores; libgomp then stops
-    spinning between regions (its throttled spin count), and every later
-    forward pays a futex wake-up per parallel region: measured on the 2-core
-    CPU machine, the untapped demo model's step went from 7-9 ms to 13-16 ms
-    for the rest of the process. A thread that exits takes its team with it.
-    """
-    result: list[_T] = []
-    error: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
-            error.append(exc)
-
-    worker = threading.Thread(target=target, name="layertap-compile-job", daemon=True)
-    worker.start()
-    worker.join()
-    if error:
-        raise error[0]
-    return result[0]
 
 
 def _never(x: torch.Tensor, rnd: torch.Tensor, on: torch.Tensor) -> torch.Tensor | None:
@@ -311,7 +282,7 @@ class Compiler:
                 entry.state = COMPILING
             try:
                 with self.gate if self.gate is not None else contextlib.nullcontext():
-                    run, backend, bad = _in_own_thread(self._compile, entry.sig, self.direct, self.aoti)
+                    run, backend, bad = in_own_thread(self._compile, entry.sig, self.direct, self.aoti)
             except Exception as exc:  # noqa: BLE001 - any compile error means eager for this signature
                 with self._lock:
                     self.failures += 1

@@ -360,6 +360,41 @@ def test_summary_and_tap_info_conversion() -> None:
     assert tap.created_at is not None and tap.created_at.timestamp() == 100
 
 
+def _filled(msg: Any, seed: int) -> Any:
+    """Sets every scalar and repeated scalar field of ``msg`` to a distinct non-default value."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    for i, fd in enumerate(msg.DESCRIPTOR.fields, start=seed):
+        if fd.type == FieldDescriptor.TYPE_MESSAGE:
+            continue
+        value: Any = i + 0.25 if fd.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT) else (
+            f"s{i}" if fd.type == FieldDescriptor.TYPE_STRING else True if fd.type == FieldDescriptor.TYPE_BOOL else i)
+        if fd.is_repeated:
+            getattr(msg, fd.name).extend([value, value])
+        else:
+            setattr(msg, fd.name, value)
+    return msg
+
+
+def test_summary_conversion_matches_the_generic_field_copy() -> None:
+    """summary_from_proto is written out for speed: it must agree with _from_fields on every field and kind."""
+    s = _filled(telemetry_pb2.Summary(), 1)
+    s.point = telemetry_pb2.POINT_GRAD_OUTPUT
+    s.wall_time.FromNanoseconds(2_250_000_000)
+    for n, kind in enumerate(convert._RESULT_TYPES):
+        _filled(getattr(s.results.add(), kind), 10 * n + 3)
+    s.results.add()  # an empty oneof (a reducer newer than this client): skipped
+    out = convert.summary_from_proto(s)
+    generic = convert._from_fields(
+        layertap.Summary, s, point="grad_output", step=s.step, rank=s.rank, wall_time=2.25,
+        results={kind: convert._from_fields(cls, getattr(r, kind))
+                 for r, (kind, cls) in zip(s.results, convert._RESULT_TYPES.items())})
+    assert out == generic
+    assert set(out.results) == set(convert._RESULT_TYPES)
+    s.has_step = s.has_rank = False
+    assert convert.summary_from_proto(s).step is None and convert.summary_from_proto(s).rank is None
+
+
 def test_drift_conversion() -> None:
     resp = telemetry_pb2.GetDriftResponse()
     d = resp.layers.add(layer="layer3", state=telemetry_pb2.BASELINE_STATE_READY, psi=0.3, drifted=True)
