@@ -134,6 +134,10 @@ class ReducerPlan:
         # Only latency: no device work at all (its value is a time, not a slot).
         self._slotless = bool(self.reducers) and all(isinstance(r, LatencyReducer) for r in self.reducers)
         self._generators: dict[torch.device, torch.Generator] = {}
+        #: Equal for plans that compute the same slots from the same tensor
+        #: (see :mod:`layertap.server.taps.reuse`); None for timed plans.
+        self.reuse_key: tuple[object, ...] | None = (
+            None if self.timed else tuple(r.key() for r in self.reducers))
 
     def __len__(self) -> int:
         return len(self.reducers)

@@ -33,6 +33,7 @@ from layertap.server.reducers.latency import Lap, LayerTimer, fill_latency
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.spec import SpecError
 from layertap.server.record.triggers import check_triggers, enabled
+from layertap.server.taps.reuse import PassReuse, passthrough_parents
 from layertap.server.taps.sampling import Clock, Sampler
 from layertap.server.taps.selectors import MAX_SELECTOR_BYTES, select_layers
 from layertap.server.taps.summary_wire import SummaryWire, results_bytes
@@ -77,6 +78,8 @@ class TapEngine:
         self.sinks: Sinks = sinks if sinks is not None else Sinks()
         self.transfer = HostTransfer(maxsize=transfer_queue)
         self._wire = SummaryWire()
+        #: Model thread only: reductions of this pass a later firing may reuse.
+        self._reuse = PassReuse(passthrough_parents(host.modules))
         #: Set by the flight recorder; without it a spec with triggers is refused.
         self.triggers_recorded = False
         #: Index of the last pass handed to the host-transfer thread (the recorder's cue).
@@ -232,6 +235,7 @@ class TapEngine:
     # -- model thread --------------------------------------------------------
     def _on_hook(self, tap: Tap, layer: str, ctx: PassContext, value: Any) -> None:
         if ctx.active or tap.disabled:
+            self._reuse.clear()  # whatever ran since the last firing is unknown
             return  # active-capture passes are never fed to taps
         t0 = time.perf_counter()
         if tap._pass != ctx.index:
@@ -240,6 +244,7 @@ class TapEngine:
             tap.calls.clear()
         call = tap.calls.get(layer, 0)
         tap.calls[layer] = call + 1
+        self._reuse.at(layer, tap.spec.point, call)
         plan = tap.layer_plans.get(layer, tap.plan) if tap._sampled else tap.always
         lap = tap.timer.take(layer) if tap.timer is not None else None
         if plan is None:
@@ -249,8 +254,13 @@ class TapEngine:
         # A parameter gradient reports its position among the module's parameters.
         offset = value.position if isinstance(value, ParamGrad) else 0
         try:
+            key = plan.reuse_key
             for i, (_key, tensor) in enumerate(flatten_tensors(value)):
-                vec = plan.run(tensor)
+                vec = self._reuse.get(key, tensor) if key is not None else None
+                if vec is None:
+                    vec = plan.run(tensor)
+                    if key is not None:
+                        self._reuse.put(key, tensor, vec)
                 self._buffer.add(len(self._pieces), vec)
                 self._pieces.append(_Piece(tap, layer, offset + i, call, tuple(tensor.shape), plan, tap._sampled,
                                            lap if plan.timed else None))
@@ -274,6 +284,7 @@ class TapEngine:
         """Ship the pass's results to the host-transfer thread (one D2H copy)."""
         buffer, pieces = self._buffer, self._pieces
         self._buffer, self._pieces = None, []
+        self._reuse.clear()
         hook_seconds, self._hook_seconds = self._hook_seconds, 0.0
         if hook_seconds:
             self.sinks.on_hook_time(hook_seconds)
