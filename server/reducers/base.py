@@ -25,7 +25,7 @@ __all__ = ["Reducer", "shape_numel"]
 
 def shape_numel(shape: Sequence[int]) -> int:
     """Element count of a shape: host metadata that costs no device slot."""
-    return math.prod(int(s) for s in shape)
+    return int(math.prod(shape))  # int(): numpy dims multiply to a numpy int
 
 
 class Reducer(abc.ABC):

@@ -94,6 +94,9 @@ def _encoder(result_field: str) -> Callable[[Sequence[float]], bytes]:
         h0, k1, k2, pack2 = heads[0], keys[1], keys[2], struct.Struct("<BdBd").pack
         return lambda numbers: prefix[19 + len(c := _unsigned(numbers[0]))] + h0 + c + pack2(
             k1, numbers[1], k2, numbers[2])
+    if doubles == [True, False]:  # zero_fraction: fraction, count
+        k0, h1, pack1 = keys[0], heads[1], struct.Struct("<Bd").pack
+        return lambda numbers: prefix[10 + len(c := _unsigned(numbers[1]))] + pack1(k0, numbers[0]) + h1 + c
     if doubles == [False, False]:  # nonfinite: two counts
         h0, h1 = heads
 
