@@ -13,6 +13,8 @@ Variants:
   d  b with every=10 (nonfinite still on every pass)
   e, f, g  b, c, d with the compiled (inductor) basic-statistics kernel, after
      its background compiles finished (``--no-compile`` drops these rows)
+  e0  e with the collector at the model thread's priority (``--telemetry-nice 0``;
+     every other row's collector runs at the default, 10 nicer; Linux only)
   h  f with the sample sorted as float64 values, the sort before the
      integer-key sort of issue 10 (``--float-sort`` adds this row, to compare
      before and after in one run; it swaps ``workspace.sort_ascending``)
@@ -33,6 +35,7 @@ import argparse
 import functools
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -43,6 +46,7 @@ from layertap.server.reducers import workspace
 from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.stream.broker import Broker
 from layertap.server.host.model_host import ModelHost
+from layertap.server.host.priority import DEFAULT_TELEMETRY_NICE, set_telemetry_nice
 from layertap.server.host.sources import load_model
 from layertap.server.taps.tap_files import reducer_spec
 from layertap.server.reducers.plan import ReducerPlan
@@ -109,6 +113,9 @@ def main() -> None:
     if args.channels_last:
         host.module = host.module.to(memory_format=torch.channels_last)
     broker = Broker(default_queue_size=4)
+    set_telemetry_nice(0)  # e0's engine: its collector thread starts at the model thread's priority
+    engine_nice0 = TapEngine(host, broker, max_taps=1000)
+    set_telemetry_nice(DEFAULT_TELEMETRY_NICE)
     engine = TapEngine(host, broker, max_taps=1000)
     sub = broker.subscribe(None, queue_size=4)  # a live subscriber (drops are fine)
     layers = block_level(host.module)
@@ -130,17 +137,18 @@ def main() -> None:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         engine.flush(30)
+        engine_nice0.flush(30)
         while sub.get(timeout=0) is not None:
             pass
         return statistics.median(times)
 
-    def taps(reducers: list[str], every: int = 0) -> Callable[[], None]:
+    def taps(reducers: list[str], every: int = 0, on: TapEngine = engine) -> Callable[[], None]:
         ids = []
         for layer in layers:
-            t = engine.create(pb.TapSpec(selector=layer, reducers=[reducer_spec(r, "r") for r in reducers],
-                                         sampling=pb.Sampling(every_n=every)), forever=True)
+            t = on.create(pb.TapSpec(selector=layer, reducers=[reducer_spec(r, "r") for r in reducers],
+                                     sampling=pb.Sampling(every_n=every)), forever=True)
             ids.append(t.id)
-        return lambda: [engine.delete(i) for i in ids] and None
+        return lambda: [on.delete(i) for i in ids] and None
 
     variants: dict[str, Callable[[], Callable[[], None]]] = {
         "0 no hooks either (A/A: the noise floor)": lambda: lambda: None,
@@ -166,6 +174,10 @@ def main() -> None:
                                          ("g", "d", BASIC)):
             name = f"{key} {label}, compiled basic statistics"
             variants[name] = with_compiled(functools.partial(taps, base_variant, 10 if label == "d" else 0))
+            compiled_variants.append(name)
+        if sys.platform.startswith("linux"):
+            name = "e0 e, collector at the model's priority"
+            variants[name] = with_compiled(functools.partial(taps, BASIC, 0, engine_nice0))
             compiled_variants.append(name)
         if args.float_sort:
             def float_sorted(install: Callable[[], Callable[[], None]]) -> Callable[[], Callable[[], None]]:
@@ -253,6 +265,7 @@ def main() -> None:
               f"during timing {timed}")
     COMPILED_STATS.close()
     engine.close()
+    engine_nice0.close()
 
 
 if __name__ == "__main__":

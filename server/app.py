@@ -35,6 +35,7 @@ from layertap.server.codec import DTYPE_BY_NAME
 from layertap.server.rpc.inference import InferenceService
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.model_thread import in_own_thread
+from layertap.server.host.priority import set_telemetry_nice
 from layertap.server.host.sources import LoadedModel, ModelLoadError, load_model
 from layertap.server.rpc.admission import StreamAdmission
 from layertap.server.rpc.auth import SERVER_OWNER, Authenticator
@@ -171,10 +172,17 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
     The data flow is wired here and only here: host -> tap engine -> host
     transfer -> broker (subscribers) and the sinks (Prometheus export, drift).
 
+    The model loads on a thread that exits (see ``host.model_thread``). A
+    ``loaded`` model the caller built already ran its initialization on the
+    caller's thread: if that was large enough to run parallel regions, that
+    thread keeps an OpenMP team and forwards run slower; build it in
+    :func:`~layertap.server.host.model_thread.in_own_thread` too.
+
     Args:
         host: A host built by the caller (a training agent's), used as is.
         registry: What ``/metrics`` serves, when metrics are on (default: a new one).
     """
+    set_telemetry_nice(config.telemetry_nice)  # first: a bad value fails before the model loads
     if host is None:
         if config.dtype not in MODEL_DTYPES:
             raise ModelLoadError(f"--dtype {config.dtype!r}: expected one of {', '.join(MODEL_DTYPES)}")

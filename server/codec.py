@@ -19,6 +19,7 @@ import math
 import sys
 import warnings
 
+import numpy as np
 import torch
 from google.protobuf.internal import api_implementation
 
@@ -131,12 +132,30 @@ def tensor_from_proto(msg: tensor_pb2.Tensor, field: str = "inputs[0]", raw: byt
     return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
 
 
-def tensor_to_bytes(t: torch.Tensor) -> bytes:
-    """Row-major bytes of a CPU tensor (made contiguous first)."""
-    t = t.detach().contiguous()
+#: Same-size integer dtypes, for a byte view of any CPU tensor (bf16 has no numpy dtype).
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def host_bytes(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's row-major bytes as a 1-D uint8 array: a view when contiguous, else one numpy copy.
+
+    Why numpy: torch's ``.contiguous()`` copy runs an OpenMP parallel region,
+    and on a gRPC worker or the recorder thread that starts a worker team of
+    that thread's own, which slows every later forward (see
+    ``host.model_thread``). numpy copies on the calling thread alone.
+    """
+    t = t.detach()
     if t.numel() == 0:
-        return b""
-    return t.view(-1).view(torch.uint8).numpy().tobytes()
+        return np.empty(0, dtype=np.uint8)
+    same = _SAME_SIZE_INT.get(t.element_size())
+    if same is None:  # no real dtype of another size reaches here; keep torch's copy for one that does
+        return t.contiguous().view(-1).view(torch.uint8).numpy()
+    return np.ascontiguousarray(t.view(same).numpy()).reshape(-1).view(np.uint8)
+
+
+def tensor_to_bytes(t: torch.Tensor) -> bytes:
+    """Row-major bytes of a CPU tensor (see :func:`host_bytes`)."""
+    return host_bytes(t).tobytes()
 
 
 def tensor_to_proto(t: torch.Tensor, name: str = "") -> tensor_pb2.Tensor:

@@ -47,6 +47,9 @@ class ServerConfig:
     #: Basic statistics from one compiled (inductor) kernel per signature,
     #: compiled in the background; False (``--no-compile``): eager torch ops only.
     compile_reducers: bool = True
+    #: How much nicer than the model thread the telemetry threads run
+    #: (collector, recorder, compiles, /metrics); 0: same priority. See host.priority.
+    telemetry_nice: int = 10
     #: Plaintext gRPC health listener (e.g. 127.0.0.1:50052) for probes that
     #: cannot speak TLS (Docker HEALTHCHECK, kubelet); None: none.
     health_address: str | None = None

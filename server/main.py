@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plaintext gRPC health-only listener for probes that cannot speak TLS (e.g. 127.0.0.1:50052)")
     p.add_argument("--no-compile", dest="compile_reducers", action="store_false",
                    help="never torch.compile the reducers' statistics kernel (eager torch ops only)")
+    p.add_argument("--telemetry-nice", type=int, default=d.telemetry_nice,
+                   help="raise the telemetry threads' nice value by this much (0-19; 0: as the model), so that "
+                        "under full CPU load telemetry falls behind before inference slows down (Linux)")
     p.add_argument("--taps", dest="tap_config", help="YAML or JSON file of durable taps to create at start")
     p.add_argument("--baseline-dir", help="directory where drift baselines are saved and reloaded")
     p.add_argument("--drift-window", type=int, default=d.drift_window, help="passes in the sliding drift window")

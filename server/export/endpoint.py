@@ -23,6 +23,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from layertap.server.export.exposition import negotiate
+from layertap.server.host.priority import lower_this_thread
 
 log = logging.getLogger("layertap.server")
 
@@ -129,7 +130,11 @@ def start_metrics_server(registry: Collector, host: str = "127.0.0.1", port: int
     server = make_server(host, port, make_metrics_app(registry, authorize), _Server, handler_class=_QuietHandler)
     if ssl_context is not None:
         server.socket = ssl_context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
-    thread = threading.Thread(target=server.serve_forever, name="layertap-metrics", daemon=True)
+    def serve() -> None:
+        lower_this_thread()  # a scrape's rendering yields the CPU to the model; request threads inherit it
+        server.serve_forever()
+
+    thread = threading.Thread(target=serve, name="layertap-metrics", daemon=True)
     thread.start()
     return server, int(server.server_address[1])
 

@@ -19,6 +19,7 @@ that exits (:func:`in_own_thread`), which takes its team with it.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -27,11 +28,13 @@ from layertap.server.errors import Unavailable
 
 __all__ = ["ModelThread", "in_own_thread"]
 
+log = logging.getLogger(__name__)
+
 _T = TypeVar("_T")
 
 
 class ModelThread:
-    """Runs callables on one thread, started on first use, and returns their results.
+    """Runs callables on one thread, started at construction, and returns their results.
 
     Args:
         name: The thread's name (shows in ``py-spy`` and thread dumps).
@@ -40,10 +43,15 @@ class ModelThread:
     def __init__(self, name: str = "layertap-model") -> None:
         self._name = name
         self._lock = threading.Lock()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._ident: int | None = None
         self._closed = False
         self.calls = 0
+        # Started now, from the constructing thread: a thread inherits its
+        # creator's nice value, and a first call from a telemetry thread
+        # (see host.priority) would otherwise start the model thread niced.
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=self._name, initializer=self._remember)
+        self._pool.submit(lambda: None)
 
     def _remember(self) -> None:
         self._ident = threading.get_ident()
@@ -59,9 +67,7 @@ class ModelThread:
         with self._lock:
             if self._closed:
                 raise Unavailable("the server is shutting down; its model thread has stopped")
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=self._name, initializer=self._remember)
+            assert self._pool is not None  # None only once closed
             # Submitted under the lock: close() cannot shut the pool in between.
             future = self._pool.submit(fn, *args)
             self.calls += 1
@@ -84,19 +90,38 @@ def in_own_thread(fn: Callable[..., _T], *args: Any) -> _T:
     Measured on the 2-core CPU machine: a server whose main thread had loaded
     the demo model ran every later forward in 12-14 ms instead of 7.4 ms, for
     the rest of the process; loaded here, 7.4 ms.
+
+    A Ctrl-C while this waits is held until ``fn`` returns, then raised: the
+    work cannot be interrupted, and an interpreter that exits with a thread
+    inside torch's C++ aborts (SIGABRT), daemon thread or not.
     """
     result: list[_T] = []
     error: list[BaseException] = []
+    # An event, not join(): Python 3.11's join() interrupted by Ctrl-C marks
+    # a live thread stopped (its bpo-45274 clean-up), and nothing waits again.
+    done = threading.Event()
 
     def target() -> None:
         try:
             result.append(fn(*args))
         except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
             error.append(exc)
+        finally:
+            done.set()
 
     worker = threading.Thread(target=target, name="layertap-torch-job", daemon=True)
     worker.start()
-    worker.join()
+    interrupted: BaseException | None = None
+    while not done.is_set():
+        try:
+            done.wait()
+        except KeyboardInterrupt as exc:
+            if interrupted is None:
+                log.warning("interrupted: waiting for %s to finish first (it cannot be stopped)",
+                            getattr(fn, "__name__", "the torch work"))
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
     if error:
         raise error[0]
     return result[0]

@@ -33,6 +33,7 @@ from layertap.server.codec import tensor_to_bytes, wire_dtype
 from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.host.hooks import POINT_NAMES
 from layertap.server.host.model_host import PassContext, flatten_tensors
+from layertap.server.host.priority import lower_this_thread
 from layertap.server.record.replay import Share, anomalous_rows, replay
 from layertap.server.record.retention import InputRetention
 from layertap.server.record.store import IncidentStore, StoredTensor, new_id
@@ -185,6 +186,7 @@ class Recorder(Sink):
 
     # -- recorder thread -------------------------------------------------------------
     def _run(self) -> None:
+        lower_this_thread()  # telemetry yields the CPU to the model (see host.priority)
         while (job := self._jobs.get()) is not None:
             try:
                 self._record(job)

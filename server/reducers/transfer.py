@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from layertap.server.host.priority import lower_this_thread, telemetry_nice
+
 __all__ = ["HostTransfer", "PassBuffer", "PendingPass", "PinnedPool", "TransferStats", "ValuesCallback"]
 
 _log = logging.getLogger(__name__)
@@ -272,6 +274,7 @@ class HostTransfer:
         self.dropped = 0
         self.errors = 0
         self.last_error: str | None = None
+        self._nice = telemetry_nice()  # read now: the thread may start after the setting changed
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -361,6 +364,7 @@ class HostTransfer:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        lower_this_thread(self._nice)  # telemetry yields the CPU to the model (see host.priority)
         while True:
             with self._cond:
                 while not self._queue and not self._closed:

@@ -18,9 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-import torch
-
-from layertap.server.codec import wire_dtype
+from layertap.server.codec import host_bytes, wire_dtype
 from layertap.v1 import telemetry_pb2 as pb
 
 if TYPE_CHECKING:
@@ -75,10 +73,11 @@ def encode_pass(rec: CapturedPass, opts: CaptureOptions, tensor_ids: Iterator[in
     point = opts.point
     order = sorted(rec.tensors, key=lambda c: (rank[c.layer], c.call_index, c.output_index))
     for cap in order:
-        host_t = cap.tensor.to("cpu").contiguous()
+        host_t = cap.tensor.to("cpu")
         nbytes = host_t.numel() * host_t.element_size()
-        # A byte view of the tensor itself: chunk_message copies each byte once.
-        data = host_t.view(-1).view(torch.uint8).numpy().data if nbytes else memoryview(b"")
+        # A byte view of the tensor itself (numpy's copy first when it is a
+        # strided view): chunk_message copies each byte once.
+        data = host_bytes(host_t).data
         tid = next(tensor_ids)
         nchunks = (nbytes + CHUNK_BYTES - 1) // CHUNK_BYTES
         header = pb.CaptureResponse(header=pb.CaptureHeader(

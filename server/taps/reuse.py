@@ -11,7 +11,8 @@ Two firings see the very same tensor, unchanged, in two cases:
   last child's output as is, so ``layer1``'s output *is* ``layer1.1``'s, and
   block-level selectors (``layer*``) tap both: ResNet's four stages, for one.
 
-Anything else (a custom forward, a module called twice, a hook that returns a
+Anything else (a custom forward, on the class or set on the instance as
+wrappers do, a compiled module, a module called twice, a hook that returns a
 new output) fails the identity check and is reduced afresh. Tensors that track
 versions (outside inference mode) must also show the same version, so an
 in-place write between the two firings is caught. Inference tensors carry no
@@ -39,7 +40,8 @@ def passthrough_parents(modules: Mapping[str, nn.Module]) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, module in modules.items():
         if name and isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward \
-                and len(module) > 0:
+                and "forward" not in vars(module) and getattr(module, "_compiled_call_impl", None) is None \
+                and len(module) > 0:  # a forward replaced on the instance (wrappers do) is not Sequential's
             last = list(module._modules)[-1]
             out[name] = f"{name}.{last}"
     return out

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 
 import pytest
 
@@ -33,3 +38,27 @@ def test_a_closed_model_thread_refuses_calls_as_unavailable() -> None:
     model.close()
     with pytest.raises(Unavailable, match="shutting down"):
         model.call(lambda: 7)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="sends SIGINT")
+def test_ctrl_c_during_torch_work_on_its_own_thread_waits_for_it_then_stops() -> None:
+    """A process that exits with a thread inside torch's C++ aborts (SIGABRT): the interrupt waits for the work."""
+    script = textwrap.dedent("""
+        import sys, time, torch
+        from layertap.server.host.model_thread import in_own_thread
+        def work():
+            print("started", flush=True)
+            end = time.monotonic() + 3
+            while time.monotonic() < end:
+                torch.randn(256, 256) @ torch.randn(256, 256)
+            print("work done", flush=True)
+        in_own_thread(work)
+        print("not reached", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "started\n"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGINT, (proc.returncode, err[-2000:])  # KeyboardInterrupt, not SIGABRT
+    assert out == "work done\n" and "waiting for work to finish" in err and "terminate called" not in err

@@ -69,7 +69,12 @@ def test_passthrough_parents_are_plain_sequentials_only() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return super().forward(x) * 2
 
-    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), Doubled(nn.Linear(2, 2)), nn.Sequential())
+    patched = nn.Sequential(nn.Linear(2, 2))
+    patched.forward = lambda x: nn.Sequential.forward(patched, x).neg_()  # type: ignore[method-assign]
+    compiled = nn.Sequential(nn.Linear(2, 2))
+    compiled.compile()  # compiles at its first call, which never comes here
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), Doubled(nn.Linear(2, 2)), nn.Sequential(),
+                          patched, compiled)
     assert passthrough_parents(dict(model.named_modules())) == {"0": "0.1"}  # "" (the root) is never hooked
     demo = dict(load_model("demo").module.named_modules())
     assert passthrough_parents(demo) == {
