@@ -42,10 +42,12 @@ VARIANTS: dict[str, dict] = {
 }
 
 
-def start_server(no_compile: bool) -> tuple[subprocess.Popen[str], str, int]:
+def start_server(no_compile: bool, telemetry_nice: int | None = None) -> tuple[subprocess.Popen[str], str, int]:
     args = [sys.executable, "-m", "layertap.cli", "serve", "--port", "0", "--metrics-port", "0"]
     if no_compile:
         args.append("--no-compile")
+    if telemetry_nice is not None:
+        args += ["--telemetry-nice", str(telemetry_nice)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     port = metrics = -1
@@ -112,9 +114,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--telemetry-nice", type=int, help="the server's --telemetry-nice (default: its own default)")
     args = ap.parse_args()
 
-    proc, address, metrics_port = start_server(args.no_compile)
+    proc, address, metrics_port = start_server(args.no_compile, args.telemetry_nice)
     try:
         x = np.random.default_rng(0).standard_normal((args.batch, 3, 32, 32)).astype(np.float32)
         with layertap.Client(address, timeout=120) as client:
@@ -143,7 +146,8 @@ def main() -> None:
         proc.wait(30)
 
     print(f"layertap infer latency: demo model, batch {args.batch}, 14 block taps, {platform.machine()}, "
-          f"torch {torch.__version__}, compile={'off' if args.no_compile else 'on'} ({last:.0f} kernels)")
+          f"torch {torch.__version__}, compile={'off' if args.no_compile else 'on'} ({last:.0f} kernels), "
+          f"telemetry-nice={'default' if args.telemetry_nice is None else args.telemetry_nice}")
     print(f"untapped median Infer {statistics.median(bases) * 1e3:.2f} ms; "
           f"{args.rounds} interleaved rounds x {args.requests} requests")
     print(f"{'variant':28s} {'median':>7s}  spread")

@@ -49,7 +49,7 @@ class ServerConfig:
     compile_reducers: bool = True
     #: How much nicer than the model thread the telemetry threads run
     #: (collector, recorder, compiles, /metrics); 0: same priority. See host.priority.
-    telemetry_nice: int = 10
+    telemetry_nice: int = 19
     #: Plaintext gRPC health listener (e.g. 127.0.0.1:50052) for probes that
     #: cannot speak TLS (Docker HEALTHCHECK, kubelet); None: none.
     health_address: str | None = None

@@ -29,8 +29,11 @@ __all__ = ["DEFAULT_TELEMETRY_NICE", "lower_this_thread", "set_telemetry_nice", 
 log = logging.getLogger(__name__)
 
 #: How much nicer than the model thread telemetry threads run by default
-#: (``--telemetry-nice``): under contention a nice-10 thread gets ~10% of a core.
-DEFAULT_TELEMETRY_NICE = 10
+#: (``--telemetry-nice``): the most, so a woken model worker takes the core
+#: back at once; under full load a nice-19 thread still gets ~1.5% of a
+#: core. Measured (docs/benchmarks.md): nice 10 changed nothing against 0,
+#: 19 took ~0.05x off the tapped step.
+DEFAULT_TELEMETRY_NICE = 19
 _MAX_NICE = 19
 
 _nice = DEFAULT_TELEMETRY_NICE
