@@ -23,7 +23,10 @@ of torch's and Python's versions, the body's source, the host's CPU flags and
 C++ toolchain (the code is built for the native CPU) and the signature, so a
 restart loads instead of compiling (cold compile ~15-20 s on 2 cores, load
 well under a second). A package that does not load is deleted, counted and
-rebuilt, never fatal.
+rebuilt, never fatal. Every load touches the package; packages and
+leftover temporary files nobody has loaded for ``STALE_DAYS`` (from older
+torch versions, older bodies, or hosts gone from a shared volume) are
+deleted, once per process, so the cache does not grow with every upgrade.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import os
 import platform
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -44,7 +48,7 @@ import torch
 
 from layertap.server.reducers.compiled_kernel import DENSE, SHIFT_SAMPLE, Signature, basic_stats_body
 
-__all__ = ["AotiKernel", "applies", "cache_dir", "load_or_compile", "package_path"]
+__all__ = ["STALE_DAYS", "AotiKernel", "applies", "cache_dir", "load_or_compile", "package_path", "prune"]
 
 log = logging.getLogger("layertap.server.compiled")
 
@@ -136,6 +140,48 @@ class AotiKernel:
         return self._compiled(x, rnd, on)  # type: ignore[no-any-return]
 
 
+#: Packages not loaded for this long are deleted by :func:`prune`.
+STALE_DAYS = 30.0
+
+
+def prune(directory: Path, now: float | None = None) -> int:
+    """Deletes packages and temporary files in ``directory`` unused for ``STALE_DAYS``; returns how many.
+
+    "Unused" is the modification time, which every load refreshes. A file
+    that vanishes or cannot be deleted meanwhile (another replica pruning the
+    same volume) is skipped.
+    """
+    cutoff = (time.time() if now is None else now) - STALE_DAYS * 86400
+    removed = 0
+    try:
+        entries = list(directory.glob("basic_stats-*.pt2"))
+    except OSError:
+        return 0
+    for path in entries:
+        try:
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
+                removed += 1
+        except OSError:
+            continue
+    if removed:
+        log.info("compiled basic statistics: deleted %d package(s) unused for %g days from %s",
+                 removed, STALE_DAYS, directory)
+    return removed
+
+
+@functools.cache
+def _prune_once(directory: Path) -> None:
+    prune(directory)
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass  # a read-only volume: the package still loads, it may be pruned elsewhere
+
+
 def load_or_compile(sig: Signature, example: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[AotiKernel, bool]:
     """The signature's kernel from its cached package, compiling it first when missing or unreadable.
 
@@ -143,10 +189,13 @@ def load_or_compile(sig: Signature, example: tuple[torch.Tensor, torch.Tensor, t
         The kernel, and whether a cached package was unreadable (deleted and rebuilt).
     """
     path = package_path(sig)
+    _prune_once(path.parent)
     bad = False
     if path.exists():
         try:
-            return AotiKernel(torch._inductor.aoti_load_package(str(path))), False
+            kernel = AotiKernel(torch._inductor.aoti_load_package(str(path)))
+            _touch(path)  # in use: prune keeps it
+            return kernel, False
         except Exception as exc:  # noqa: BLE001 - a bad cache file is rebuilt, never fatal
             bad = True
             log.warning("compiled basic statistics: cached package %s does not load (%s: %s); rebuilding it",

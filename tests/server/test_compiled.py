@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -427,7 +428,7 @@ def test_another_mode_loads_the_cached_package_without_compiling(compiled: Compi
     spy = _Compiles(monkeypatch)
     sig = _sig(torch.float32)
     path = compiled_aoti.package_path(sig)
-    built = path.stat().st_mtime_ns
+    built = (path.stat().st_ino, path.read_bytes())  # a rebuild replaces the file: a new inode
     x = CASES["f32_nan_inf"]()
     with torch.inference_mode():
         want = compiled.stats(_ws(x), ALL_NEEDS)
@@ -443,7 +444,32 @@ def test_another_mode_loads_the_cached_package_without_compiling(compiled: Compi
     with torch.enable_grad():
         got = compiled.stats(_ws(x), ALL_NEEDS)
     assert got is not None and want is not None and torch.equal(got, want)
-    assert spy.threads == [] and path.stat().st_mtime_ns == built
+    assert spy.threads == [] and (path.stat().st_ino, path.read_bytes()) == built
+
+
+def test_packages_unused_for_stale_days_are_pruned_and_loads_mark_use(compiled: CompiledStats, tmp_path: Path) -> None:
+    now = time.time()
+    old = now - (compiled_aoti.STALE_DAYS + 1) * 86400
+
+    def made(name: str, mtime: float) -> Path:
+        path = tmp_path / name
+        path.write_bytes(b"x")
+        os.utime(path, (mtime, mtime))
+        return path
+
+    made("basic_stats-float32-dense-0ld.pt2", old)  # an older torch's, or a host gone from the volume
+    made("basic_stats-float32-dense-0ld-abc123.tmp.pt2", old)  # a compile killed mid-write
+    kept = [made("basic_stats-float16-dense-recent.pt2", now - 86400), made("notes.txt", old)]
+    assert compiled_aoti.prune(tmp_path, now) == 2
+    assert sorted(tmp_path.iterdir()) == sorted(kept)
+    # A load refreshes the package's time, so a package in use is never stale.
+    sig = _sig(torch.float32)
+    path = compiled_aoti.package_path(sig)
+    os.utime(path, (old, old))
+    compiled_aoti.load_or_compile(sig, compiled_worker.example_of(sig))
+    assert path.stat().st_mtime > now - 60
+    compiled_aoti.prune(path.parent)
+    assert path.exists()
 
 
 def test_a_cached_package_that_does_not_load_is_rebuilt_and_counted(tmp_path: Path,
