@@ -24,7 +24,7 @@ from layertap.server.export.activations import ActivationCollector
 from layertap.server.export.endpoint import accepts_gzip, start_metrics_server, stop_metrics_server
 from layertap.server.export.exposition import negotiate, render, render_latest, render_openmetrics
 from layertap.server.export.health import ServerMetrics
-from layertap.server.export.series import fmt_value
+from layertap.server.export.series import Lines, fmt_value
 from layertap.server.export.snapshots import LayerSnapshot, SnapshotStore
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -80,6 +80,14 @@ def test_fmt_value_matches_on_random_values() -> None:
                              np.exp(rng.uniform(-700, 700, 2000)), rng.normal(size=2000).astype(np.float32)])
     for v in values.tolist():
         assert fmt_value(float(v)) == floatToGoString(v), v
+
+
+@pytest.mark.parametrize("values", [[0, 1, -7, 999_999, 42], [0, 1_000_000, 3], [10**8, 2**53 + 1], [True, 2],
+                                    [1, 2.5], [np.int64(3), 4]])
+def test_lines_write_counts_as_prometheus_client_does(values: list) -> None:
+    """Ints below 1e6 take a shortcut in Lines.fill; every mix must print as floatToGoString."""
+    lines = Lines([f"m{i} " for i in range(len(values))])
+    assert lines.fill(values) == "".join(f"m{i} {floatToGoString(float(v))}\n" for i, v in enumerate(values))
 
 
 def test_same_bytes_as_prometheus_client_through_updates_escaping_nonfinite_and_removal() -> None:
