@@ -144,7 +144,7 @@ def host_bytes(t: torch.Tensor) -> np.ndarray:
     that thread's own, which slows every later forward (see
     ``host.model_thread``). numpy copies on the calling thread alone.
     """
-    t = t.detach()
+    t = t.detach().resolve_conj().resolve_neg()  # a lazy conj/neg bit has no byte view
     if t.numel() == 0:
         return np.empty(0, dtype=np.uint8)
     same = _SAME_SIZE_INT.get(t.element_size())

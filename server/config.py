@@ -48,7 +48,7 @@ class ServerConfig:
     #: compiled in the background; False (``--no-compile``): eager torch ops only.
     compile_reducers: bool = True
     #: How much nicer than the model thread the telemetry threads run
-    #: (collector, recorder, compiles, /metrics); 0: same priority. See host.priority.
+    #: (collector, recorder, /metrics); 0: same priority. See host.priority.
     telemetry_nice: int = 19
     #: Plaintext gRPC health listener (e.g. 127.0.0.1:50052) for probes that
     #: cannot speak TLS (Docker HEALTHCHECK, kubelet); None: none.

@@ -110,7 +110,7 @@ class Lines:
             return self._text
         if len(values) * 2 + 1 != len(self._parts) and (values or self._parts):
             raise ValueError(f"{len(values)} values for {len(self._parts) // 2} sample lines")
-        if all(type(v) is int for v in values) and max(values, default=0) < 1_000_000:
+        if all(type(v) is int for v in values) and 0 <= min(values, default=0) and max(values, default=0) < 1_000_000:
             # Counts (histogram buckets, non-finite totals): an int below
             # Go's exponent switch prints as repr(float(v)) does, at a third
             # of the cost (~4,600 of a 200-layer scrape's ~9,000 values).

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
+import signal
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -110,16 +112,40 @@ def in_own_thread(fn: Callable[..., _T], *args: Any) -> _T:
             done.set()
 
     worker = threading.Thread(target=target, name="layertap-torch-job", daemon=True)
-    worker.start()
+    name = getattr(fn, "__name__", "the torch work")
+    presses = 0
+
+    def held(_signum: int, _frame: object) -> None:
+        # A handler that records instead of raising: a KeyboardInterrupt may
+        # land anywhere, even in this wait's own clean-up, and leave early.
+        nonlocal presses
+        presses += 1
+        if presses == 1:
+            log.warning("interrupted: waiting for %s to finish first (it cannot be stopped); "
+                        "press Ctrl-C twice more to leave at once", name)
+        elif presses >= 3:
+            log.warning("interrupted three times: leaving now, %s unfinished", name)
+            logging.shutdown()
+            os._exit(130)
+
+    own_sigint = (threading.current_thread() is threading.main_thread()
+                  and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    previous = signal.signal(signal.SIGINT, held) if own_sigint else None
     interrupted: BaseException | None = None
-    while not done.is_set():
-        try:
-            done.wait()
-        except KeyboardInterrupt as exc:
-            if interrupted is None:
-                log.warning("interrupted: waiting for %s to finish first (it cannot be stopped)",
-                            getattr(fn, "__name__", "the torch work"))
-            interrupted = exc
+    try:
+        worker.start()
+        while not done.is_set():
+            try:
+                done.wait()
+            except KeyboardInterrupt as exc:  # another handler raised it: still wait
+                if interrupted is None:
+                    log.warning("interrupted: waiting for %s to finish first (it cannot be stopped)", name)
+                interrupted = exc
+    finally:
+        if own_sigint:
+            signal.signal(signal.SIGINT, previous)
+    if presses and interrupted is None:
+        interrupted = KeyboardInterrupt()
     if interrupted is not None:
         raise interrupted
     if error:

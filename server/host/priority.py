@@ -45,7 +45,7 @@ def set_telemetry_nice(nice: int) -> None:
     Raises:
         ValueError: ``nice`` outside 0..19.
     """
-    if not 0 <= nice <= _MAX_NICE:
+    if type(nice) is not int or not 0 <= nice <= _MAX_NICE:
         raise ValueError(f"--telemetry-nice {nice}: expected 0 to {_MAX_NICE}")
     global _nice
     _nice = nice
@@ -71,7 +71,7 @@ def lower_this_thread(nice: int | None = None) -> int | None:
         now = os.getpriority(os.PRIO_PROCESS, tid)
         target = min(_MAX_NICE, now + step)
         os.setpriority(os.PRIO_PROCESS, tid, target)
-    except OSError as exc:  # a sandbox may forbid it: telemetry still works, at normal priority
+    except Exception as exc:  # noqa: BLE001 - a sandbox may forbid it: telemetry still works, at normal priority
         log.debug("could not lower the priority of thread %s: %s", threading.current_thread().name, exc)
         return None
     return target

@@ -144,10 +144,12 @@ class AotiKernel:
 STALE_DAYS = 30.0
 
 
-def prune(directory: Path, now: float | None = None) -> int:
+def prune(directory: Path, now: float | None = None, keep: Path | None = None) -> int:
     """Deletes packages and temporary files in ``directory`` unused for ``STALE_DAYS``; returns how many.
 
-    "Unused" is the modification time, which every load refreshes. A file
+    "Unused" is the modification time, which every load refreshes. ``keep``
+    (the package this process is about to load) is never deleted, however
+    old: a server restarted after a long run or downtime reuses it. A file
     that vanishes or cannot be deleted meanwhile (another replica pruning the
     same volume) is skipped.
     """
@@ -158,6 +160,8 @@ def prune(directory: Path, now: float | None = None) -> int:
     except OSError:
         return 0
     for path in entries:
+        if path == keep:
+            continue
         try:
             if path.stat().st_mtime < cutoff:
                 path.unlink()
@@ -170,9 +174,13 @@ def prune(directory: Path, now: float | None = None) -> int:
     return removed
 
 
-@functools.cache
-def _prune_once(directory: Path) -> None:
-    prune(directory)
+_pruned: set[Path] = set()
+
+
+def _prune_once(directory: Path, keep: Path) -> None:
+    if directory not in _pruned:
+        _pruned.add(directory)
+        prune(directory, keep=keep)
 
 
 def _touch(path: Path) -> None:
@@ -189,7 +197,7 @@ def load_or_compile(sig: Signature, example: tuple[torch.Tensor, torch.Tensor, t
         The kernel, and whether a cached package was unreadable (deleted and rebuilt).
     """
     path = package_path(sig)
-    _prune_once(path.parent)
+    _prune_once(path.parent, keep=path)
     bad = False
     if path.exists():
         try:

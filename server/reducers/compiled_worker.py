@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from layertap.server.host.model_thread import in_own_thread
-from layertap.server.host.priority import lower_this_thread
 from layertap.server.reducers import compiled_aoti
 from layertap.server.reducers.compiled_kernel import (
     DENSE,
@@ -273,7 +272,9 @@ class Compiler:
             self._idle.notify_all()
 
     def _loop(self) -> None:
-        lower_this_thread()  # background compiles yield the CPU to the model (see host.priority)
+        # Not niced (see host.priority): inductor's compile pools are made once
+        # per process by the first compiling thread and would pass the value on
+        # to the user's own torch.compile work.
         while True:
             entry = self._queue.get()
             if entry is None:

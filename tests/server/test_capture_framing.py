@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from layertap.server.codec import host_bytes, tensor_to_bytes
 from layertap.server.taps.capture_wire import CHUNK_BYTES, chunk_message, varint
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -80,3 +82,27 @@ def test_every_route_to_capture_sends_its_bytes_unserialized() -> None:
 
     assert generic(capture).response_serializer is None
     assert generic(listing).response_serializer is not None
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(5, 7).t(),                                    # transposed
+    lambda: torch.randn(2, 3, 4, 5).permute(0, 2, 3, 1),              # a Permute module's output
+    lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+    lambda: torch.randn(4, 1).expand(4, 6),                           # stride 0
+    lambda: torch.randn(30)[3:20:2],                                  # offset and step
+    lambda: (torch.randn(6, 4) * 3).bfloat16().t(),
+    lambda: torch.randn(6, 4).half()[:, 1:],
+    lambda: torch.randint(-100, 100, (5, 6), dtype=torch.int8).t(),
+    lambda: (torch.rand(5, 6) > 0.5).t(),
+    lambda: torch.tensor(2.5),
+    lambda: torch.zeros(0, 3),
+    lambda: torch.randn(3, 4, dtype=torch.complex64).conj().imag.t(),  # a lazy negative bit
+    lambda: torch.randn(3, 4, requires_grad=True).t(),
+])
+def test_tensor_bytes_are_torchs_row_major_bytes_for_any_layout(make) -> None:
+    """host_bytes copies strided tensors with numpy (torch's parallel copy would start an OpenMP team
+    on the calling RPC thread); the bytes must be exactly those of ``.contiguous()``."""
+    t = make()
+    want = t.detach().resolve_neg().contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    assert tensor_to_bytes(t) == want
+    assert host_bytes(t).tobytes() == want

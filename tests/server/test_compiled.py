@@ -460,8 +460,9 @@ def test_packages_unused_for_stale_days_are_pruned_and_loads_mark_use(compiled: 
     made("basic_stats-float32-dense-0ld.pt2", old)  # an older torch's, or a host gone from the volume
     made("basic_stats-float32-dense-0ld-abc123.tmp.pt2", old)  # a compile killed mid-write
     kept = [made("basic_stats-float16-dense-recent.pt2", now - 86400), made("notes.txt", old)]
-    assert compiled_aoti.prune(tmp_path, now) == 2
-    assert sorted(tmp_path.iterdir()) == sorted(kept)
+    own = made("basic_stats-float32-dense-mine.pt2", old)  # this process's, about to load after a long run
+    assert compiled_aoti.prune(tmp_path, now, keep=own) == 2
+    assert sorted(tmp_path.iterdir()) == sorted([*kept, own])
     # A load refreshes the package's time, so a package in use is never stale.
     sig = _sig(torch.float32)
     path = compiled_aoti.package_path(sig)

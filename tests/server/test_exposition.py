@@ -82,8 +82,8 @@ def test_fmt_value_matches_on_random_values() -> None:
         assert fmt_value(float(v)) == floatToGoString(v), v
 
 
-@pytest.mark.parametrize("values", [[0, 1, -7, 999_999, 42], [0, 1_000_000, 3], [10**8, 2**53 + 1], [True, 2],
-                                    [1, 2.5], [np.int64(3), 4]])
+@pytest.mark.parametrize("values", [[0, 1, 999_999, 42], [0, -7, 3], [-(10**16), 5], [0, 1_000_000, 3],
+                                    [10**8, 2**53 + 1], [True, 2], [1, 2.5], [np.int64(3), 4], []])
 def test_lines_write_counts_as_prometheus_client_does(values: list) -> None:
     """Ints below 1e6 take a shortcut in Lines.fill; every mix must print as floatToGoString."""
     lines = Lines([f"m{i} " for i in range(len(values))])

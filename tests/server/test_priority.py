@@ -57,8 +57,9 @@ def test_a_thread_started_by_a_nice_thread_inherits_it_and_bad_values_are_refuse
     t.join()
     assert seen == [min(19, base + 3)] * 2
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the caller is untouched
-    with pytest.raises(ValueError, match="--telemetry-nice 20"):
-        set_telemetry_nice(20)
+    for bad in (20, -1, 2.5, True):
+        with pytest.raises(ValueError, match=f"--telemetry-nice {bad}"):
+            set_telemetry_nice(bad)  # type: ignore[arg-type]
 
 
 def test_the_cli_refuses_a_bad_value_before_loading_the_model() -> None:
