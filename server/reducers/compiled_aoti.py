@@ -32,11 +32,13 @@ deleted, once per process, so the cache does not grow with every upgrade.
 from __future__ import annotations
 
 import functools
+import getpass
 import hashlib
 import inspect
 import logging
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -57,18 +59,35 @@ log = logging.getLogger("layertap.server.compiled")
 warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
 
+def _native_loader() -> Any:
+    """torch's C++ package loader, or None (a torch without AOTInductor)."""
+    return getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
+
+
 def applies(sig: Signature) -> bool:
-    """Whether the signature gets the AOTInductor kernel (dense CPU, a torch that exports)."""
-    return sig.device.type == "cpu" and sig.form == DENSE and hasattr(torch._inductor, "aoti_compile_and_package")
+    """Whether the signature gets the AOTInductor kernel (dense CPU, a torch with AOTInductor).
+
+    Asks the C++ side: touching ``torch._inductor`` imports dynamo and
+    inductor, ~70 MiB of resident memory a server that only loads packages
+    never needs.
+    """
+    return sig.device.type == "cpu" and sig.form == DENSE and _native_loader() is not None
 
 
 def cache_dir() -> Path:
-    """Where packages live: beside inductor's own cache, so one volume keeps both."""
+    """Where packages live: beside inductor's own cache, so one volume keeps both.
+
+    Inductor's default when ``TORCHINDUCTOR_CACHE_DIR`` is unset, worked out
+    here rather than imported (see :func:`applies`).
+    """
     root = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if not root:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
-
-        root = inductor_cache_dir()
+        try:
+            user = getpass.getuser()
+        except (KeyError, ModuleNotFoundError, OSError):  # no passwd entry (a container's arbitrary uid)
+            getuid = getattr(os, "getuid", None)
+            user = f"uid_{getuid()}" if callable(getuid) else "unknown_user"
+        root = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
     return Path(root) / "layertap-aoti"
 
 
@@ -76,21 +95,19 @@ def cache_dir() -> Path:
 def _host_build() -> str:
     """What the compiled code depends on beyond torch: inductor builds CPU code
     with ``-march=native``, so a package from another CPU can die of SIGILL on
-    its first call (a load would succeed), on a cache volume shared by hosts."""
+    its first call (a load would succeed), on a cache volume shared by hosts.
+
+    The CPU's feature flags decide what inductor's vector ISA pick and
+    ``-march=native`` can use; the compiler named by ``CXX`` goes in too.
+    Nothing here imports inductor (see :func:`applies`).
+    """
     flags = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
             flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    try:
-        from torch._inductor import cpp_builder
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-        toolchain = f"{pick_vec_isa()} {cpp_builder.get_cpp_compiler()} {os.environ.get('CXX', '')}"
-    except Exception:  # noqa: BLE001 - a torch without these helpers: the flags still separate hosts
-        toolchain = ""
-    return "\n".join([platform.machine(), platform.processor(), flags, toolchain])
+    return "\n".join([platform.machine(), platform.processor(), flags, os.environ.get("CXX", "")])
 
 
 def package_path(sig: Signature) -> Path:
@@ -125,12 +142,17 @@ def _compile(path: Path, example: tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 class AotiKernel:
-    """A loaded package, called as a kernel ``(x, rnd, on) -> statistics``."""
+    """A loaded package, called as a kernel ``(x, rnd, on) -> statistics``.
+
+    Args:
+        compiled: ``torch._inductor.aoti_load_package``'s model, or torch's
+            C++ ``AOTIModelPackageLoader`` itself.
+    """
 
     def __init__(self, compiled: Any) -> None:
-        loader = getattr(compiled, "loader", None)
+        loader = getattr(compiled, "loader", compiled)
         # The loader's run skips the pytree flattening of the model's __call__.
-        self._run = loader.run if loader is not None and hasattr(loader, "run") else None
+        self._run = loader.run if hasattr(loader, "run") else None
         self._compiled = compiled
 
     def __call__(self, x: torch.Tensor, rnd: torch.Tensor, on: torch.Tensor) -> torch.Tensor | None:
@@ -190,6 +212,23 @@ def _touch(path: Path) -> None:
         pass  # a read-only volume: the package still loads, it may be pruned elsewhere
 
 
+def _load(path: Path) -> AotiKernel:
+    """The package's kernel through torch's C++ loader alone.
+
+    ``aoti_load_package`` wraps the same loader but imports dynamo and
+    inductor to do it: measured, +80 MiB resident against +1 MiB.
+    """
+    native = _native_loader()
+    if native is not None:
+        try:
+            loader = native(str(path), "model", False, 1, -1)  # path, model name, single-threaded, runners, device
+        except TypeError:  # another torch's constructor: take the public way
+            loader = None
+        if loader is not None:
+            return AotiKernel(loader)
+    return AotiKernel(torch._inductor.aoti_load_package(str(path)))
+
+
 def load_or_compile(sig: Signature, example: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[AotiKernel, bool]:
     """The signature's kernel from its cached package, compiling it first when missing or unreadable.
 
@@ -201,7 +240,7 @@ def load_or_compile(sig: Signature, example: tuple[torch.Tensor, torch.Tensor, t
     bad = False
     if path.exists():
         try:
-            kernel = AotiKernel(torch._inductor.aoti_load_package(str(path)))
+            kernel = _load(path)
             _touch(path)  # in use: prune keeps it
             return kernel, False
         except Exception as exc:  # noqa: BLE001 - a bad cache file is rebuilt, never fatal
@@ -210,4 +249,4 @@ def load_or_compile(sig: Signature, example: tuple[torch.Tensor, torch.Tensor, t
                         path.name, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             path.unlink(missing_ok=True)
     _compile(path, example)
-    return AotiKernel(torch._inductor.aoti_load_package(str(path))), bad
+    return _load(path), bad

@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -586,3 +587,30 @@ def test_exit_during_a_cold_compile_is_clean(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "leaving"
     assert res.stderr == "", res.stderr  # no abort message, no warning about the interrupted compile
+
+
+def test_a_cached_package_loads_without_importing_dynamo_or_inductor(compiled: CompiledStats) -> None:
+    """A server whose packages are cached never needs dynamo or inductor: importing them costs
+    ~70-80 MiB of resident memory (measured), the C++ loader ~1 MiB."""
+    assert compiled_aoti.package_path(_sig(torch.float32)).exists()  # the fixture built it
+    script = textwrap.dedent("""
+        import sys, torch
+        from layertap.server.reducers.compiled import CompiledStats
+        from layertap.server.reducers.compiled_kernel import DENSE, Signature
+        from layertap.server.reducers.kernels import StatNeeds, fused_basic_stats
+        from layertap.server.reducers.workspace import Workspace
+        cs = CompiledStats()
+        sig = Signature(torch.device("cpu"), torch.float32, DENSE, grad=False, inference=True, autocast=None)
+        assert cs.compile_ahead(sig) and cs.wait_idle(120), cs.states()
+        x = torch.randn(300, 7) * 3 + 1
+        needs = StatNeeds(zeros=True, nan=True, count=True, sums=True, shifted=True, minmax=True)
+        with torch.inference_mode():
+            ws = lambda: Workspace(x, torch.Generator().manual_seed(0), frozenset(), False)
+            got, want = cs.stats(ws(), needs), fused_basic_stats(ws(), needs)
+        assert cs.states()[sig] == "ready" and cs.counters()["compiled_calls"] == 1, cs.counters()
+        assert torch.allclose(got, want, rtol=1e-9, atol=1e-9), (got, want)
+        print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
