@@ -14,7 +14,6 @@ import logging
 import socket
 import ssl
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -23,7 +22,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from layertap.server.export.exposition import negotiate
-from layertap.server.host.priority import lower_this_thread
+from layertap.server.host.priority import telemetry_thread
 
 log = logging.getLogger("layertap.server")
 
@@ -130,11 +129,8 @@ def start_metrics_server(registry: Collector, host: str = "127.0.0.1", port: int
     server = make_server(host, port, make_metrics_app(registry, authorize), _Server, handler_class=_QuietHandler)
     if ssl_context is not None:
         server.socket = ssl_context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
-    def serve() -> None:
-        lower_this_thread()  # a scrape's rendering yields the CPU to the model; request threads inherit it
-        server.serve_forever()
-
-    thread = threading.Thread(target=serve, name="layertap-metrics", daemon=True)
+    # A scrape's rendering yields the CPU to the model; request threads inherit the value.
+    thread = telemetry_thread(server.serve_forever, "layertap-metrics")
     thread.start()
     return server, int(server.server_address[1])
 

@@ -46,11 +46,11 @@ class ModelThread:
         self._name = name
         self._lock = threading.Lock()
         self._ident: int | None = None
-        self._closed = False
         self.calls = 0
         # Started now, from the constructing thread: a thread inherits its
         # creator's nice value, and a first call from a telemetry thread
         # (see host.priority) would otherwise start the model thread niced.
+        # None once closed.
         self._pool: concurrent.futures.ThreadPoolExecutor | None = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=self._name, initializer=self._remember)
         self._pool.submit(lambda: None)
@@ -67,9 +67,8 @@ class ModelThread:
         if inline or threading.get_ident() == self._ident:
             return fn(*args)
         with self._lock:
-            if self._closed:
+            if self._pool is None:
                 raise Unavailable("the server is shutting down; its model thread has stopped")
-            assert self._pool is not None  # None only once closed
             # Submitted under the lock: close() cannot shut the pool in between.
             future = self._pool.submit(fn, *args)
             self.calls += 1
@@ -78,7 +77,6 @@ class ModelThread:
     def close(self) -> None:
         """Lets the thread finish what was queued and exit; later calls are refused (UNAVAILABLE)."""
         with self._lock:
-            self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False)

@@ -23,8 +23,9 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 
-__all__ = ["DEFAULT_TELEMETRY_NICE", "lower_this_thread", "set_telemetry_nice", "telemetry_nice"]
+__all__ = ["DEFAULT_TELEMETRY_NICE", "lower_this_thread", "set_telemetry_nice", "telemetry_nice", "telemetry_thread"]
 
 log = logging.getLogger(__name__)
 
@@ -75,3 +76,19 @@ def lower_this_thread(nice: int | None = None) -> int | None:
         log.debug("could not lower the priority of thread %s: %s", threading.current_thread().name, exc)
         return None
     return target
+
+
+def telemetry_thread(target: Callable[[], object], name: str) -> threading.Thread:
+    """A daemon thread (not started) that runs ``target`` at the telemetry nice value.
+
+    The value is read now, when the owner is built, not when the thread gets
+    to run: a setting changed in between (another server built in the same
+    process) must not change it.
+    """
+    nice = _nice
+
+    def run() -> None:
+        lower_this_thread(nice)
+        target()
+
+    return threading.Thread(target=run, name=name, daemon=True)

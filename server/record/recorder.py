@@ -33,7 +33,7 @@ from layertap.server.codec import tensor_to_bytes, wire_dtype
 from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.host.hooks import POINT_NAMES
 from layertap.server.host.model_host import PassContext, flatten_tensors
-from layertap.server.host.priority import lower_this_thread
+from layertap.server.host.priority import telemetry_thread
 from layertap.server.record.replay import Share, anomalous_rows, replay
 from layertap.server.record.retention import InputRetention
 from layertap.server.record.store import IncidentStore, StoredTensor, new_id
@@ -93,7 +93,7 @@ class Recorder(Sink):
             self._model = model_name
             registry.register(_RecorderCollector(self, model_name))
         engine.triggers_recorded = True
-        self._thread = threading.Thread(target=self._run, name="layertap-recorder", daemon=True)
+        self._thread = telemetry_thread(self._run, "layertap-recorder")  # see host.priority
         self._thread.start()
         self.host.add_observer(self)  # after the engine: it has decided whether the pass publishes
 
@@ -186,7 +186,6 @@ class Recorder(Sink):
 
     # -- recorder thread -------------------------------------------------------------
     def _run(self) -> None:
-        lower_this_thread()  # telemetry yields the CPU to the model (see host.priority)
         while (job := self._jobs.get()) is not None:
             try:
                 self._record(job)

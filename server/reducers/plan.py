@@ -126,8 +126,8 @@ class ReducerPlan:
         self.basic_layout: tuple[tuple[BasicReducer, int, int], ...] | None = None
         if basic and len(basic) == len(self.reducers):
             self._basic_slots = tuple(i for r in basic for i in range(*r.slots))
-            ends = list(itertools.accumulate(r.slots[1] - r.slots[0] for r in basic))
-            self.basic_layout = tuple((r, end - (r.slots[1] - r.slots[0]), end) for r, end in zip(basic, ends))
+            bounds = list(itertools.accumulate((r.slots[1] - r.slots[0] for r in basic), initial=0))
+            self.basic_layout = tuple(zip(basic, bounds, bounds[1:]))
         self._slot_cache: DeviceCache = {}
         #: Whether the tap must time its layers (see :mod:`.latency`).
         self.timed = any(isinstance(r, LatencyReducer) for r in self.reducers)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from layertap.server.host.priority import lower_this_thread, telemetry_nice
+from layertap.server.host.priority import telemetry_thread
 
 __all__ = ["HostTransfer", "PassBuffer", "PendingPass", "PinnedPool", "TransferStats", "ValuesCallback"]
 
@@ -274,8 +274,7 @@ class HostTransfer:
         self.dropped = 0
         self.errors = 0
         self.last_error: str | None = None
-        self._nice = telemetry_nice()  # read now: the thread may start after the setting changed
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = telemetry_thread(self._run, name)  # yields the CPU to the model (see host.priority)
         self._thread.start()
 
     def __enter__(self) -> HostTransfer:
@@ -364,7 +363,6 @@ class HostTransfer:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        lower_this_thread(self._nice)  # telemetry yields the CPU to the model (see host.priority)
         while True:
             with self._cond:
                 while not self._queue and not self._closed:

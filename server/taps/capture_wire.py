@@ -74,10 +74,10 @@ def encode_pass(rec: CapturedPass, opts: CaptureOptions, tensor_ids: Iterator[in
     order = sorted(rec.tensors, key=lambda c: (rank[c.layer], c.call_index, c.output_index))
     for cap in order:
         host_t = cap.tensor.to("cpu")
-        nbytes = host_t.numel() * host_t.element_size()
         # A byte view of the tensor itself (numpy's copy first when it is a
         # strided view): chunk_message copies each byte once.
         data = host_bytes(host_t).data
+        nbytes = data.nbytes
         tid = next(tensor_ids)
         nchunks = (nbytes + CHUNK_BYTES - 1) // CHUNK_BYTES
         header = pb.CaptureResponse(header=pb.CaptureHeader(
