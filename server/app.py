@@ -38,6 +38,7 @@ from layertap.server.host.model_thread import in_own_thread
 from layertap.server.host.priority import set_telemetry_nice
 from layertap.server.host.sources import LoadedModel, ModelLoadError, load_model
 from layertap.server.rpc.admission import StreamAdmission
+from layertap.server.rpc.malformed import MalformedRequests
 from layertap.server.rpc.auth import SERVER_OWNER, Authenticator
 from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.rpc.health import HealthServicer
@@ -249,12 +250,13 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
     streams = StreamAdmission(config.max_streams, callback_limit=config.max_streams)
     # Every open stream holds a worker, so at most max_streams of them are
     # admitted and workers - max_streams threads stay for unary calls. Auth
-    # runs first: a refused caller never takes a stream slot.
+    # runs first: a refused caller never takes a stream slot. Malformed
+    # request bytes are answered innermost, once a caller is admitted.
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="layertap-rpc"),
         options=options,
         maximum_concurrent_rpcs=rpc_limit(config.workers),
-        interceptors=[i for i in (auth, streams) if i is not None],
+        interceptors=[i for i in (auth, streams, MalformedRequests()) if i is not None],
     )
     cell = StateCell()
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(cell), server)
@@ -350,7 +352,8 @@ def start_health_listener(address: str, servicer: health.HealthServicer) -> tupl
         # stranger cannot make the probe port buffer megabytes.
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", HEALTH_MAX_MESSAGE_BYTES)],
         maximum_concurrent_rpcs=rpc_limit(HEALTH_WORKERS),
-        interceptors=[StreamAdmission(HEALTH_MAX_STREAMS, flag="the health listener's stream limit")],
+        interceptors=[StreamAdmission(HEALTH_MAX_STREAMS, flag="the health listener's stream limit"),
+                      MalformedRequests()],
     )
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     try:
