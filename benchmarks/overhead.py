@@ -15,9 +15,9 @@ Variants:
      its background compiles finished (``--no-compile`` drops these rows)
   e0  e with the collector at the model thread's priority (``--telemetry-nice 0``;
      every other row's collector runs at the default, 10 nicer; Linux only)
-  h  f with the sample sorted as float64 values, the sort before the
-     integer-key sort of issue 10 (``--float-sort`` adds this row, to compare
-     before and after in one run; it swaps ``workspace.sort_ascending``)
+  h  f with the sample sorted by torch's float64 comparison sort (the CPU
+     sort before issue 10, and the CUDA path's sort; ``--float-sort`` adds
+     this row, to compare in one run; it swaps ``workspace.sort_ascending``)
   r:<name>  one reducer alone (``--reducers`` adds these rows)
   n, p  the engine's own floor (``--engine`` adds these rows): every plan's
      ``run`` replaced by a cached slot vector of the right width, so no
@@ -53,7 +53,7 @@ from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.taps.engine import TapEngine
 from layertap.v1 import telemetry_pb2 as pb
 
-key_sort = workspace.sort_ascending
+sample_sort = workspace.sort_ascending
 
 
 def float_sort(s: torch.Tensor) -> torch.Tensor:
@@ -187,7 +187,7 @@ def main() -> None:
 
                     def undo() -> None:
                         remove()
-                        workspace.sort_ascending = key_sort
+                        workspace.sort_ascending = sample_sort
                     return undo
                 return installed
 

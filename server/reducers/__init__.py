@@ -1,7 +1,7 @@
 """Reducers: summarize a tapped tensor on its device, then move a pass's results to host in one copy.
 
 Modules, in dependency order: :mod:`.spec` (names, defaults, bounds and
-validation; host-only), :mod:`.keysort` (sorting a sample on integer keys),
+validation; host-only), :mod:`.samplesort` (sorting a bounded sample),
 :mod:`.workspace` (per-tensor shared state),
 :mod:`.kernels` (the shared basic statistics and the no-sync rules),
 :mod:`.base`, :mod:`.basic`, :mod:`.distribution` and :mod:`.latency` (the reducers),

@@ -58,22 +58,13 @@ class HistogramReducer(Reducer):
         if ws.numel == 0:
             return x.new_zeros((len(self.edges) + 1,), dtype=F64)
         edges = device_constant(self._edge_cache, self.edges, x.device)
-        # Only a bounded sample is ever binned: full-tensor scatters are the
-        # 39x trap measured in docs/design.md.
-        if ws.sorts(self.sample_size):
-            # Binary-search the edges in the sorted sample: no atomics,
-            # deterministic, and the sort is shared with quantiles.
-            s, n = ws.sorted_sample(self.sample_size)
-            below = torch.searchsorted(s, edges, right=False)  # elements < edge
-            return torch.cat([below.to(F64), n.reshape(1)])  # NaN (mapped to +inf) is not binned
-        # Small CPU samples that nothing else sorts: bucketize + a small
-        # scatter is cheaper than a comparison sort.
-        s, n = ws.sample(self.sample_size)
-        idx = torch.bucketize(s, edges, right=True)  # bin i holds edges[i-1] <= x < edges[i]
-        counts = s.new_zeros(len(self.edges) + 1).index_add_(0, idx, torch.ones_like(s))
-        # The NaNs, mapped to +inf, landed in the top bin: the last cumulative
-        # count is the non-NaN count instead.
-        return torch.cat([counts[:-1].cumsum(0), n.reshape(1)])
+        # Only a bounded sample is ever binned (full-tensor scatters are the
+        # 39x trap measured in docs/design.md), and binned by binary-searching
+        # the edges in the sorted sample: no atomics, deterministic, and the
+        # sort is shared with quantiles.
+        s, n = ws.sorted_sample(self.sample_size)
+        below = torch.searchsorted(s, edges, right=False)  # elements < edge
+        return torch.cat([below.to(F64), n.reshape(1)])  # NaN (mapped to +inf) is not binned
 
     def decode(self, values: np.ndarray, shape: Sequence[int]) -> pb.ReducerResult:
         # One vectorized rint (half-to-even, like round()): round() on numpy

@@ -114,7 +114,6 @@ class ReducerPlan:
         self._needs_any = needs.any()  # dataclasses.astuple per run costs ~30 us on the hot path
         #: Whether runs compute the basic-statistics vector (the compiled kernel's work).
         self.needs_basic_stats = self._needs_any
-        self._sorted_sizes = frozenset(r.sample_size for r in self.reducers if isinstance(r, QuantilesReducer))
         self._share_xd = any(r.reads_upcast for r in self.reducers)
         # Only shape-dependent reducers (per_channel) check anything per tensor.
         self._checked = tuple(r for r in self.reducers if type(r).check is not Reducer.check)
@@ -189,8 +188,7 @@ class ReducerPlan:
         if self._slotless:  # _basic_slots is None here, so the cache is free
             return device_constant(self._slot_cache, (), x.device)
         with torch.no_grad():
-            ws = Workspace(x.detach() if x.requires_grad else x, self._generator(x.device),
-                           self._sorted_sizes, self._share_xd)
+            ws = Workspace(x.detach() if x.requires_grad else x, self._generator(x.device), self._share_xd)
             if self._needs_any:
                 # The compiled kernel once its signature is ready, else eager.
                 basic = COMPILED_STATS.stats(ws, self._needs)

@@ -15,7 +15,7 @@ from typing import TypeAlias
 
 import torch
 
-from layertap.server.reducers.keysort import sort_ascending, uses_keys
+from layertap.server.reducers.samplesort import sort_ascending
 
 __all__ = ["F64", "DeviceCache", "Workspace", "device_constant", "flat_view", "gather_flat"]
 
@@ -99,25 +99,21 @@ class Workspace:
         x: The tensor being reduced (detached).
         generator: The plan's private generator for ``x.device``; sampling
             never touches the global RNG.
-        sorted_sizes: Sample sizes that some reducer sorts anyway (quantiles).
         share_xd: Some reducer besides the basic statistics reads :attr:`xd`
             (so the basic statistics must not shift or clean it in place).
     """
 
     def __init__(self, x: torch.Tensor, generator: torch.Generator,
-                 sorted_sizes: frozenset[int] = frozenset(), share_xd: bool = False) -> None:
+                 share_xd: bool = False) -> None:
         self.x = x
         self.numel = x.numel()
         self.floating = x.is_floating_point()
         self.generator = generator
-        self._sorted_sizes = sorted_sizes
         self.share_xd = share_xd
         self._flat: torch.Tensor | None | bool = False
         self._xd: torch.Tensor | None = None
         self._fin: torch.Tensor | None = None
-        # Per sample size: (sample, its non-NaN count), native, float64 and sorted.
-        self._native: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._samples: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Per sample size: (sorted sample, its non-NaN count).
         self._sorted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         #: The basic-statistics vector, set by the plan before any reducer runs.
         self.basic: torch.Tensor | None = None
@@ -162,50 +158,19 @@ class Workspace:
         """dtype for exact sums of 0/1 indicators in x's float dtype (None: own)."""
         return None if self.numel <= _EXACT_COUNT_LIMIT.get(self.x.dtype, 0) else F64
 
-    def sorts(self, size: int) -> bool:
-        """Whether a sorted sample of ``size`` is (or will be) available cheaply.
-
-        True when a quantiles reducer sorts that sample anyway; on CUDA, where
-        sorting a bounded sample costs microseconds and avoids the atomics of a
-        scatter into a few bins; and on CPU where the sample is sorted as
-        integer keys (0.2 ms for 16,384 elements, against 0.45 ms to bucketize
-        and scatter them on the 2-vCPU VM).
-        """
-        return (size in self._sorted_sizes or size in self._sorted or self.x.device.type == "cuda"
-                or uses_keys(min(size, self.numel), self.x.device))
-
     def sorted_sample(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`sample`, sorted ascending (its NaNs, now +inf, at the end).
-
-        On CPU a sample above 2,048 elements is sorted as integer keys of x's
-        own width (:mod:`.keysort`), 4-6x cheaper than its float64 values.
-        """
-        hit = self._sorted.get(size)
-        if hit is None:
-            s, n = self._native_sample(size)
-            hit = self._sorted[size] = (sort_ascending(s), n)
-        return hit
-
-    def sample(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A float64 sample with NaN mapped to +inf, and its count of non-NaN values (0-d float64).
+        """A sorted float64 sample with NaN mapped to +inf, and its count of non-NaN values (0-d float64).
 
         The whole tensor when it has at most ``size`` elements, else exactly
         ``size`` elements drawn uniformly with replacement (i.i.d., which is
         what the DKW bound assumes). NaN becomes +inf so the sample is totally
-        ordered for ``searchsorted``/``bucketize``; NaNs then sit past every
-        real value (or in the top bin), and callers count only the first ``n``.
+        ordered for ``searchsorted``; NaNs then sit past every real value, and
+        callers count only the first ``n``. Drawn and sorted (in x's own width,
+        :mod:`.samplesort`) once per size: histograms and quantiles share it.
         """
-        cached = self._samples.get(size)
-        if cached is None:
-            s, n = self._native_sample(size)
-            cached = self._samples[size] = (s.to(F64), n)
-        return cached
-
-    def _native_sample(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`sample` in x's own dtype (exact; NaN -> +inf), drawn once per size."""
-        cached = self._native.get(size)
-        if cached is not None:
-            return cached
+        hit = self._sorted.get(size)
+        if hit is not None:
+            return hit
         if self.numel <= size:
             s = self.x.reshape(-1)  # copies at most `size` elements
         else:
@@ -220,5 +185,5 @@ class Workspace:
             s = torch.nan_to_num(s, math.inf, math.inf, -math.inf)
         else:
             n = s.new_full((), s.numel(), dtype=F64)
-        self._native[size] = (s, n)
-        return s, n
+        hit = self._sorted[size] = (sort_ascending(s), n)
+        return hit

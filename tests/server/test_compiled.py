@@ -605,7 +605,7 @@ def test_a_cached_package_loads_without_importing_dynamo_or_inductor(compiled: C
         x = torch.randn(300, 7) * 3 + 1
         needs = StatNeeds(zeros=True, nan=True, count=True, sums=True, shifted=True, minmax=True)
         with torch.inference_mode():
-            ws = lambda: Workspace(x, torch.Generator().manual_seed(0), frozenset(), False)
+            ws = lambda: Workspace(x, torch.Generator().manual_seed(0), False)
             got, want = cs.stats(ws(), needs), fused_basic_stats(ws(), needs)
         assert cs.states()[sig] == "ready" and cs.counters()["compiled_calls"] == 1, cs.counters()
         assert torch.allclose(got, want, rtol=1e-9, atol=1e-9), (got, want)

@@ -7,7 +7,7 @@ adversarial data in every supported dtype:
   population's ECDF, and the reported error is the DKW bound of today's
   16,384-element sample (no larger);
 * sampled, exactly: the values are ``np.quantile`` of the very sample drawn
-  (bit for bit), so the integer-key sort and the host interpolation add no
+  (bit for bit), so the sample sort and the host interpolation add no
   error of their own;
 * unsampled (tensors smaller than the sample): ``np.quantile`` bit for bit.
 """
@@ -23,8 +23,7 @@ import torch
 
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.spec import DEFAULT_SAMPLE_SIZE, QUANTILE_DELTA
-from layertap.server.reducers.workspace import Workspace
-from support.tensors import gen, plant_nonfinite
+from support.tensors import drawn_sample, gen, plant_nonfinite
 from layertap.v1 import telemetry_pb2 as pb
 
 PS = [0.0, 0.001, 0.01, 0.05, 0.25, 1 / 3, 0.5, 0.75, 0.95, 0.99, 0.999, 1.0]
@@ -112,17 +111,14 @@ def test_sampled_quantiles_within_reported_rank_error(dist: str, dtype: torch.dt
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64], ids=str)
 @pytest.mark.parametrize("sample_size", [2048, DEFAULT_SAMPLE_SIZE, 40_000])
 def test_sampled_quantiles_are_exact_for_the_drawn_sample(dist: str, dtype: torch.dtype, sample_size: int) -> None:
-    # 2,048 sorts floats, 16,384 pads integer keys into the radix sort, 40,000
-    # radix-sorts without padding: every path must give numpy's answer on
-    # the sample itself, and the histogram the sample's exact counts.
+    # Every sample size must give numpy's answer on the sample itself, and
+    # the histogram the sample's exact counts.
     x = _cast(DISTRIBUTIONS[dist](100_000), dtype)
     x.view(-1)[::13] = math.nan if dtype.is_floating_point else x.view(-1)[::13]
-    ws = Workspace(x, torch.Generator().manual_seed(0))  # the plan's first draw, replayed
-    s, n = ws.sample(sample_size)
-    sample = s.numpy()[np.argsort(s.numpy(), kind="stable")][: int(n)]  # NaN was mapped to +inf: drop it
+    sample = np.sort(drawn_sample(x, sample_size).numpy(), kind="stable")  # the plan's first draw, replayed
     q, h = _quantiles(x, sample_size)
-    assert q.sample_size == int(n) == h.sample_size
-    assert q.rank_error == pytest.approx(_dkw(int(n)))
+    assert q.sample_size == sample.size == h.sample_size
+    assert q.rank_error == pytest.approx(_dkw(sample.size))
     np.testing.assert_array_equal(q.values, np.quantile(sample, PS))
     ref = np.bincount(np.searchsorted(EDGES, sample, side="right"), minlength=len(EDGES) + 1)
     assert list(h.counts) == ref.tolist()

@@ -19,3 +19,18 @@ def plant_nonfinite(x: torch.Tensor) -> torch.Tensor:
     flat[3::11] = math.inf
     flat[5::13] = -math.inf
     return x
+
+
+def drawn_sample(x: torch.Tensor, size: int, seed: int = 0) -> torch.Tensor:
+    """The non-NaN float64 values of the sample a plan seeded ``seed`` draws first from contiguous ``x``.
+
+    Replayed from the sampling contract (uniform with replacement through the
+    plan's private generator, or the whole tensor when it has at most ``size``
+    elements), not through the workspace, so a reference built on it does not
+    share the sort or the draw under test. Unsorted.
+    """
+    flat = x.reshape(-1)
+    if flat.numel() > size:
+        flat = flat[torch.randint(0, flat.numel(), (size,), generator=gen(seed))]
+    values = flat.to(torch.float64)
+    return values[~values.isnan()]

@@ -1,7 +1,7 @@
-"""The integer-key sort of samples: exact against torch's float64 sort, and sync-free.
+"""The sample sort (numpy on CPU): exact against torch's own float64 sort, in every dtype and layout.
 
-The keys path runs on CPU for samples above ``_DIRECT_MAX`` elements (padded to
-``_RADIX_MIN`` below it), so the sizes below straddle both thresholds.
+The reference is ``torch.sort`` of the float64 values, a different sort from
+the one under test. Histograms are checked against the replayed draw.
 """
 
 from __future__ import annotations
@@ -15,22 +15,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from layertap.server.reducers import keysort
-from layertap.server.reducers.keysort import sort_ascending
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
-from layertap.server.reducers.workspace import Workspace
+from layertap.server.reducers.samplesort import sort_ascending
 from support.sync_guard import NoSyncMode
-from support.tensors import gen, plant_nonfinite
+from support.tensors import drawn_sample, gen, plant_nonfinite
 from layertap.v1 import telemetry_pb2 as pb
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 INTS = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
-SIZES = [0, 1, 7, keysort._DIRECT_MAX, keysort._DIRECT_MAX + 1, 16384, keysort._RADIX_MIN - 1,
-         keysort._RADIX_MIN, 40_000]
+SIZES = [0, 1, 7, 2048, 16384, 40_000]
 
 
 def _special(dtype: torch.dtype) -> list[float]:
-    """Values where an order-preserving key is easy to get wrong."""
+    """Values where a sort is easy to get wrong."""
     fi = torch.finfo(dtype)
     return [math.inf, -math.inf, 0.0, -0.0, fi.max, -fi.max, fi.tiny, -fi.tiny,
             fi.tiny / 4, -fi.tiny / 4, fi.eps, 1.0, -1.0]  # tiny/4: subnormal
@@ -56,43 +53,62 @@ def _int_sample(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return x
 
 
+def _reference(x: torch.Tensor) -> np.ndarray:
+    return torch.sort(x.to(torch.float64)).values.numpy()
+
+
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", FLOATS + INTS, ids=str)
 def test_sort_matches_float64_sort(dtype: torch.dtype, n: int) -> None:
     x = _float_sample(n, dtype) if dtype.is_floating_point else _int_sample(n, dtype)
     got = sort_ascending(x)
-    ref = np.sort(x.to(torch.float64).numpy())
     assert got.dtype == torch.float64 and got.shape == (n,)
-    np.testing.assert_array_equal(got.numpy(), ref)  # -0.0 == +0.0: their order is free
+    np.testing.assert_array_equal(got.numpy(), _reference(x))  # -0.0 == +0.0: their order is free
+    assert torch.equal(x, _float_sample(n, dtype) if dtype.is_floating_point else _int_sample(n, dtype))
 
 
-def test_largest_int64_ties_with_the_padding() -> None:
-    # A real key equal to the pad key must still come back (the pad is never read).
+def test_int64_extremes_survive() -> None:
+    # No float round trip: int64 values beyond 2**53 keep their order (then round once to float64).
     x = torch.full((5000,), torch.iinfo(torch.int64).max, dtype=torch.int64)
     x[:10] = -3
-    got = sort_ascending(x)
-    assert torch.equal(got, torch.sort(x.to(torch.float64)).values)
+    x[10:20] = 2**53 + 1
+    np.testing.assert_array_equal(sort_ascending(x).numpy(), _reference(x))
+
+
+@pytest.mark.parametrize("layout", ["strided", "inference", "requires_grad"])
+def test_tensors_numpy_cannot_view_directly(layout: str) -> None:
+    # A strided sample, an inference-mode tensor and one that requires grad
+    # all sort through numpy without copying back wrong values or raising.
+    base = _float_sample(9000, torch.float32, seed=4)
+    if layout == "strided":
+        x = base[::3]
+    elif layout == "inference":
+        with torch.inference_mode():
+            x = base * 1.0
+    else:
+        x = base.clone().requires_grad_()
+    np.testing.assert_array_equal(sort_ascending(x).numpy(), _reference(x.detach()))
 
 
 @settings(max_examples=150, deadline=None, derandomize=True, database=None)
 @given(
     hnp.arrays(
         dtype=st.sampled_from([np.float16, np.float32, np.float64]),
-        shape=st.sampled_from([3, 100, keysort._DIRECT_MAX + 3, 9000]),
+        shape=st.sampled_from([3, 100, 2051, 9000]),
         elements={"allow_nan": False},
     )
 )
 def test_sort_is_exact_on_arbitrary_floats(a: np.ndarray) -> None:
     # Hypothesis favours the awkward values: repeats, extremes, signed zeros, subnormals.
-    got = sort_ascending(torch.from_numpy(a.copy()))
-    np.testing.assert_array_equal(got.numpy(), np.sort(a.astype(np.float64)))
+    x = torch.from_numpy(a.copy())
+    np.testing.assert_array_equal(sort_ascending(x).numpy(), _reference(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64,
                                    torch.int32, torch.int64, torch.uint8, torch.bool], ids=str)
-def test_padded_key_sort_runs_without_sync(dtype: torch.dtype) -> None:
-    # The default sample (16,384 of 200,000 elements) takes the padded radix
-    # path: one integer sort of exactly _RADIX_MIN keys, and nothing larger.
+def test_distribution_plan_runs_without_sync(dtype: torch.dtype) -> None:
+    # Histogram and quantiles share one drawn sample, and no op the plan
+    # dispatches syncs or runs on more than the sample.
     x = (torch.randn(50, 4000, generator=gen()) * 3).to(dtype)
     if dtype.is_floating_point:
         x.view(-1)[::97] = math.nan
@@ -100,45 +116,24 @@ def test_padded_key_sort_runs_without_sync(dtype: torch.dtype) -> None:
     specs = [pb.ReducerSpec(kind=pb.REDUCER_KIND_HISTOGRAM), pb.ReducerSpec(kind=pb.REDUCER_KIND_QUANTILES)]
     plan = ReducerPlan(build_reducers(specs))
     for _ in range(2):  # the first run also fills the per-device caches
-        with NoSyncMode(sample_op_limit=keysort._RADIX_MIN) as mode:
+        with NoSyncMode(sample_op_limit=16384) as mode:
             out = plan.run(x)
-    sorts = [op for op in mode.ops if op.overloadpacket is torch.ops.aten.sort]
-    assert len(sorts) == 1
+    draws = [op for op in mode.ops if op.overloadpacket is torch.ops.aten.randint]
+    assert len(draws) == 1
     hist, quant = plan.decode(out.numpy(), x.shape)
     assert quant.quantiles.sample_size == hist.histogram.sample_size <= 16384
     assert all(math.isfinite(v) for v in quant.quantiles.values[1:-1])
 
 
-def test_padded_path_sorts_integer_keys() -> None:
-    x = torch.randn(100_000, generator=gen())
-    seen: list[tuple[torch.dtype, int]] = []
-
-    class Recorder(NoSyncMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if func.overloadpacket is torch.ops.aten.sort:
-                seen.append((args[0].dtype, args[0].numel()))
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-    plan = ReducerPlan(build_reducers([pb.ReducerSpec(kind=pb.REDUCER_KIND_QUANTILES)]))
-    with Recorder():
-        plan.run(x)
-    expected = (torch.int32, keysort._RADIX_MIN) if keysort._HAS_RADIX else (torch.float64, 16384)
-    assert seen == [expected]
-
-
-@pytest.mark.parametrize("sample_size", [1000, keysort._DIRECT_MAX + 1, 16384])
+@pytest.mark.parametrize("sample_size", [7, 1000, 2049, 16384, 200_000])
 def test_histogram_alone_counts_the_drawn_sample_exactly(sample_size: int) -> None:
-    # Without quantiles a CPU histogram bucketizes small samples and sorts
-    # larger ones on keys; both must count exactly the sample drawn.
+    # Sampled and whole-tensor histograms count exactly the values drawn.
     x = plant_nonfinite(torch.randn(300, 400, generator=gen(3)) * 4)
     edges = [-5.0, -1.0, -0.1, 0.0, 1 / 3, 2.0, 6.5]
     spec = pb.ReducerSpec(kind=pb.REDUCER_KIND_HISTOGRAM,
                           histogram=pb.HistogramParams(edges=edges, sample_size=sample_size))
     plan = ReducerPlan(build_reducers([spec]), seed=0)
-    ws = Workspace(x, torch.Generator().manual_seed(0))  # the plan's first draw, replayed
-    assert ws.sorts(sample_size) == (sample_size > keysort._DIRECT_MAX and keysort._HAS_RADIX)
-    s, n = ws.sample(sample_size)
-    drawn = np.sort(s.numpy())[: int(n)]  # NaN was mapped to +inf: drop it
+    drawn = drawn_sample(x, sample_size).numpy()
     (h,) = plan.decode(plan.run(x).numpy(), x.shape)
     ref = np.bincount(np.searchsorted(edges, drawn, side="right"), minlength=len(edges) + 1)
-    assert list(h.histogram.counts) == ref.tolist() and h.histogram.sample_size == int(n)
+    assert list(h.histogram.counts) == ref.tolist() and h.histogram.sample_size == drawn.size
