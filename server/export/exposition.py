@@ -90,14 +90,25 @@ def _signature(metric: Metric) -> tuple[object, ...] | None:
     """What prometheus-client's writers read of a family, frozen; None when it is not worth keeping.
 
     Values carry their sign (``0.0 == -0.0`` but they print apart); samples
-    with timestamps, exemplars or native histograms are not cached at all.
+    with timestamps, exemplars, native histograms or values that are not
+    plain numbers are not cached at all.
     """
     rows: list[object] = [metric.name, metric.documentation, metric.type, metric.unit]
     for x in metric.samples:
         if x.timestamp is not None or x.exemplar is not None or x.native_histogram is not None:
             return None
+        if type(x.value) not in (float, int):
+            return None  # the writer's float() decides how a str or numpy value prints
         rows.append((x.name, tuple(x.labels.items()), x.value, math.copysign(1.0, x.value)))
     return tuple(rows)
+
+
+def _frozen(metric: Metric) -> Metric:
+    """A plain ``Metric`` with ``metric``'s attributes and its samples read once, into a list."""
+    frozen = Metric.__new__(Metric)
+    frozen.__dict__.update(vars(metric))
+    frozen.samples = list(metric.samples)
+    return frozen
 
 
 def _write_cached(families: list[Metric], write: Callable[[list[Metric]], str], fmt: tuple[bool, str, str]) -> str:
@@ -108,6 +119,10 @@ def _write_cached(families: list[Metric], write: Callable[[list[Metric]], str], 
     """
     out: list[str] = []
     for metric in families:
+        # One read of the samples serves both the signature and the text, so a
+        # family changed meanwhile (another thread, a lazy property) can never
+        # store a signature next to text written from other values.
+        metric = _frozen(metric)
         key = (*fmt, metric.name)
         sig = _signature(metric)
         hit = _written.get(key)

@@ -36,11 +36,17 @@ def sort_ascending(s: torch.Tensor) -> torch.Tensor:
         equal as floats, may come in either order).
     """
     if s.device.type != "cpu" or type(s) is not torch.Tensor:
-        # CUDA's radix sort; and tensor subclasses, which have no numpy view.
-        return torch.sort(s.to(torch.float64)).values
+        return _torch_sort(s)  # CUDA's radix sort; tensor subclasses have no numpy view
     wide = _WIDEN.get(s.dtype)
-    host = s.detach()
+    host = s.detach().resolve_neg()  # numpy refuses a negative-bit view (a no-op without one)
     if wide is not None:
         host = host.to(wide)
-    ordered = np.sort(host.numpy())
-    return torch.from_numpy(ordered.astype(np.float64, copy=False))
+    try:
+        values = host.numpy()
+    except RuntimeError:  # torch.func transforms wrap tensors without storage numpy can view
+        return _torch_sort(s)
+    return torch.from_numpy(np.sort(values).astype(np.float64, copy=False))
+
+
+def _torch_sort(s: torch.Tensor) -> torch.Tensor:
+    return torch.sort(s.to(torch.float64)).values

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from layertap.server.drift.scores import DriftScore
@@ -105,3 +106,49 @@ def test_cached_health_text_follows_every_change() -> None:
     check()
     mutating.family.samples[0].labels["k"] = "b"  # same object, label edited
     check()
+
+
+class _Families(Collector):
+    def __init__(self, *families: Metric) -> None:
+        self.families = families
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        return list(self.families)
+
+
+class _LiveGauge(Metric):
+    """A family read live: every read of ``samples`` sees a new value (another thread's)."""
+
+    def __init__(self) -> None:
+        super().__init__("busy", "Work in flight.", "gauge")
+        self.reads = 0
+
+    @property  # type: ignore[override]
+    def samples(self):  # type: ignore[no-untyped-def]
+        self.reads += 1
+        return [Sample("busy", {}, float(self.reads))]
+
+    @samples.setter
+    def samples(self, value):  # type: ignore[no-untyped-def]
+        pass
+
+
+def test_cached_family_text_comes_from_the_values_its_signature_saw() -> None:
+    # Signature and text from one read of the samples: text written from a
+    # later read would be cached under the earlier values, and served again.
+    live = _LiveGauge()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(live))
+    first = render_latest(registry)
+    assert live.reads == 1 and b"busy 1.0\n" in first
+    assert b"busy 2.0\n" in render_latest(registry)
+
+
+def test_values_only_the_writer_understands_render_as_prometheus_client_does() -> None:
+    # A str value goes through the writer's float(); the cache must not choke on it.
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(GaugeMetricFamily("s", "A str value.", value="3"),
+                                GaugeMetricFamily("b", "A bool value.", value=True)))
+    for _ in range(2):
+        assert render_latest(registry) == generate_latest(registry)
+        assert render_openmetrics(registry) == generate_openmetrics(registry)

@@ -137,3 +137,27 @@ def test_histogram_alone_counts_the_drawn_sample_exactly(sample_size: int) -> No
     (h,) = plan.decode(plan.run(x).numpy(), x.shape)
     ref = np.bincount(np.searchsorted(edges, drawn, side="right"), minlength=len(edges) + 1)
     assert list(h.histogram.counts) == ref.tolist() and h.histogram.sample_size == drawn.size
+
+
+def test_views_numpy_refuses_fall_back_or_resolve() -> None:
+    # An integer negative-bit view (no copy before the sort when it fits the
+    # sample), and an activation inside torch.func.grad (a wrapped tensor
+    # without storage): both still reduce, against float64 references.
+    specs = [pb.ReducerSpec(kind=pb.REDUCER_KIND_HISTOGRAM), pb.ReducerSpec(kind=pb.REDUCER_KIND_QUANTILES)]
+    plan = ReducerPlan(build_reducers(specs))
+    x = torch._neg_view(torch.arange(100, dtype=torch.int32))
+    _, q = plan.decode(plan.run(x).numpy(), x.shape)
+    ref = -np.arange(100, dtype=np.float64)
+    assert list(q.quantiles.values) == np.quantile(ref, list(q.quantiles.probabilities)).tolist()
+
+    seen: list[torch.Tensor] = []
+
+    def loss(w: torch.Tensor) -> torch.Tensor:
+        h = w * 2.0
+        seen.append(plan.run(h))
+        return h.sum()
+
+    w = torch.linspace(-3.0, 5.0, 100, dtype=torch.float64)
+    torch.func.grad(loss)(w)
+    _, q = plan.decode(seen[0].numpy(), w.shape)
+    np.testing.assert_array_equal(q.quantiles.values, np.quantile(2.0 * w.numpy(), list(q.quantiles.probabilities)))
