@@ -4,11 +4,12 @@ grpc's Python server parses a request with the handler's deserializer
 before any service code runs; bytes that do not parse end the call as
 ``INTERNAL: Exception deserializing request!``, a server-fault code for a
 client's mistake. This interceptor, innermost of the server's, swaps each
-unary-request handler's deserializer for one that returns a marker instead of
-raising, and its behaviour answers the marker with ``INVALID_ARGUMENT`` and
-the message type expected, the way every other bad input is answered.
-Handlers that stream requests (reflection) or answer through callbacks
-(``Health.Watch``) are left as grpc made them.
+handler's deserializer for one that returns a marker instead of raising, and
+its behaviour answers the marker with ``INVALID_ARGUMENT`` and the message
+type expected, the way every other bad input is answered: before the service
+runs for a single request (also ``Health.Watch``, which answers through a
+callback), or when the service reads the marker from a request stream
+(reflection).
 """
 
 from __future__ import annotations
@@ -50,28 +51,65 @@ def _refuse(request: _Unparsed, context: grpc.ServicerContext) -> None:
     context.abort_with_status(rpc_status.to_status(rich_status(InvalidSpec("request", request.why))))
 
 
+#: (request streaming, response streaming) -> the handler's behaviour attribute, and grpc's maker of one.
+_KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodHandler]]] = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+
+def _checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+    """A request stream that ends the call at its first unparseable message."""
+    for request in requests:
+        if isinstance(request, _Unparsed):
+            _refuse(request, context)
+        yield request
+
+
+def _wrap(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
+    """The handler's behaviour, refusing unparsed requests first; grpc's attributes kept."""
+    streaming_in, streaming_out = handler.request_streaming, handler.response_streaming
+    inner: Callable[..., Any] = getattr(handler, _KINDS[(streaming_in, streaming_out)][0])
+    behavior: Callable[..., Any]
+    if getattr(inner, "experimental_non_blocking", False):
+        def callback(request: Any, context: grpc.ServicerContext,
+                     send_response_callback: Callable[[Any], None]) -> Any:  # grpc passes it by name
+            if isinstance(request, _Unparsed):
+                _refuse(request, context)
+            return inner(request, context, send_response_callback)
+        behavior = callback
+        behavior.experimental_non_blocking = True  # type: ignore[attr-defined]
+    elif streaming_in:
+        def from_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            return inner(_checked(requests, context), context)
+        behavior = from_stream
+    elif streaming_out:
+        def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            if isinstance(request, _Unparsed):
+                _refuse(request, context)
+            yield from inner(request, context)
+        behavior = stream
+    else:
+        def unary(request: Any, context: grpc.ServicerContext) -> Any:
+            if isinstance(request, _Unparsed):
+                _refuse(request, context)
+            return inner(request, context)
+        behavior = unary
+    pool = getattr(inner, "experimental_thread_pool", None)
+    if pool is not None:
+        behavior.experimental_thread_pool = pool  # type: ignore[union-attr]
+    return behavior
+
+
 class MalformedRequests(grpc.ServerInterceptor):
-    """Unparseable unary requests end ``INVALID_ARGUMENT`` (field ``request``), not ``INTERNAL``."""
+    """Unparseable requests end ``INVALID_ARGUMENT`` (field ``request``), not ``INTERNAL``."""
 
     def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
         handler = continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
-        inner = handler.unary_unary or handler.unary_stream
-        if getattr(inner, "experimental_non_blocking", False):
-            return handler
-        behavior: Callable[..., Any]
-        if handler.response_streaming:
-            def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                if isinstance(request, _Unparsed):
-                    _refuse(request, context)
-                yield from inner(request, context)
-            behavior, make = stream, grpc.unary_stream_rpc_method_handler
-        else:
-            def unary(request: Any, context: grpc.ServicerContext) -> Any:
-                if isinstance(request, _Unparsed):
-                    _refuse(request, context)
-                return inner(request, context)
-            behavior, make = unary, grpc.unary_unary_rpc_method_handler
-        return make(behavior, request_deserializer=_safe(handler.request_deserializer),
+        make = _KINDS[(handler.request_streaming, handler.response_streaming)][1]
+        return make(_wrap(handler), request_deserializer=_safe(handler.request_deserializer),
                     response_serializer=handler.response_serializer)

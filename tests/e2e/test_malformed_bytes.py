@@ -1,4 +1,4 @@
-"""Bytes that do not parse as the method's request: INVALID_ARGUMENT naming ``request``, at once, for every unary request.
+"""Bytes that do not parse as the method's request: INVALID_ARGUMENT naming ``request``, at once, for every method.
 
 grpc alone answers them ``INTERNAL`` (a server fault); ``rpc.malformed`` makes them a client error like any other.
 """
@@ -25,18 +25,23 @@ METHODS = {
     "/layertap.v1.TelemetryService/Subscribe": True,
     "/layertap.v1.TelemetryService/Explain": False,
     "/grpc.health.v1.Health/Check": False,
+    "/grpc.health.v1.Health/Watch": True,  # grpc's non-blocking (callback) handler
+    # A request stream (reflection): the call ends at the first unparseable message.
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": None,
 }
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_unparseable_bytes_are_invalid_argument_naming_request(demo_server, method: str) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{demo_server.port}") as channel:
-        call = (channel.unary_stream if METHODS[method] else channel.unary_unary)(method)
         start = time.monotonic()
         with pytest.raises(grpc.RpcError) as info:
-            reply = call(GARBAGE, timeout=10)
-            if METHODS[method]:
-                list(reply)
+            if METHODS[method] is None:
+                list(channel.stream_stream(method)(iter([GARBAGE]), timeout=10))
+            elif METHODS[method]:
+                list(channel.unary_stream(method)(GARBAGE, timeout=10))
+            else:
+                channel.unary_unary(method)(GARBAGE, timeout=10)
         assert time.monotonic() - start < 5
     err = info.value
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details())
