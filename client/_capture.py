@@ -107,6 +107,8 @@ class CapturedTensor:
     active: bool
     dtype: str
     call_index: int = 0
+    #: The pass's training step (a training agent's passes); None for Infer traffic and active passes.
+    step: int | None = None
     value: TensorValue = None
 
 
@@ -213,6 +215,7 @@ class CaptureAssembler:
             active=h.active,
             dtype=dtype_name(h.dtype),
             call_index=h.call_index,
+            step=h.step if h.has_step else None,
         )
         try:
             buffer = np.empty(nbytes, dtype=np.uint8)  # only after every check above

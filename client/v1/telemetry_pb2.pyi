@@ -276,6 +276,8 @@ class CaptureHeader(_message.Message):
     ACTIVE_FIELD_NUMBER: _builtins.int
     IS_CONTAINER_FIELD_NUMBER: _builtins.int
     CALL_INDEX_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    HAS_STEP_FIELD_NUMBER: _builtins.int
     tensor_id: _builtins.int
     layer: _builtins.str
     point: Global___Point.ValueType
@@ -299,6 +301,11 @@ class CaptureHeader(_message.Message):
     """0 for the module's first call in the pass, 1 for the second... (a module
     such as a shared ReLU can run more than once per forward pass).
     """
+    step: _builtins.int
+    """Training step of the pass, when the host reports one (as Summary.step):
+    a training agent's passes have one, Infer traffic and active passes none.
+    """
+    has_step: _builtins.bool
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -319,10 +326,12 @@ class CaptureHeader(_message.Message):
         active: _builtins.bool = ...,
         is_container: _builtins.bool = ...,
         call_index: _builtins.int = ...,
+        step: _builtins.int = ...,
+        has_step: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "call_index", b"call_index", "dtype", b"dtype", "is_container", b"is_container", "layer", b"layer", "num_chunks", b"num_chunks", "output_count", b"output_count", "output_index", b"output_index", "output_key", b"output_key", "pass_index", b"pass_index", "pass_ordinal", b"pass_ordinal", "point", b"point", "shape", b"shape", "tensor_id", b"tensor_id", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "call_index", b"call_index", "dtype", b"dtype", "has_step", b"has_step", "is_container", b"is_container", "layer", b"layer", "num_chunks", b"num_chunks", "output_count", b"output_count", "output_index", b"output_index", "output_key", b"output_key", "pass_index", b"pass_index", "pass_ordinal", b"pass_ordinal", "point", b"point", "shape", b"shape", "step", b"step", "tensor_id", b"tensor_id", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

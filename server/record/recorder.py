@@ -231,8 +231,8 @@ class Recorder(Sink):
             rec.replay_matches = not share.problems
             rec.replay_note = "; ".join(share.problems)[:NOTE_CHARS]
             rec.tensors_dropped = share.dropped
-            tensors = [_stored(t, "", pb.POINT_INPUT, i, 0, ctx.index) for i, t in enumerate(inputs)]
-            tensors += [_stored(captured[key], key[0], key[1], key[3], key[2], ctx.index) for key in share.kept]
+            tensors = [_stored(t, "", pb.POINT_INPUT, i, 0, ctx) for i, t in enumerate(inputs)]
+            tensors += [_stored(captured[key], key[0], key[1], key[3], key[2], ctx) for key in share.kept]
         rec.layers.extend(pb.IncidentLayer(layer=layer, point=share.point, triggers=names,
                                            rows=sorted(share.rows[layer]))
                           for layer, names in firing.layers.items())
@@ -260,11 +260,15 @@ class Recorder(Sink):
         self._thread.join(5.0)
 
 
-def _stored(t: torch.Tensor, layer: str, point: int, index: int, call: int, pass_index: int) -> StoredTensor:
+def _stored(t: torch.Tensor, layer: str, point: int, index: int, call: int, ctx: PassContext) -> StoredTensor:
+    """A replayed tensor, headed by the live pass that fired (its index and training step)."""
     data = tensor_to_bytes(t)
-    return StoredTensor(pb.CaptureHeader(layer=layer, point=point, output_index=index, call_index=call,
-                                         dtype=wire_dtype(t.dtype), shape=list(t.shape), pass_index=pass_index,
-                                         total_bytes=len(data)), data)
+    header = pb.CaptureHeader(layer=layer, point=point, output_index=index, call_index=call,
+                              dtype=wire_dtype(t.dtype), shape=list(t.shape), pass_index=ctx.index,
+                              total_bytes=len(data))
+    if ctx.step is not None:
+        header.step, header.has_step = ctx.step, True
+    return StoredTensor(header, data)
 
 
 class _RecorderCollector(Collector):

@@ -80,14 +80,16 @@ def encode_pass(rec: CapturedPass, opts: CaptureOptions, tensor_ids: Iterator[in
         nbytes = data.nbytes
         tid = next(tensor_ids)
         nchunks = (nbytes + CHUNK_BYTES - 1) // CHUNK_BYTES
-        header = pb.CaptureResponse(header=pb.CaptureHeader(
+        header = pb.CaptureHeader(
             tensor_id=tid, layer=cap.layer, point=point, output_index=cap.output_index,
             output_key=cap.output_key, output_count=cap.output_count, dtype=wire_dtype(host_t.dtype),
             shape=list(host_t.shape), pass_index=rec.ctx.index, pass_ordinal=rec.ordinal,
             total_bytes=nbytes, num_chunks=nchunks, active=rec.ctx.active,
             is_container=cap.is_container, call_index=cap.call_index,
-        ))
-        yield header.SerializeToString(), 0
+        )
+        if rec.ctx.step is not None:  # has_step tells step 0 from a pass without one
+            header.step, header.has_step = rec.ctx.step, True
+        yield pb.CaptureResponse(header=header).SerializeToString(), 0
         for i in range(nchunks):
             off = i * CHUNK_BYTES
             piece = data[off:off + CHUNK_BYTES]

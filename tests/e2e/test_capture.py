@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import layertap
+from layertap import _capture
 from layertap.server.host.demo_model import build_demo_model
 from layertap.v1 import tensor_pb2, telemetry_pb2, telemetry_pb2_grpc
 
@@ -104,6 +105,27 @@ def test_active_capture_is_not_seen_by_passive_capture(client, demo_server):
         other.infer(live)
     t.join(30)
     np.testing.assert_array_equal(out[0], reference(live, ["fc"])["fc"])
+
+
+def test_serving_passes_have_no_training_step(client, demo_server):
+    """Infer traffic and active captures are no training steps: headers say has_step false, the client None."""
+    req = _capture.capture_request(["fc"], input=None, passes=1, point="output", max_batch=None, dtype=None)
+    assembler = _capture.CaptureAssembler()
+    t = threading.Thread(target=lambda: _capture.receive(client._capture_rpc(req, timeout=30), assembler))
+    t.start()
+    assert wait_for(lambda: demo_server.state.host.hooks.active == 1)
+    client.infer(batch(seed=7))
+    t.join(30)
+    (live,) = assembler.finish()
+    assert (live.layer, live.active, live.step) == ("fc", False, None)
+
+    with grpc.insecure_channel(f"127.0.0.1:{demo_server.port}") as channel:
+        x = batch(seed=8)
+        active = telemetry_pb2.CaptureRequest(layers=["fc"], inputs=[tensor_pb2.Tensor(
+            dtype=tensor_pb2.DATA_TYPE_FLOAT32, shape=list(x.shape), raw_data=x.tobytes())])
+        headers = [m.header for m in telemetry_pb2_grpc.TelemetryServiceStub(channel).Capture(active, timeout=30)
+                   if m.WhichOneof("payload") == "header"]
+    assert [(h.active, h.has_step, h.step) for h in headers] == [(True, False, 0)]
 
 
 def test_input_point_and_container_outputs(make_server):

@@ -1,17 +1,21 @@
-"""Passive captures of gradient points on a training agent, and the rank on its summaries and metadata."""
+"""Passive captures of gradient points on a training agent, the step on their headers, and the rank on its
+summaries and metadata."""
 
 from __future__ import annotations
 
 import threading
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import layertap
+from layertap import _capture
 from layertap.server.host.demo_model import build_demo_model
+from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
 from support.e2e import wait_for
 from support.training import batches
 
@@ -42,6 +46,90 @@ def _capture_in_background(client: layertap.Client, agent: Any, **kw: Any) -> tu
     thread.start()
     assert wait_for(lambda: client.stats().active_captures == 1, 30)
     return thread, out
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 5) -> None:
+    data = batches(seed, 4, DEMO)
+    for _ in range(steps):
+        x, y = next(data)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _tensors_in_background(client: layertap.Client, layers: list[str], n: int,
+                           active: int = 1) -> tuple[threading.Thread, list[_capture.CapturedTensor]]:
+    """``client.capture``'s own request, stream and assembler, keeping the per-tensor results that
+    ``capture`` shapes into arrays; returns once ``active`` captures have their hooks on the model."""
+    req = _capture.capture_request(layers, input=None, passes=n, point="output", max_batch=None, dtype=None)
+    assembler = _capture.CaptureAssembler()
+    got: list[_capture.CapturedTensor] = []
+
+    def run() -> None:
+        with client._translating(layer_hint=True):
+            _capture.receive(client._capture_rpc(req, timeout=60), assembler)
+        got.extend(assembler.finish())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert wait_for(lambda: client.stats().active_captures == active, 30)
+    return thread, got
+
+
+def _headers_in_background(client: layertap.Client, address: str,
+                           request: telemetry_pb2.CaptureRequest,
+                           ) -> tuple[threading.Thread, list[telemetry_pb2.CaptureHeader]]:
+    """A passive capture through the generated stub, so protobuf parses every header; returns once hooked."""
+    headers: list[telemetry_pb2.CaptureHeader] = []
+
+    def run() -> None:
+        with grpc.insecure_channel(address) as channel:
+            for msg in telemetry_pb2_grpc.TelemetryServiceStub(channel).Capture(request, timeout=60):
+                if msg.WhichOneof("payload") == "header":
+                    headers.append(msg.header)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert wait_for(lambda: client.stats().active_captures == 1, 30)
+    return thread, headers
+
+
+def test_captures_carry_the_training_step_of_their_pass():
+    model = build_demo_model(0).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with layertap.attach(model, opt, metrics_port=None, start_step=100) as agent, \
+            layertap.Client(agent.address) as client:
+        _train(model, opt, 3)  # steps 100..102 are passes 0..2: a step is no pass index
+        thread, got = _tensors_in_background(client, ["fc", "layer1"], n=2)
+        _train(model, opt, 2)
+        thread.join(60)
+        assert not thread.is_alive()
+        # Two layers of the two steps after the request, each tensor stamped with its own step.
+        assert sorted((t.pass_ordinal, t.layer, t.step) for t in got) == [
+            (0, "fc", 103), (0, "layer1", 103), (1, "fc", 104), (1, "layer1", 104)]
+        assert {t.pass_index for t in got} == {3, 4}
+
+        # Gradient points are read in the same step; on the wire, protobuf reads has_step and step.
+        req = telemetry_pb2.CaptureRequest(layers=["fc"], point=telemetry_pb2.POINT_PARAM_GRAD, passes=1)
+        thread, headers = _headers_in_background(client, agent.address, req)
+        _train(model, opt, 1)
+        thread.join(60)
+        assert [(h.output_key, h.has_step, h.step) for h in headers] == [("weight", True, 105), ("bias", True, 105)]
+
+
+def test_step_zero_is_a_step_not_its_absence():
+    """proto3 leaves a zero ``step`` off the wire; ``has_step`` keeps step 0 apart from no step."""
+    model = build_demo_model(0).train()
+    with layertap.attach(model, None, metrics_port=None) as agent, layertap.Client(agent.address) as client:
+        wire, headers = _headers_in_background(client, agent.address, telemetry_pb2.CaptureRequest(layers=["fc"]))
+        own, got = _tensors_in_background(client, ["fc"], n=1, active=2)
+        x, y = next(batches(6, 4, DEMO))
+        with agent.step(0):
+            nn.functional.cross_entropy(model(x), y).backward()
+        wire.join(60)
+        own.join(60)
+        assert [(h.layer, h.has_step, h.step) for h in headers] == [("fc", True, 0)]
+        assert [(t.layer, t.step) for t in got] == [("fc", 0)]
 
 
 def test_param_grad_capture_is_what_the_optimizer_steps_with(trained):

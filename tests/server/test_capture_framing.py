@@ -9,7 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from layertap.server.codec import host_bytes, tensor_to_bytes
-from layertap.server.taps.capture_wire import CHUNK_BYTES, chunk_message, varint
+from layertap.server.host.model_host import PassContext
+from layertap.server.taps.capture import CapturedPass, CapturedTensor
+from layertap.server.taps.capture_limits import CaptureBudget
+from layertap.server.taps.capture_options import CaptureOptions
+from layertap.server.taps.capture_wire import CHUNK_BYTES, chunk_message, encode_pass, varint
+from layertap.v1 import tensor_pb2
 from layertap.v1 import telemetry_pb2 as pb
 
 UINT32 = st.integers(0, (1 << 32) - 1)
@@ -47,6 +52,23 @@ def test_varint_matches_protobuf(n: int) -> None:
     # An offset alone is "0x18 varint": the message's bytes after the tags are the varint.
     ref = pb.CaptureChunk(offset=n).SerializeToString()
     assert (b"\x18" + varint(n) if n else b"") == ref
+
+
+@pytest.mark.parametrize("step", [None, 0, 7, (1 << 40) + 3])
+def test_a_header_carries_its_passs_training_step(step: int | None) -> None:
+    """The header is the bytes protobuf writes for the pass's fields, step included; ``has_step`` only with one."""
+    t = torch.arange(6, dtype=torch.float32).view(2, 3)
+    rec = CapturedPass(PassContext(12, step=step), 1, CaptureBudget(1 << 20).reservation(),
+                       [CapturedTensor("fc", 0, 0, "", 1, False, t)])
+    opts = CaptureOptions(layers=("fc",), point=pb.POINT_OUTPUT, passes=2, max_batch=0, dtype=None)
+    (header, _), (chunk, _) = encode_pass(rec, opts, iter([4]))
+    want = pb.CaptureHeader(tensor_id=4, layer="fc", point=pb.POINT_OUTPUT, output_count=1,
+                            dtype=tensor_pb2.DATA_TYPE_FLOAT32, shape=[2, 3], pass_index=12, pass_ordinal=1,
+                            total_bytes=24, num_chunks=1, step=step or 0, has_step=step is not None)
+    assert header == pb.CaptureResponse(header=want).SerializeToString()
+    got = pb.CaptureResponse.FromString(header).header
+    assert (got.has_step, got.step) == (step is not None, step or 0)
+    assert pb.CaptureResponse.FromString(chunk).chunk.data == t.numpy().tobytes()
 
 
 class _Recorder:

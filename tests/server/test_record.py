@@ -267,3 +267,18 @@ def test_inputs_taken_for_a_replay_stay_counted_until_released():
     assert r.queued_bytes == 0
     r.keep(10, [torch.zeros(768)])
     assert r.held_bytes == 3 * 1024 and len(r) == 1
+
+
+@pytest.mark.parametrize("step", [None, 0, 42])
+def test_recorded_tensors_are_headed_by_the_live_pass_and_its_step(tmp_path, step):
+    from layertap.server.host.model_host import PassContext
+    from layertap.server.record.recorder import _stored
+
+    stored = _stored(torch.ones(2, 3), "fc", pb.POINT_OUTPUT, 0, 1, PassContext(9, step=step))
+    clock = Clock()
+    store = IncidentStore(tmp_path, clock=clock)
+    rec = pb.Incident(id=new_id(clock.now), tap="t", pass_index=9, time=timestamp(clock.now))
+    store.write(rec, [stored])
+    _, (back,) = store.read(rec.id)
+    h = back.header
+    assert (h.layer, h.pass_index, h.call_index, h.has_step, h.step) == ("fc", 9, 1, step is not None, step or 0)
