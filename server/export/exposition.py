@@ -104,9 +104,13 @@ def _signature(metric: Metric) -> tuple[object, ...] | None:
 
 
 def _frozen(metric: Metric) -> Metric:
-    """A plain ``Metric`` with ``metric``'s attributes and its samples read once, into a list."""
+    """A plain ``Metric`` with what the writers read of ``metric``, its samples read once into a list.
+
+    Attribute by attribute: a family may keep them in ``__slots__`` or properties.
+    """
     frozen = Metric.__new__(Metric)
-    frozen.__dict__.update(vars(metric))
+    frozen.name, frozen.documentation = metric.name, metric.documentation
+    frozen.type, frozen.unit = metric.type, metric.unit
     frozen.samples = list(metric.samples)
     return frozen
 

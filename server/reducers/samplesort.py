@@ -35,15 +35,17 @@ def sort_ascending(s: torch.Tensor) -> torch.Tensor:
         The sorted values as float64, exactly those of ``s`` (-0.0 and +0.0,
         equal as floats, may come in either order).
     """
-    if s.device.type != "cpu" or type(s) is not torch.Tensor:
-        return _torch_sort(s)  # CUDA's radix sort; tensor subclasses have no numpy view
+    if s.device.type != "cpu" or type(s) is not torch.Tensor or torch._is_functional_tensor(s):
+        # CUDA's radix sort. Subclasses have no numpy view, and a functionalized
+        # tensor's numpy() reads its wrapper's storage, not its values.
+        return _torch_sort(s)
     wide = _WIDEN.get(s.dtype)
     host = s.detach().resolve_neg()  # numpy refuses a negative-bit view (a no-op without one)
     if wide is not None:
         host = host.to(wide)
     try:
         values = host.numpy()
-    except RuntimeError:  # torch.func transforms wrap tensors without storage numpy can view
+    except RuntimeError:  # torch.func.grad/vmap wrap tensors without storage numpy can view
         return _torch_sort(s)
     return torch.from_numpy(np.sort(values).astype(np.float64, copy=False))
 

@@ -73,9 +73,12 @@ def _wrap(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
     streaming_in, streaming_out = handler.request_streaming, handler.response_streaming
     inner: Callable[..., Any] = getattr(handler, _KINDS[(streaming_in, streaming_out)][0])
     behavior: Callable[..., Any]
-    if getattr(inner, "experimental_non_blocking", False):
+    # grpc hands a callback only to response-streaming behaviours marked non-blocking.
+    if streaming_out and getattr(inner, "experimental_non_blocking", False):
         def callback(request: Any, context: grpc.ServicerContext,
                      send_response_callback: Callable[[Any], None]) -> Any:  # grpc passes it by name
+            if streaming_in:
+                return inner(_checked(request, context), context, send_response_callback)
             if isinstance(request, _Unparsed):
                 _refuse(request, context)
             return inner(request, context, send_response_callback)

@@ -29,7 +29,7 @@ from layertap.server.reducers.compiled_kernel import DENSE, Signature
 from layertap.server.train.labels import LabelledRegistry
 from layertap.server.train.names import is_compiled, unwrap
 from layertap.server.train.ranks import Rank
-from layertap.server.train.steps import StepTracker
+from layertap.server.train.steps import StepTracker, step_number
 
 log = logging.getLogger("layertap.server")
 
@@ -169,6 +169,7 @@ def attach(
         setattr(config, key, value)
     if (why := check_exposure(config)) is not None:
         raise ValueError(f"layertap.attach: {why} (keywords auth_tokens=, tls_cert=, tls_key=, insecure=True)")
+    step_number(start_step, "start_step")  # refused before any server starts
     inner = unwrap(model)
     if is_compiled(model):
         # Dynamo skips guards on module hooks by default, so a tap added after

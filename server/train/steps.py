@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,6 +33,29 @@ from torch.utils.hooks import RemovableHandle
 from layertap.server.host.model_host import ModelHost, PassContext
 
 log = logging.getLogger("layertap.server")
+
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def step_number(value: Any, name: str = "step") -> int:
+    """``value`` as a step number: an integer (numpy and torch integers too) in int64.
+
+    Summaries, capture headers and incidents all carry it as a protobuf
+    int64; one check here, where the user hands it over, keeps them in
+    agreement and turns a float or an overflow into a clear error at the call.
+
+    Raises:
+        TypeError: Not an integer (a float such as 3.0 included).
+        ValueError: Outside int64.
+    """
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    if not _INT64[0] <= number <= _INT64[1]:
+        raise ValueError(f"{name} {number} is outside int64, the range summaries and captures carry")
+    return number
 
 
 class StepTracker:
@@ -48,7 +72,7 @@ class StepTracker:
         self.host = host
         self.optimizer = optimizer
         #: The number the next optimizer-delimited step gets.
-        self.next_step = start_step
+        self.next_step = step_number(start_step, "start_step")
         #: Hook failures swallowed so the training loop went on.
         self.errors = 0
         self._ctx: PassContext | None = None
@@ -113,10 +137,13 @@ class StepTracker:
         Raises:
             RuntimeError: The agent has an optimizer (its hooks mark steps), or
                 a step is already open.
+            TypeError: ``index`` is not an integer.
+            ValueError: ``index`` is outside int64.
         """
         if self.optimizer is not None:
             raise RuntimeError("this agent was attached with optimizer=; its step hooks mark the steps, "
                                "so agent.step() is not needed")
+        index = step_number(index)
         if self._ctx is not None:
             raise RuntimeError(f"step {self._ctx.step} is still open; steps do not nest")
         ctx = self._open(index)

@@ -152,3 +152,31 @@ def test_values_only_the_writer_understands_render_as_prometheus_client_does() -
     for _ in range(2):
         assert render_latest(registry) == generate_latest(registry)
         assert render_openmetrics(registry) == generate_openmetrics(registry)
+
+
+class _SlottedFamily:
+    """A family the writers accept by its attributes alone: kept in __slots__, no __dict__."""
+
+    __slots__ = ("name", "documentation", "type", "unit", "samples")
+
+    def __init__(self) -> None:
+        self.name, self.documentation, self.type, self.unit = "slotted", "In slots.", "gauge", ""
+        self.samples = [Sample("slotted", {}, 1.5)]
+
+
+class _ComputedNameFamily(Metric):
+    """A family whose name is a property (an adapter's), not an instance attribute."""
+
+    def __init__(self) -> None:
+        self.documentation, self.type, self.unit = "Computed.", "gauge", ""
+        self.samples = [Sample("computed", {}, 2.5)]
+
+    name = property(lambda self: "computed")  # type: ignore[assignment]
+
+
+def test_families_are_read_by_attribute_as_the_writers_read_them() -> None:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(_SlottedFamily(), _ComputedNameFamily()))  # type: ignore[arg-type]
+    for _ in range(2):  # written, then from the cache
+        assert render_latest(registry) == generate_latest(registry)
+        assert render_openmetrics(registry) == generate_openmetrics(registry)

@@ -161,3 +161,18 @@ def test_views_numpy_refuses_fall_back_or_resolve() -> None:
     torch.func.grad(loss)(w)
     _, q = plan.decode(seen[0].numpy(), w.shape)
     np.testing.assert_array_equal(q.quantiles.values, np.quantile(2.0 * w.numpy(), list(q.quantiles.probabilities)))
+
+
+def test_functionalized_samples_sort_their_values() -> None:
+    # A functionalized tensor's numpy() would read its wrapper's storage: the
+    # sort must see the values (torch.sort), not that memory.
+    x = _float_sample(300, torch.float32, seed=6)
+    got: list[torch.Tensor] = []
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        got.append(sort_ascending(a * 1.0))
+        return a
+
+    torch.func.functionalize(f)(x)
+    out = torch._from_functional_tensor(got[0]) if torch._is_functional_tensor(got[0]) else got[0]
+    np.testing.assert_array_equal(out.numpy(), _reference(x))

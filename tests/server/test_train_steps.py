@@ -190,6 +190,24 @@ def test_marked_steps_without_optimizer(rigs):
     assert l2(got[-1]) == pytest.approx(want, rel=1e-9)
 
 
+def test_step_numbers_are_int64_integers(rigs):
+    # Summaries, capture headers and incidents carry the step as int64: a
+    # float or an overflow is refused where it is handed over, not later on
+    # the capture path (a TypeError inside the RPC) or in the recorder.
+    rig = rigs(inplace_net())
+    for bad, error in ((3.0, TypeError), (np.float64(3.0), TypeError), ("3", TypeError),
+                       (1 << 63, ValueError), (-(1 << 63) - 1, ValueError)):
+        with pytest.raises(error, match="step"):
+            with rig.steps.step(bad):  # type: ignore[arg-type]
+                pass
+    with rig.steps.step(np.int64(5)) as ctx:  # numpy and torch integers are integers
+        assert ctx.step == 5 and type(ctx.step) is int
+    with rig.steps.step((1 << 63) - 1) as ctx:
+        assert ctx.step == (1 << 63) - 1
+    with pytest.raises(TypeError, match="start_step must be an integer"):
+        StepTracker(rig.host, None, start_step=2.5)  # type: ignore[arg-type]
+
+
 def test_step_with_an_optimizer_is_refused(rigs):
     model = inplace_net()
     rig = rigs(model, torch.optim.SGD(model.parameters(), lr=0.1))
