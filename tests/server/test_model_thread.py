@@ -59,7 +59,10 @@ SCRIPT = textwrap.dedent("""
 def test_ctrl_c_during_torch_work_on_its_own_thread_waits_for_it_then_stops(presses: int) -> None:
     """A process that exits with a thread inside torch's C++ aborts (SIGABRT): one or two
     interrupts wait for the work, then raise; a third leaves at once (exit 130)."""
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A child inherits an ignored SIGINT (pytest started in the background by a
+    # non-interactive shell), and then Python installs no handler: reset it.
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout is not None and proc.stdout.readline() == "started\n"
     for _ in range(presses):
         time.sleep(0.3)
