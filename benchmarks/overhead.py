@@ -45,6 +45,7 @@ from torch import nn
 from layertap.server.reducers import workspace
 from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.stream.broker import Broker
+from layertap.server.host.allocator import tune_malloc
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.priority import DEFAULT_TELEMETRY_NICE, set_telemetry_nice
 from layertap.server.host.sources import load_model
@@ -105,7 +106,10 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true", help="also time the engine with no-op reducers")
     ap.add_argument("--float-sort", action="store_true",
                     help="also time f with the float64 sort of the sample (before issue 10's key sort)")
+    ap.add_argument("--no-malloc-tuning", action="store_true",
+                    help="keep glibc's malloc defaults (the server tunes them: host.allocator)")
     args = ap.parse_args()
+    malloc = "off" if args.no_malloc_tuning else (tune_malloc() or "on")  # as `layertap serve` does
 
     dtype = getattr(torch, args.dtype)
     loaded = load_model(args.model)
@@ -253,7 +257,7 @@ def main() -> None:
 
     dev = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()
     print(f"model={args.model} device={args.device} ({dev}) dtype={args.dtype} batch={args.batch} "
-          f"channels_last={args.channels_last} taps={len(layers)} torch={torch.__version__}")
+          f"channels_last={args.channels_last} taps={len(layers)} torch={torch.__version__} malloc tuning={malloc}")
     print(f"base step median {statistics.median(base_times) * 1e3:.2f} ms; "
           f"{args.repeats} interleaved rounds x {args.steps} steps")
     print(f"{'variant':52s} {'median':>7s}  spread")

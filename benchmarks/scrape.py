@@ -43,6 +43,7 @@ from layertap.server.export.activations import ActivationCollector
 from layertap.server.export.endpoint import start_metrics_server, stop_metrics_server
 from layertap.server.export.exposition import render_latest, render_openmetrics
 from layertap.server.export.health import ServerMetrics
+from layertap.server.host.allocator import tune_malloc
 from layertap.server.export.snapshots import SnapshotStore
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -108,7 +109,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--layers", type=int, default=200)
     ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--no-malloc-tuning", action="store_true",
+                    help="keep glibc's malloc defaults (the server tunes them: host.allocator)")
     args = ap.parse_args()
+    malloc = "off" if args.no_malloc_tuning else (tune_malloc() or "on")  # as `layertap serve` does
 
     young, steady = Bench(args.layers), Bench(args.layers, seed_counts=50_000)
     text = generate_latest(young.registry).decode()
@@ -165,7 +169,7 @@ def main() -> None:
     finally:
         stop_metrics_server(server)
     per_layer = (series(text) - series(base_text)) / max(args.layers, 1)
-    print(f"layers={args.layers} series_total={series(text)} bytes={len(text)} reps={args.reps}")
+    print(f"layers={args.layers} series_total={series(text)} bytes={len(text)} reps={args.reps} malloc tuning={malloc}")
     print(f"series per tapped layer: {per_layer:g}; every layer updated before every timed call")
     for name, ts in times.items():
         ts.sort()

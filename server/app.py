@@ -35,6 +35,7 @@ from layertap.server.codec import DTYPE_BY_NAME
 from layertap.server.rpc.inference import InferenceService
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.model_thread import in_own_thread
+from layertap.server.host.allocator import tune_malloc
 from layertap.server.host.priority import set_telemetry_nice
 from layertap.server.host.sources import LoadedModel, ModelLoadError, load_model
 from layertap.server.rpc.admission import StreamAdmission
@@ -185,6 +186,9 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
     """
     set_telemetry_nice(config.telemetry_nice)  # first: a bad value fails before the model loads
     if host is None:
+        if config.malloc_tuning:
+            # The server's own process only: an attached agent's host lives in the user's.
+            tune_malloc()
         if config.dtype not in MODEL_DTYPES:
             raise ModelLoadError(f"--dtype {config.dtype!r}: expected one of {', '.join(MODEL_DTYPES)}")
         # Loaded on a thread that exits: see model_thread (one OpenMP team per process).

@@ -50,6 +50,9 @@ class ServerConfig:
     #: How much nicer than the model thread the telemetry threads run
     #: (collector, recorder, /metrics); 0: same priority. See host.priority.
     telemetry_nice: int = 19
+    #: Keep freed memory for the next pass (glibc mmap/trim thresholds, see
+    #: host.allocator); False (``--no-malloc-tuning``): glibc's defaults.
+    malloc_tuning: bool = True
     #: Plaintext gRPC health listener (e.g. 127.0.0.1:50052) for probes that
     #: cannot speak TLS (Docker HEALTHCHECK, kubelet); None: none.
     health_address: str | None = None
