@@ -1,15 +1,17 @@
 """glibc malloc settings for a serving process: keep freed memory for the next pass instead of returning it.
 
-Why: with glibc's defaults, a CPU forward pass gives its activations back to
-the kernel when they are freed and page-faults fresh zeroed pages for the next
-pass. Its threshold for serving a block from ``mmap`` adapts upwards, but the
-heap top is trimmed back to the kernel whenever more than twice that is free,
-which a pass's worth of activations is. Measured on the 2-vCPU VM, demo model,
-batch 32: a forward took 6.4-7.4 ms with the defaults and 4.8-5.8 ms with the
-settings below; a 200-layer ``/metrics`` render 4.95 -> 3.80 ms (its 1 MB
-texts). Setting either value turns glibc's adaptation off, so both are set
-(the trim threshold alone made forwards 2x slower: every block above 128 KiB
-went back to ``mmap``).
+Why: with glibc's defaults, a CPU forward pass may give its activations back
+to the kernel when they are freed and page-fault fresh zeroed pages for the
+next pass. glibc's threshold for serving a block from ``mmap`` adapts upwards
+as blocks are freed, and the heap top is trimmed back to the kernel whenever
+more than twice that is free, so whether a process pays depends on its
+allocation history. Measured on the 2-vCPU VM, demo model, batch 32, in a
+process that paid: a forward took 6.4 ms with the defaults and 4.6 ms with the
+settings below, a 200-layer ``/metrics`` render 5.9 -> 4.8 ms; a real
+``layertap serve`` happened not to pay (no measurable change), and with these
+settings none does. Setting either value turns glibc's adaptation off, so both
+are set (the trim threshold alone made forwards 2x slower: every block above
+128 KiB went back to ``mmap``).
 
 The cost is resident memory: up to :data:`TRIM_THRESHOLD` of freed heap per
 arena stays mapped, for reuse. PyTorch's CPU tuning guides reach the same end
