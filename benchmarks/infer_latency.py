@@ -43,12 +43,12 @@ VARIANTS: dict[str, dict] = {
 
 
 def start_server(no_compile: bool, telemetry_nice: int | None = None,
-                 malloc_tuning: bool = True) -> tuple[subprocess.Popen[str], str, int]:
+                 malloc_tuning: bool = False) -> tuple[subprocess.Popen[str], str, int]:
     args = [sys.executable, "-m", "layertap.cli", "serve", "--port", "0", "--metrics-port", "0"]
     if no_compile:
         args.append("--no-compile")
-    if not malloc_tuning:
-        args.append("--no-malloc-tuning")
+    if malloc_tuning:
+        args.append("--malloc-tuning")
     if telemetry_nice is not None:
         args += ["--telemetry-nice", str(telemetry_nice)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -118,10 +118,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--telemetry-nice", type=int, help="the server's --telemetry-nice (default: its own default)")
-    ap.add_argument("--no-malloc-tuning", action="store_true", help="start the server with --no-malloc-tuning")
+    ap.add_argument("--malloc-tuning", action="store_true", help="start the server with --malloc-tuning")
     args = ap.parse_args()
 
-    proc, address, metrics_port = start_server(args.no_compile, args.telemetry_nice, not args.no_malloc_tuning)
+    proc, address, metrics_port = start_server(args.no_compile, args.telemetry_nice, args.malloc_tuning)
     try:
         x = np.random.default_rng(0).standard_normal((args.batch, 3, 32, 32)).astype(np.float32)
         with layertap.Client(address, timeout=120) as client:
@@ -152,7 +152,7 @@ def main() -> None:
     print(f"layertap infer latency: demo model, batch {args.batch}, 14 block taps, {platform.machine()}, "
           f"torch {torch.__version__}, compile={'off' if args.no_compile else 'on'} ({last:.0f} kernels), "
           f"telemetry-nice={'default' if args.telemetry_nice is None else args.telemetry_nice}, "
-          f"malloc tuning={'off' if args.no_malloc_tuning else 'on'}")
+          f"--malloc-tuning={'yes' if args.malloc_tuning else 'no'}")
     print(f"untapped median Infer {statistics.median(bases) * 1e3:.2f} ms; "
           f"{args.rounds} interleaved rounds x {args.requests} requests")
     print(f"{'variant':28s} {'median':>7s}  spread")

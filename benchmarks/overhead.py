@@ -106,10 +106,10 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true", help="also time the engine with no-op reducers")
     ap.add_argument("--float-sort", action="store_true",
                     help="also time f with the float64 sort of the sample (before issue 10's key sort)")
-    ap.add_argument("--no-malloc-tuning", action="store_true",
-                    help="keep glibc's malloc defaults (the server tunes them: host.allocator)")
+    ap.add_argument("--malloc-tuning", action="store_true",
+                    help="tune glibc malloc as `layertap serve --malloc-tuning` does (host.allocator)")
     args = ap.parse_args()
-    malloc = "off" if args.no_malloc_tuning else (tune_malloc() or "on")  # as `layertap serve` does
+    malloc = (tune_malloc() or "on") if args.malloc_tuning else "off"  # as `layertap serve --malloc-tuning`
 
     dtype = getattr(torch, args.dtype)
     loaded = load_model(args.model)

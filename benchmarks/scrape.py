@@ -109,10 +109,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--layers", type=int, default=200)
     ap.add_argument("--reps", type=int, default=100)
-    ap.add_argument("--no-malloc-tuning", action="store_true",
-                    help="keep glibc's malloc defaults (the server tunes them: host.allocator)")
+    ap.add_argument("--malloc-tuning", action="store_true",
+                    help="tune glibc malloc as `layertap serve --malloc-tuning` does (host.allocator)")
     args = ap.parse_args()
-    malloc = "off" if args.no_malloc_tuning else (tune_malloc() or "on")  # as `layertap serve` does
+    malloc = (tune_malloc() or "on") if args.malloc_tuning else "off"  # as `layertap serve --malloc-tuning`
 
     young, steady = Bench(args.layers), Bench(args.layers, seed_counts=50_000)
     text = generate_latest(young.registry).decode()

@@ -35,7 +35,7 @@ from layertap.server.codec import DTYPE_BY_NAME
 from layertap.server.rpc.inference import InferenceService
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.model_thread import in_own_thread
-from layertap.server.host.allocator import tune_malloc
+from layertap.server.host.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, tune_malloc
 from layertap.server.host.priority import set_telemetry_nice
 from layertap.server.host.sources import LoadedModel, ModelLoadError, load_model
 from layertap.server.rpc.admission import StreamAdmission
@@ -188,7 +188,12 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
     if host is None:
         if config.malloc_tuning:
             # The server's own process only: an attached agent's host lives in the user's.
-            tune_malloc()
+            why_not = tune_malloc()
+            if why_not is None:
+                log.info("malloc tuning: freed memory up to %d MiB per arena is kept for reuse (mmap above %d MiB)",
+                         TRIM_THRESHOLD >> 20, MMAP_THRESHOLD >> 20)
+            else:
+                log.info("malloc tuning skipped: %s", why_not)
         if config.dtype not in MODEL_DTYPES:
             raise ModelLoadError(f"--dtype {config.dtype!r}: expected one of {', '.join(MODEL_DTYPES)}")
         # Loaded on a thread that exits: see model_thread (one OpenMP team per process).

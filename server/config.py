@@ -51,8 +51,9 @@ class ServerConfig:
     #: (collector, recorder, /metrics); 0: same priority. See host.priority.
     telemetry_nice: int = 19
     #: Keep freed memory for the next pass (glibc mmap/trim thresholds, see
-    #: host.allocator); False (``--no-malloc-tuning``): glibc's defaults.
-    malloc_tuning: bool = True
+    #: host.allocator), opted into with ``--malloc-tuning``: it trades RAM for
+    #: fewer page faults.
+    malloc_tuning: bool = False
     #: Plaintext gRPC health listener (e.g. 127.0.0.1:50052) for probes that
     #: cannot speak TLS (Docker HEALTHCHECK, kubelet); None: none.
     health_address: str | None = None

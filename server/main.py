@@ -52,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--telemetry-nice", type=int, default=d.telemetry_nice,
                    help="raise the telemetry threads' nice value by this much (0-19; 0: as the model), so that "
                         "under full CPU load telemetry falls behind before inference slows down (Linux)")
-    p.add_argument("--no-malloc-tuning", dest="malloc_tuning", action="store_false",
-                   help="keep glibc's malloc defaults (by default freed memory up to 64 MiB per arena is kept for "
-                        "the next pass instead of being page-faulted back in; see docs/operations.md)")
+    p.add_argument("--malloc-tuning", action="store_true", default=d.malloc_tuning,
+                   help="glibc only: keep freed memory (up to 64 MiB per malloc arena) for the next pass instead of "
+                        "page-faulting it back in; costs resident memory (see docs/operations.md)")
     p.add_argument("--taps", dest="tap_config", help="YAML or JSON file of durable taps to create at start")
     p.add_argument("--baseline-dir", help="directory where drift baselines are saved and reloaded")
     p.add_argument("--drift-window", type=int, default=d.drift_window, help="passes in the sliding drift window")
