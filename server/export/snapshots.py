@@ -91,7 +91,8 @@ def _frozen_snapshot(values: tuple[Any, ...]) -> LayerSnapshot:
     cheaper and gives the same (still frozen) object.
     """
     snap = object.__new__(LayerSnapshot)
-    snap.__dict__.update(zip(_SNAPSHOT_FIELDS, values))
+    # strict: a field added to LayerSnapshot but not to the caller's tuple must fail, not go missing.
+    snap.__dict__.update(zip(_SNAPSHOT_FIELDS, values, strict=True))
     return snap
 
 

@@ -221,11 +221,10 @@ def _load(path: Path) -> AotiKernel:
     native = _native_loader()
     if native is not None:
         try:
-            loader = native(str(path), "model", False, 1, -1)  # path, model name, single-threaded, runners, device
+            # path, model name, single-threaded, runners, device
+            return AotiKernel(native(str(path), "model", False, 1, -1))
         except TypeError:  # another torch's constructor: take the public way
-            loader = None
-        if loader is not None:
-            return AotiKernel(loader)
+            pass
     return AotiKernel(torch._inductor.aoti_load_package(str(path)))
 
 

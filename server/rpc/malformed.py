@@ -63,43 +63,33 @@ _KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodHandler]]
 def _checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
     """A request stream that ends the call at its first unparseable message."""
     for request in requests:
-        if isinstance(request, _Unparsed):
-            _refuse(request, context)
-        yield request
+        yield _parsed(request, context)
+
+
+def _parsed(request: Any, context: grpc.ServicerContext) -> Any:
+    """``request``, or the call ended ``INVALID_ARGUMENT`` when it did not parse."""
+    if isinstance(request, _Unparsed):
+        _refuse(request, context)
+    return request
 
 
 def _wrap(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
     """The handler's behaviour, refusing unparsed requests first; grpc's attributes kept."""
     streaming_in, streaming_out = handler.request_streaming, handler.response_streaming
     inner: Callable[..., Any] = getattr(handler, _KINDS[(streaming_in, streaming_out)][0])
+    admit = _checked if streaming_in else _parsed
     behavior: Callable[..., Any]
     # grpc hands a callback only to response-streaming behaviours marked non-blocking.
     if streaming_out and getattr(inner, "experimental_non_blocking", False):
         def callback(request: Any, context: grpc.ServicerContext,
                      send_response_callback: Callable[[Any], None]) -> Any:  # grpc passes it by name
-            if streaming_in:
-                return inner(_checked(request, context), context, send_response_callback)
-            if isinstance(request, _Unparsed):
-                _refuse(request, context)
-            return inner(request, context, send_response_callback)
+            return inner(admit(request, context), context, send_response_callback)
         behavior = callback
         behavior.experimental_non_blocking = True  # type: ignore[attr-defined]
-    elif streaming_in:
-        def from_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            return inner(_checked(requests, context), context)
-        behavior = from_stream
-    elif streaming_out:
-        def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            if isinstance(request, _Unparsed):
-                _refuse(request, context)
-            yield from inner(request, context)
-        behavior = stream
     else:
-        def unary(request: Any, context: grpc.ServicerContext) -> Any:
-            if isinstance(request, _Unparsed):
-                _refuse(request, context)
-            return inner(request, context)
-        behavior = unary
+        def call(request: Any, context: grpc.ServicerContext) -> Any:
+            return inner(admit(request, context), context)
+        behavior = call
     pool = getattr(inner, "experimental_thread_pool", None)
     if pool is not None:
         behavior.experimental_thread_pool = pool  # type: ignore[union-attr]

@@ -41,11 +41,15 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+def _clean_env() -> dict[str, str]:
+    """This environment without any malloc settings or preloaded allocator of the caller's."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+
+
 def _run(mode: str, size: str = "small", **env: str) -> list[str]:
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
     done = subprocess.run([sys.executable, "-c", SCRIPT, mode, size], capture_output=True, text=True, timeout=120,
-                          env={**clean, **env})
+                          env={**_clean_env(), **env})
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.splitlines()
 
@@ -79,9 +83,7 @@ def test_the_users_own_settings_are_left_alone() -> None:
 
 @pytest.mark.parametrize("flag", [[], ["--malloc-tuning"]])
 def test_layertap_serve_tunes_only_when_asked(flag: list[str]) -> None:
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
     done = subprocess.run([sys.executable, "-m", "layertap.cli", "serve", "--smoke", "--port", "0",
-                           "--no-metrics", *flag], capture_output=True, text=True, timeout=300, env=clean)
+                           "--no-metrics", *flag], capture_output=True, text=True, timeout=300, env=_clean_env())
     assert done.returncode == 0, done.stderr[-2000:]
     assert ("malloc tuning: freed memory up to 64 MiB" in done.stderr) == bool(flag), done.stderr[-2000:]
