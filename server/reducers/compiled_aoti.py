@@ -22,8 +22,9 @@ Packages are cached on disk (``<inductor cache>/layertap-aoti``) under a key
 of torch's and Python's versions, the body's source, the host's CPU flags and
 C++ toolchain (the code is built for the native CPU) and the signature, so a
 restart loads instead of compiling (cold compile ~15-20 s on 2 cores, load
-well under a second). A package that does not load is deleted, counted and
-rebuilt, never fatal. Every load touches the package; packages and
+well under a second). A package that does not load is counted and rebuilt
+over (an atomic rename, never an unlink first: replicas sharing the volume
+never find it missing or lose a package they just wrote), never fatal. Every load touches the package; packages and
 leftover temporary files nobody has loaded for ``STALE_DAYS`` (from older
 torch versions, older bodies, or hosts gone from a shared volume) are
 deleted, once per process, so the cache does not grow with every upgrade.
@@ -232,12 +233,14 @@ def load_or_compile(sig: Signature, example: tuple[torch.Tensor, torch.Tensor, t
     """The signature's kernel from its cached package, compiling it first when missing or unreadable.
 
     Returns:
-        The kernel, and whether a cached package was unreadable (deleted and rebuilt).
+        The kernel, and whether a cached package was unreadable (then rebuilt, or
+        replaced meanwhile by another process sharing the cache).
     """
     path = package_path(sig)
     _prune_once(path.parent, keep=path)
     bad = False
-    if path.exists():
+    seen = _identity(path)
+    if seen is not None:
         try:
             kernel = _load(path)
             _touch(path)  # in use: prune keeps it
@@ -246,6 +249,30 @@ def load_or_compile(sig: Signature, example: tuple[torch.Tensor, torch.Tensor, t
             bad = True
             log.warning("compiled basic statistics: cached package %s does not load (%s: %s); rebuilding it",
                         path.name, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-            path.unlink(missing_ok=True)
-    _compile(path, example)
+            now = _identity(path)
+            if now is not None and now != seen:  # a replica sharing the volume rebuilt it meanwhile
+                try:
+                    kernel = _load(path)
+                    _touch(path)
+                    return kernel, True
+                except Exception:  # noqa: BLE001 - that one is bad too: rebuild below
+                    seen = now
+    # The rebuilt package replaces the bad one atomically (_compile renames):
+    # nothing is unlinked first, so a replica sharing the volume that has just
+    # written a good package never finds the path missing or loses its file.
+    try:
+        _compile(path, example)
+    except BaseException:
+        if bad and _identity(path) == seen:
+            path.unlink(missing_ok=True)  # still the very file that failed: do not leave it for the next start
+        raise
     return _load(path), bad
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """Which file ``path`` names now (inode, size, mtime), or None: a replica's rename changes it."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns

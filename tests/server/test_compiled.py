@@ -495,6 +495,87 @@ def test_a_cached_package_that_does_not_load_is_rebuilt_and_counted(tmp_path: Pa
         cs.close()
 
 
+class _Replicas:
+    """A shared cache volume with a fake loader and compiler: a package file "loads"
+    when its bytes say ``good``; ``on_fail`` (a load fails) and ``during_compile`` are
+    where another replica acts."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, compile_ok: bool = True) -> None:
+        self.compiles = 0
+        self.on_fail: Callable[[Path], None] = lambda _p: None
+        self.during_compile: Callable[[], None] = lambda: None
+        monkeypatch.setattr(compiled_aoti, "cache_dir", lambda: tmp_path)
+        self.path = compiled_aoti.package_path(_sig(torch.float32))
+
+        def load(path: Path) -> object:
+            if path.read_bytes() != b"good":
+                self.on_fail(path)
+                raise RuntimeError("not a package")
+            return "kernel"
+
+        def compile_(path: Path, _example: object) -> None:
+            self.compiles += 1
+            self.during_compile()
+            if not compile_ok:
+                raise RuntimeError("no C++ compiler")
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(b"good")
+            os.replace(tmp, path)
+
+        monkeypatch.setattr(compiled_aoti, "_load", load)
+        monkeypatch.setattr(compiled_aoti, "_compile", compile_)
+
+    def replace(self, content: bytes) -> None:
+        """What another replica's compile does: an atomic rename over the path."""
+        tmp = self.path.with_suffix(".other")
+        tmp.write_bytes(content)
+        os.replace(tmp, self.path)
+
+    def load_or_compile(self) -> tuple[object, bool]:
+        return compiled_aoti.load_or_compile(_sig(torch.float32), compiled_worker.example_of(_sig(torch.float32)))
+
+
+def test_a_bad_package_is_rebuilt_over_atomically_never_unlinked_first(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas share the cache volume: the path never goes missing while one rebuilds."""
+    fs = _Replicas(monkeypatch, tmp_path)
+    fs.path.write_bytes(b"truncated")
+    missing: list[bool] = []
+    real_compile = compiled_aoti._compile
+
+    def watching(path: Path, example: object) -> None:
+        missing.append(not path.exists())  # what a replica starting now would find
+        real_compile(path, example)
+
+    monkeypatch.setattr(compiled_aoti, "_compile", watching)
+    assert fs.load_or_compile() == ("kernel", True)
+    assert missing == [False] and fs.compiles == 1 and fs.path.read_bytes() == b"good"
+
+
+def test_a_package_another_replica_rebuilt_meanwhile_is_loaded_not_compiled_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fs = _Replicas(monkeypatch, tmp_path)
+    fs.path.write_bytes(b"truncated")
+    fs.on_fail = lambda _p: fs.replace(b"good")  # the other replica's rename lands during our failed load
+    assert fs.load_or_compile() == ("kernel", True)
+    assert fs.compiles == 0 and fs.path.read_bytes() == b"good"
+
+
+def test_a_failed_rebuild_removes_the_bad_package_but_never_a_replicas_new_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fs = _Replicas(monkeypatch, tmp_path, compile_ok=False)
+    fs.path.write_bytes(b"truncated")
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        fs.load_or_compile()
+    assert not fs.path.exists()  # not left for the next start to trip on
+    # Another replica writes its package while our rebuild runs (and fails): theirs is kept.
+    fs.path.write_bytes(b"truncated")
+    fs.during_compile = lambda: fs.replace(b"another")
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        fs.load_or_compile()
+    assert fs.path.read_bytes() == b"another"
+
+
 def test_counts_only_plans_run_the_aoti_kernel_and_decline_dynamo(use: CompiledStats) -> None:
     """every=N taps run nonfinite alone on most passes: the AOTInductor kernel costs
     less than the eager counts there, a dynamo kernel's call more."""
