@@ -22,7 +22,7 @@ from layertap.server.reducers.base import Reducer
 from layertap.server.reducers.basic import BASIC_REDUCERS, BasicReducer
 from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.distribution import HistogramReducer, PerChannelReducer, QuantilesReducer
-from layertap.server.reducers.kernels import StatNeeds, fused_basic_stats
+from layertap.server.reducers.kernels import BASIC_WIDTH, StatNeeds, fused_basic_stats
 from layertap.server.reducers.latency import LatencyReducer
 from layertap.server.reducers.spec import (
     SpecError,
@@ -117,16 +117,13 @@ class ReducerPlan:
         self._share_xd = any(r.reads_upcast for r in self.reducers)
         # Only shape-dependent reducers (per_channel) check anything per tensor.
         self._checked = tuple(r for r in self.reducers if type(r).check is not Reducer.check)
-        # A plan of basic reducers only is one gather from the basic vector.
-        self._basic_slots: tuple[int, ...] | None = None
         basic = [r for r in self.reducers if isinstance(r, BasicReducer)]
-        #: For a plan of basic reducers only: each one with its slice of
-        #: :meth:`run`'s output (shape-independent), for the collector's wire path.
+        #: For a plan of basic reducers only, whose :meth:`run` returns the basic
+        #: vector itself (no gather on the hot path: the collector picks the
+        #: slots): each reducer with its slice of it, for decoding and the wire path.
         self.basic_layout: tuple[tuple[BasicReducer, int, int], ...] | None = None
         if basic and len(basic) == len(self.reducers):
-            self._basic_slots = tuple(i for r in basic for i in range(*r.slots))
-            bounds = list(itertools.accumulate((r.slots[1] - r.slots[0] for r in basic), initial=0))
-            self.basic_layout = tuple(zip(basic, bounds, bounds[1:]))
+            self.basic_layout = tuple((r, *r.slots) for r in basic)
         self._slot_cache: DeviceCache = {}
         #: Whether the tap must time its layers (see :mod:`.latency`).
         self.timed = any(isinstance(r, LatencyReducer) for r in self.reducers)
@@ -155,6 +152,8 @@ class ReducerPlan:
         Raises:
             SpecError: When a reducer cannot apply to the shape (per_channel dim).
         """
+        if self.basic_layout is not None:
+            return BASIC_WIDTH
         return sum(r.width(shape) for r in self.reducers)
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -172,7 +171,9 @@ class ReducerPlan:
             x: Any strided real, integer or bool tensor: any layout, 0-d or empty.
 
         Returns:
-            A 1-D float64 tensor on ``x.device`` of ``width(x.shape)`` slots,
+            A 1-D float64 tensor on ``x.device`` of ``width(x.shape)`` slots:
+            for a plan of basic reducers only, the basic-statistics vector
+            itself (each reducer reads its slice, :attr:`basic_layout`); else
             the reducers' slots concatenated in plan order.
 
         Raises:
@@ -185,19 +186,24 @@ class ReducerPlan:
             r.check(x.shape)
         if not self.reducers:
             return x.new_zeros((0,), dtype=F64)
-        if self._slotless:  # _basic_slots is None here, so the cache is free
+        if self._slotless:
             return device_constant(self._slot_cache, (), x.device)
-        with torch.no_grad():
-            ws = Workspace(x.detach() if x.requires_grad else x, self._generator(x.device), self._share_xd)
-            if self._needs_any:
-                # The compiled kernel once its signature is ready, else eager.
-                basic = COMPILED_STATS.stats(ws, self._needs)
-                ws.basic = basic if basic is not None else fused_basic_stats(ws, self._needs)
-            if self._basic_slots is not None:
-                assert ws.basic is not None
-                slots = device_constant(self._slot_cache, self._basic_slots, x.device, torch.int64)
-                return ws.basic.index_select(0, slots)
-            return torch.cat([r.compute(ws) for r in self.reducers])
+        if x.requires_grad:
+            x = x.detach()
+        if torch.is_grad_enabled():  # a training step's hook: nothing here may join its graph
+            with torch.no_grad():
+                return self._reduce(x)
+        return self._reduce(x)  # a server pass (inference mode): the context manager would only cost time
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        ws = Workspace(x, self._generator(x.device), self._share_xd)
+        if self._needs_any:
+            # The compiled kernel once its signature is ready, else eager.
+            basic = COMPILED_STATS.stats(ws, self._needs)
+            ws.basic = basic if basic is not None else fused_basic_stats(ws, self._needs)
+            if self.basic_layout is not None:
+                return ws.basic
+        return torch.cat([r.compute(ws) for r in self.reducers])
 
     def decode(self, values: np.ndarray, shape: Sequence[int]) -> list[pb.ReducerResult]:
         """Turns :meth:`run`'s output, copied to the host, into result messages.
@@ -213,12 +219,12 @@ class ReducerPlan:
             ValueError: When ``values`` does not have ``width(shape)`` slots.
         """
         values = np.asarray(values, dtype=np.float64)
+        if self.basic_layout is not None:
+            if values.shape != (BASIC_WIDTH,):
+                raise ValueError(f"expected the {BASIC_WIDTH} basic slots, got {values.shape}")
+            return [r.decode(values[a:b], shape) for r, a, b in self.basic_layout]
         widths = [r.width(shape) for r in self.reducers]
         if values.shape != (sum(widths),):
             raise ValueError(f"expected {sum(widths)} slots for shape {list(shape)}, got {values.shape}")
-        results = []
-        start = 0
-        for r, w in zip(self.reducers, widths):
-            results.append(r.decode(values[start : start + w], shape))
-            start += w
-        return results
+        bounds = list(itertools.accumulate(widths, initial=0))
+        return [r.decode(values[a:b], shape) for r, a, b in zip(self.reducers, bounds, bounds[1:])]

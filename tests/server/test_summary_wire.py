@@ -58,7 +58,7 @@ def test_wire_summary_equals_the_message_built_one(kinds, data, shape, tap, laye
     nan = data.draw(st.integers(0, numel - count))
     zeros = data.draw(st.integers(0, count))
     basic = [float(zeros), float(nan), float(count), *data.draw(st.lists(SLOT, min_size=BASIC_WIDTH - 3, max_size=BASIC_WIDTH - 3))]
-    values = [basic[i] for i in plan._basic_slots]
+    values = basic  # run()'s output for a basic-only plan: the basic vector itself
     expected = by_messages(plan, values, shape, tap=tap, layer=layer, point=point, output_index=output_index,
                            call_index=call_index, unsampled=unsampled, pass_index=pass_index, step=step, rank=rank,
                            wall=wall)
@@ -85,6 +85,6 @@ def test_an_impossible_count_raises_as_the_message_path_does() -> None:
     plan = ReducerPlan(build_reducers([pb.ReducerSpec(kind=pb.REDUCER_KIND_NONFINITE)]))
     assert plan.basic_layout is not None
     with pytest.raises(ValueError):
-        plan.decode(np.array([3.0, 5.0]), (4,))
+        plan.decode(np.array([0.0, 3.0, 5.0, 0, 0, 0, 0, 0]), (4,))
     with pytest.raises(ValueError, match="out of range"):
-        results_bytes(plan.basic_layout, [3.0, 5.0], (4,))
+        results_bytes(plan.basic_layout, [0.0, 3.0, 5.0, 0, 0, 0, 0, 0], (4,))
