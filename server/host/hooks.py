@@ -151,13 +151,16 @@ class HookRegistry:
         # A hook added while a pass runs (a training step: the model thread
         # never waits for the RPC adding it) would see only part of that pass.
         born = self._raw_pass()
+        # A forward inside backward is activation checkpointing's recompute
+        # (use_reentrant=True), not another micro-batch: forward points skip it.
+        replayed = _in_backward if point in (pb.POINT_OUTPUT, pb.POINT_INPUT) else _never
 
         def fire(value: Any) -> None:
             # A handle removed mid-pass (from another thread) goes quiet at
             # once; torch copies its hook dicts before iterating, so the
             # removal itself is safe without holding the model lock.
             ctx = current()
-            if ctx is None or handle._removed or ctx is born:
+            if ctx is None or handle._removed or ctx is born or replayed():
                 return
             try:
                 callback(ctx, value)
@@ -284,6 +287,18 @@ class HookRegistry:
             handles = list(handle._handles)
         for h in handles:
             h.remove()
+
+
+def _never() -> bool:
+    return False
+
+
+#: Whether this thread is running inside autograd's backward (-1: it is not).
+_graph_task = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _in_backward() -> bool:
+    return _graph_task is not None and _graph_task() != -1
 
 
 def _tensors(value: Any) -> list[torch.Tensor | None]:

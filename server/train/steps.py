@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,6 +48,8 @@ def step_number(value: Any, name: str = "step") -> int:
         TypeError: Not an integer (a float such as 3.0 included).
         ValueError: Outside int64.
     """
+    if isinstance(value, bool):  # an int to Python, but never a step number
+        raise TypeError(f"{name} must be an integer, got bool {value!r}")
     try:
         number = operator.index(value)
     except TypeError:
@@ -76,11 +77,12 @@ class StepTracker:
         #: Hook failures swallowed so the training loop went on.
         self.errors = 0
         self._ctx: PassContext | None = None
-        #: One entry per root forward in flight: True for an evaluation forward.
-        self._forwards: list[bool] = []
+        #: One entry per root forward in flight: [evaluation forward, completed].
+        self._forwards: list[list[bool]] = []
         root = host.module
         self._handles: list[RemovableHandle] = [
             root.register_forward_pre_hook(self._guard(self._forward_begins)),
+            root.register_forward_hook(self._guard(self._forward_completed)),
             root.register_forward_hook(self._guard(self._forward_ends), always_call=True),
         ]
         if optimizer is not None:
@@ -105,18 +107,26 @@ class StepTracker:
     # -- the model's forwards ----------------------------------------------------
     def _forward_begins(self, module: torch.nn.Module, _args: Any) -> None:
         evaluation = not (torch.is_grad_enabled() and module.training)
-        self._forwards.append(evaluation)
+        self._forwards.append([evaluation, False])
         if evaluation:
             self.host.quiet = True
         elif self._ctx is None and self.optimizer is not None:
             self._open(self.next_step)
 
+    def _forward_completed(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        """An ordinary forward hook: torch runs it only when the forward returned."""
+        if self._forwards:
+            self._forwards[-1][1] = True
+
     def _forward_ends(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
-        evaluation = self._forwards.pop() if self._forwards else True
-        self.host.quiet = any(self._forwards)
-        # An always_call hook runs inside torch's ``except`` when the forward
-        # raised: that step's tensors are partial, so it publishes nothing.
-        if not evaluation and self._ctx is not None and sys.exc_info()[1] is not None:
+        evaluation, completed = self._forwards.pop() if self._forwards else (True, True)
+        self.host.quiet = any(e for e, _ in self._forwards)
+        # This always_call hook also runs when the forward raised (torch calls
+        # it from its ``except``): that step's tensors are partial, so it
+        # publishes nothing. ``sys.exc_info()`` cannot tell: a loop running
+        # inside the user's own ``except`` block (a retry after an OOM) has an
+        # exception in flight on every step.
+        if not evaluation and not completed and self._ctx is not None:
             self._ctx.failed = True
 
     # -- the optimizer's step ----------------------------------------------------
@@ -158,7 +168,9 @@ class StepTracker:
             self._guard(self._close)()
 
     def _open(self, step: int) -> PassContext:
-        self._ctx = self.host.begin_pass(step=step)
+        # next_step counts up from start_step: past int64 the step opens no
+        # pass (the guard logs and counts it) rather than wrapping on the wire.
+        self._ctx = self.host.begin_pass(step=step_number(step))
         return self._ctx
 
     def _close(self) -> None:

@@ -208,6 +208,78 @@ def test_step_numbers_are_int64_integers(rigs):
         StepTracker(rig.host, None, start_step=2.5)  # type: ignore[arg-type]
 
 
+def test_a_step_number_past_int64_opens_no_pass_instead_of_wrapping(rigs):
+    model = inplace_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rig = rigs(model, opt, start_step=(1 << 63) - 1)
+    rig.tap("out", "fc", pb.POINT_OUTPUT)
+    train_steps(model, opt, batches(3), 2)
+    assert [s.step for s in rig.summaries()] == [(1 << 63) - 1]  # never -2**63 on the wire
+    assert rig.steps.errors >= 1 and rig.host.passes == 1
+    with pytest.raises(TypeError, match="bool"):
+        StepTracker(rig.host, None, start_step=True)  # an int to Python, never a step
+
+
+def test_a_loop_running_inside_an_except_block_publishes_every_step(rigs):
+    """A retry path (``except OutOfMemoryError:`` then train on) has an exception in
+    flight on every step; only a forward that itself raised marks its step failed."""
+    model = inplace_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rig = rigs(model, opt)
+    rig.tap("out", "fc", pb.POINT_OUTPUT)
+    data = batches(7)
+    try:
+        raise MemoryError("out of memory: retry with a smaller batch")
+    except MemoryError:
+        train_steps(model, opt, data, 2)
+    assert sorted(s.step for s in rig.summaries()) == [0, 1]
+    x, y = next(data)
+    opt.zero_grad()
+    with pytest.raises(RuntimeError):
+        model(x[:, :1])  # the forward itself raises: step 2 publishes nothing
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    train_steps(model, opt, data, 1)
+    assert sorted(s.step for s in rig.summaries()) == [3]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointing_recompute_is_not_another_micro_batch(rigs, reentrant):
+    """Reentrant activation checkpointing re-runs the block's forward inside backward:
+    its output is read once per micro-batch, as without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self.block, x, use_reentrant=reentrant))
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rig = rigs(model, opt)
+    rig.tap("o", "block", pb.POINT_OUTPUT, "moments")
+    rig.tap("go", "block", pb.POINT_GRAD_OUTPUT)
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(4)]
+    with torch.no_grad():  # step 0's outputs, before any update (no step is open: nothing fires)
+        means = [float(model.block(x).double().mean()) for x in xs[:2]]
+    for step in range(2):
+        opt.zero_grad()
+        for x in xs[2 * step: 2 * step + 2]:  # two micro-batches a step
+            model(x).sum().backward()
+        opt.step()
+    got = rig.summaries()
+    want = [(st, c) for st in range(2) for c in range(2)]
+    assert sorted((s.step, s.call_index) for s in got if s.tap == "o") == want
+    assert sorted((s.step, s.call_index) for s in got if s.tap == "go") == want
+    step0 = sorted((s for s in got if s.tap == "o" and s.step == 0), key=lambda s: s.call_index)
+    assert [s.results[0].moments.mean for s in step0] == pytest.approx(means, rel=1e-6, abs=1e-7)
+
+
 def test_step_with_an_optimizer_is_refused(rigs):
     model = inplace_net()
     rig = rigs(model, torch.optim.SGD(model.parameters(), lr=0.1))
