@@ -42,7 +42,7 @@ class WireChunk:
 
 
 #: What the Capture call yields: a chunk read in place, or any message parsed by protobuf.
-CaptureMessage = Union[WireChunk, telemetry_pb2.CaptureResponse]
+CaptureMessage = Union[WireChunk, telemetry_pb2.CaptureResponse, telemetry_pb2.GetIncidentResponse]
 
 
 def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int] | None:

@@ -8,13 +8,14 @@ Reading incidents needs the ``capture`` scope.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ._client import Client
-from ._codec import decode_array
+from ._capture import CaptureAssembler
 from ._errors import ProtocolError
 from .v1 import telemetry_pb2
 
@@ -109,9 +110,13 @@ class Incidents:
         """One incident with its input and captured tensors."""
         c = self._client
         with c._translating():
-            messages = list(c._telemetry.GetIncident(telemetry_pb2.GetIncidentRequest(id=incident_id),
-                                                     timeout=c._deadline(timeout)))
-        return assemble(messages)
+            call = c._telemetry.GetIncident(telemetry_pb2.GetIncidentRequest(id=incident_id),
+                                            timeout=c._deadline(timeout))
+            try:
+                return assemble(call)
+            except BaseException:
+                call.cancel()  # a stream that breaks the contract is not read on
+                raise
 
     def delete(self, incident_id: str, *, timeout: float | None = None) -> None:
         c = self._client
@@ -120,33 +125,34 @@ class Incidents:
                                         timeout=c._deadline(timeout))
 
 
-def assemble(messages: list[telemetry_pb2.GetIncidentResponse]) -> Incident:
+def assemble(messages: Iterable[telemetry_pb2.GetIncidentResponse]) -> Incident:
     """GetIncident's stream -> an :class:`Incident`.
 
+    The tensors are framed as a Capture stream's are (a header, then its
+    chunks in order), so the capture's assembler checks them: every claim
+    before any allocation, and no byte the server did not send.
+
     Raises:
-        ProtocolError: No record first, a chunk of an unknown tensor, or missing bytes.
+        ProtocolError: No record first, a second record, or any breach of the
+            capture framing (a chunk out of place, missing bytes, a header
+            whose size disagrees with its dtype and shape).
     """
-    if not messages or messages[0].WhichOneof("payload") != "incident":
+    stream = iter(messages)
+    first = next(stream, None)
+    if first is None or first.WhichOneof("payload") != "incident":
         raise ProtocolError("GetIncident: the stream did not start with the incident record")
+    assembler = CaptureAssembler()
+    for m in stream:
+        if m.WhichOneof("payload") == "incident":
+            raise ProtocolError("GetIncident: a second incident record in one stream")
+        assembler.feed(m)
     inputs: list[np.ndarray] = []
     layers: dict[str, np.ndarray] = {}
-    headers: dict[int, telemetry_pb2.CaptureHeader] = {}
-    parts: dict[int, bytearray] = {}
-    for m in messages[1:]:
-        kind = m.WhichOneof("payload")
-        if kind == "header":
-            headers[m.header.tensor_id] = m.header
-            parts[m.header.tensor_id] = bytearray(m.header.total_bytes)
-        elif kind == "chunk":
-            buf = parts.get(m.chunk.tensor_id)
-            if buf is None or m.chunk.offset + len(m.chunk.data) > len(buf):
-                raise ProtocolError(f"GetIncident: chunk for tensor {m.chunk.tensor_id} out of place")
-            buf[m.chunk.offset: m.chunk.offset + len(m.chunk.data)] = m.chunk.data
-    for tid, h in headers.items():
-        arr = np.asarray(decode_array(parts[tid], h.dtype, list(h.shape), what=f"incident tensor {h.layer!r}"))
-        if h.point == telemetry_pb2.POINT_INPUT and h.layer == "":
+    for t in assembler.finish():
+        arr = np.asarray(t.value)
+        if t.point == "input" and t.layer == "":
             inputs.append(arr)
         else:
-            key = h.layer if (h.call_index, h.output_index) == (0, 0) else f"{h.layer}#{h.call_index}.{h.output_index}"
+            key = t.layer if (t.call_index, t.output_index) == (0, 0) else f"{t.layer}#{t.call_index}.{t.output_index}"
             layers[key] = arr
-    return Incident(info_from_proto(messages[0].incident), inputs, layers)
+    return Incident(info_from_proto(first.incident), inputs, layers)

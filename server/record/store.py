@@ -166,8 +166,11 @@ class IncidentStore:
             try:
                 with open(path, "rb") as fh:
                     rec = _read_record(fh)
+                    size = os.fstat(fh.fileno()).st_size
                 if path.name != f"{rec.id}{SUFFIX}":
                     raise ValueError("file name does not match its incident id")
+                if size != rec.bytes:  # the body's CRC is read only on a read; a cut file shows here
+                    raise ValueError(f"the file has {size} bytes, its record says {rec.bytes} (truncated or appended to)")
             except (OSError, ValueError, Exception) as exc:  # noqa: BLE001 - DecodeError too
                 self.skipped_files += 1
                 log.warning("incident file %s skipped: %s", path.name, exc)

@@ -197,25 +197,34 @@ def test_truncated_or_crafted_tensor_sections_are_skipped_not_internal(tmp_path)
 
     from layertap.server.record import store as store_module
 
-    store = IncidentStore(tmp_path, clock=lambda: 10.0e8)
-    cut = _incident(store, 10.0e8)
-    path = _file_of(store, cut)
-    raw = path.read_bytes()
-    n = struct.unpack("<I", raw[8:12])[0]
-    path.write_bytes(raw[:16 + n + 2])  # inside the tensor CRC
-    crafted = pb.Incident(id=new_id(10.0e8 + 1), tap="t", time=timestamp(10.0e8 + 1))
-    head, body = crafted.SerializeToString(), b"\xff\xff\xff\x7fjunk"  # a header "length" past the end
     u32 = struct.Struct("<I").pack
-    _file_of(store, crafted).write_bytes(store_module.MAGIC + u32(len(head)) + u32(zlib.crc32(head)) + head
+
+    def raw_file(rec: pb.Incident, body: bytes) -> None:
+        """A file with a valid record (its ``bytes`` the file's size, as encode settles it) and ``body``."""
+        for _ in range(3):
+            rec.bytes = len(store_module.MAGIC) + 8 + len(rec.SerializeToString()) + 4 + len(body)
+        head = rec.SerializeToString()
+        _file_of(store, rec).write_bytes(store_module.MAGIC + u32(len(head)) + u32(zlib.crc32(head)) + head
                                          + u32(zlib.crc32(body)) + body)
+
+    def cut_short(rec: pb.Incident) -> None:
+        path = _file_of(store, rec)
+        raw = path.read_bytes()
+        n = struct.unpack("<I", raw[8:12])[0]
+        path.write_bytes(raw[:16 + n + 2])  # inside the tensor CRC
+
+    store = IncidentStore(tmp_path, clock=lambda: 10.0e8)
+    early, cut = _incident(store, 10.0e8 - 1), _incident(store, 10.0e8)
+    cut_short(early)  # before a restart: the reload sees the size disagree with the record
+    crafted = pb.Incident(id=new_id(10.0e8 + 1), tap="t", time=timestamp(10.0e8 + 1))
+    raw_file(crafted, b"\xff\xff\xff\x7fjunk")  # a header "length" past the end
     garbled = pb.Incident(id=new_id(10.0e8 + 2), tap="t", time=timestamp(10.0e8 + 2))
-    body = u32(3) + b"\xff\xff\xff"  # a header that does not decode
-    head = garbled.SerializeToString()
-    _file_of(store, garbled).write_bytes(store_module.MAGIC + u32(len(head)) + u32(zlib.crc32(head)) + head
-                                         + u32(zlib.crc32(body)) + body)
+    raw_file(garbled, u32(3) + b"\xff\xff\xff")  # a header that does not decode
     again = IncidentStore(tmp_path, clock=lambda: 10.0e8)
-    assert len(again.entries()) == 3 and again.skipped_files == 0
-    for k, rec in enumerate((cut, crafted, garbled), start=1):
+    assert again.skipped_files == 1 and early.id not in {r.id for r in again.entries()}
+    assert len(again.entries()) == 3 and again.total_bytes == sum(r.bytes for r in again.entries())
+    cut_short(cut)  # while the server runs: found when read
+    for k, rec in enumerate((cut, crafted, garbled), start=2):
         with pytest.raises(NotFound) as err:
             again.read(rec.id)
         assert "unreadable" in str(err.value)
