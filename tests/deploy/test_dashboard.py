@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -66,10 +67,18 @@ def test_compose_stack_is_consistent() -> None:
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     svc = compose["services"]
     assert set(svc) == {"layertap", "prometheus", "grafana"}
-    cmd = svc["layertap"]["command"]
-    assert cmd[:2] == ["layertap", "serve"] and cmd[cmd.index("--host") + 1] == "0.0.0.0"
-    assert cmd[cmd.index("--metrics-port") + 1] == "9466"
-    assert "--insecure" in cmd  # explicit: local use only (protected mode refuses 0.0.0.0 otherwise)
+    # Compose appends `command` to the image's ENTRYPOINT: what the container runs is both, and
+    # it must parse as `layertap serve` parses it (a repeated `layertap serve` made it exit 2).
+    from layertap.server.main import build_parser
+    from test_dockerfile import instructions
+
+    entry = json.loads(dict(instructions())["ENTRYPOINT"])
+    argv = [*entry, *svc["layertap"]["command"]]
+    assert argv[:2] == ["layertap", "serve"]
+    args = build_parser().parse_args(argv[2:])
+    assert args.host == "0.0.0.0" and args.metrics_port == 9466 and args.port == 50051
+    assert args.insecure  # explicit: local use only (protected mode refuses 0.0.0.0 otherwise)
+    assert args.baseline_dir == svc["layertap"]["volumes"][0].split(":")[1]  # on the named volume
     for service in svc.values():  # published on loopback only
         for port in service.get("ports", []):
             assert str(port).startswith("127.0.0.1:") and str(port).count(":") == 2, port
