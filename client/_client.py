@@ -435,7 +435,7 @@ class Client:
 
     def subscribe(
         self,
-        tap_ids: Sequence[str] = (),
+        tap_ids: str | Sequence[str] = (),
         *,
         queue_size: int | None = None,
         timeout: float | None = None,
@@ -443,11 +443,12 @@ class Client:
         """Follows durable taps (all of them when ``tap_ids`` is empty).
 
         Args:
-            tap_ids: Ids of durable taps to follow.
+            tap_ids: The id of a durable tap to follow, or a list of ids.
             queue_size: Server-side queue length for this subscriber.
             timeout: Deadline in seconds (None: until closed).
         """
-        req = _convert.subscribe_request(tap_ids=tap_ids, queue_size=queue_size)
+        ids = [tap_ids] if isinstance(tap_ids, str) else tap_ids  # a str is one id, not its characters
+        req = _convert.subscribe_request(tap_ids=ids, queue_size=queue_size)
         return self._subscribe(req, timeout)
 
     def _subscribe(self, req: telemetry_pb2.SubscribeRequest, timeout: float | None) -> SummaryStream:

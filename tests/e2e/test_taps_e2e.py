@@ -103,7 +103,8 @@ def test_sixteen_concurrent_subscribers(client, demo_server):
 
     def sub(i: int) -> None:
         try:
-            with layertap.Client(client.target) as c, c.subscribe([tap.id], timeout=120) as stream:
+            ids = tap.id if i % 2 else [tap.id]  # a bare id is one tap, not its characters
+            with layertap.Client(client.target) as c, c.subscribe(ids, timeout=120) as stream:
                 ready.wait(30)
                 results[i] = [next(stream) for _ in range(3)]
         except BaseException as exc:  # noqa: BLE001
