@@ -47,6 +47,8 @@ _GAUGES = (
     ("max", "layertap_activation_max", "Largest activation value."),
     ("abs_max", "layertap_activation_abs_max", "Largest absolute activation value."),
     ("zero_fraction", "layertap_activation_zero_fraction", "Fraction of activation elements equal to zero."),
+    ("l2", "layertap_activation_l2",
+     "L2 norm of the finite elements of every tensor of the module's first call (param_grad: all its parameters)."),
     ("latency", "layertap_layer_latency_seconds", "Seconds the module's forward took in the latest sampled pass."),
 )
 #: Every per-layer family in exposition order: (name, HELP, type, sample-name suffix, extra label).

@@ -9,6 +9,8 @@ the exporter knows to reuse its rendered lines.
 
 from __future__ import annotations
 
+import math
+
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -65,6 +67,8 @@ class LayerSnapshot:
     max: float | None = None
     abs_max: float | None = None
     zero_fraction: float | None = None
+    #: L2 norm of the finite elements (norm reducer): a gradient point's norm.
+    l2: float | None = None
     quantiles: Mapping[float, float] | None = None
     nan_total: int | None = None
     inf_total: int | None = None
@@ -108,6 +112,8 @@ class _LayerState:
     drift: DriftScore | None = None
     thresholds: DriftThresholds | None = None
     channel_fraction: float | None = None
+    #: (pass index, sum of squared L2 norms) of the first call's tensors in that pass.
+    l2_pass: tuple[int, float] | None = None
 
 
 class SnapshotStore:
@@ -166,6 +172,8 @@ class SnapshotStore:
                     if kind not in kinds:
                         for name, _attr in fields:
                             st.values.pop(name, None)
+                if "norm" not in kinds:
+                    st.l2_pass = None
                 if "quantiles" not in kinds:
                     st.quantiles = None
                 if "histogram" not in kinds:
@@ -176,6 +184,14 @@ class SnapshotStore:
                     nf = res.nonfinite
                     st.nan_total = (st.nan_total or 0) + nf.nan_count
                     st.inf_total = (st.inf_total or 0) + nf.inf_count
+                elif kind == "norm" and getattr(summary, "call_index", 0) == 0 and not getattr(summary, "unsampled", False):
+                    # Every tensor of the module's first call adds up: a param_grad
+                    # tap's series is the module's whole gradient norm (its
+                    # parameters are the outputs), so sqrt(sum(l2^2)) over a
+                    # partition of the model is clip_grad_norm_'s total.
+                    sq = float(res.norm.l2) ** 2
+                    prev = st.l2_pass[1] if st.l2_pass is not None and st.l2_pass[0] == summary.pass_index else 0.0
+                    st.l2_pass = (summary.pass_index, prev + sq)
                 elif not primary:
                     continue
                 elif kind in self._SCALARS:
@@ -257,7 +273,7 @@ class SnapshotStore:
                 self._snaps[key] = _frozen_snapshot((
                     *key,
                     v.get("mean"), v.get("std"), v.get("min"), v.get("max"), v.get("abs_max"), v.get("zero_fraction"),
-                    st.quantiles, st.nan_total, st.inf_total, st.last_update,
+                    None if st.l2_pass is None else math.sqrt(st.l2_pass[1]), st.quantiles, st.nan_total, st.inf_total, st.last_update,
                     None if st.hist_edges is None or st.hist_counts is None else (st.hist_edges, st.hist_counts),
                     st.drift, st.thresholds, st.channel_fraction, v.get("latency"),
                 ))

@@ -242,8 +242,11 @@ class TapEngine:
             tap._pass = ctx.index
             tap._sampled = tap.sampler.sample()
             tap.calls.clear()
-        call = tap.calls.get(layer, 0)
-        tap.calls[layer] = call + 1
+        # A gradient arrives one tensor at a time: count calls per tensor position
+        # (as captures do), so a module's parameters all belong to call 0.
+        slot = (layer, value.position) if isinstance(value, ParamGrad) else layer
+        call = tap.calls.get(slot, 0)
+        tap.calls[slot] = call + 1
         self._reuse.at(layer, tap.spec.point, call)
         plan = tap.layer_plans.get(layer, tap.plan) if tap._sampled else tap.always
         lap = tap.timer.take(layer) if tap.timer is not None else None

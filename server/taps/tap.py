@@ -46,7 +46,7 @@ class Tap:
     owner: str = ""
     handles: list[HookHandle] = field(default_factory=list)
     #: Calls of each layer (point) seen in the current pass.
-    calls: dict[str, int] = field(default_factory=dict)
+    calls: dict[str | tuple[str, int], int] = field(default_factory=dict)
     #: Per-layer reducer plans that override ``plan`` (drift baselines freeze
     #: histogram edges per layer).
     layer_plans: dict[str, ReducerPlan] = field(default_factory=dict)

@@ -208,7 +208,8 @@ def test_promtool_accepts_live_scrape_with_taps_baseline_and_drift(make_server, 
     x = np.random.default_rng(3).standard_normal((64, 16)).astype(np.float32)
     with layertap.Client(f"127.0.0.1:{srv.port}") as client:
         # Every reducer the exporter maps, on a second durable tap, next to the baseline.
-        client.create_tap("layer*", reducers=["moments", "minmax", "abs_max", "zero_fraction", "nonfinite",
+        client.create_tap("layer*", reducers=["moments", "minmax", "abs_max", "zero_fraction", "nonfinite", "norm",
+                                              "latency",
                                               {"quantiles": {"probabilities": [0.05, 0.5, 0.95]}},
                                               {"histogram": {"bins": 8, "min": -4, "max": 4}}],
                           name="all-reducers", forever=True)
@@ -231,8 +232,14 @@ def test_promtool_accepts_live_scrape_with_taps_baseline_and_drift(make_server, 
                  "layertap_activation_channel_drift_fraction{", "layertap_activation_quantile{",
                  "layertap_activation_value_bucket{", "layertap_activation_abs_max{",
                  "layertap_activation_zero_fraction{", "layertap_activation_nonfinite_total{",
-                 "layertap_activation_last_update_timestamp_seconds{", 'tap="all-reducers"'):
+                 "layertap_activation_last_update_timestamp_seconds{", "layertap_activation_l2{",
+                 "layertap_layer_latency_seconds{", 'tap="all-reducers"'):
         assert name in body, name
+    # docs/operations.md's metrics reference lists every family the server exports.
+    reference = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    exported = {line.split()[2] for line in body.splitlines()  # not prometheus-client's own *_created twins
+                if line.startswith("# TYPE layertap_") and not line.split()[2].endswith("_created")}
+    assert len(exported) > 30 and not {f for f in exported if f"`{f}" not in reference}
     res = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=60)
     assert res.returncode == 0, (res.stdout + res.stderr).decode()
     assert not res.stdout.strip() and not res.stderr.strip(), (res.stdout + res.stderr).decode()

@@ -134,6 +134,32 @@ def test_rank_ports_and_rank_label(agents, monkeypatch):
     assert fc, "no per-layer series for the durable gradient tap"
 
 
+def test_prometheus_total_gradient_norm_is_clip_grad_norm(agents):
+    """docs/training.md's recipe: sqrt(sum(layertap_activation_l2{point="param_grad"}^2)) over a
+    "*" tap is the step's total gradient norm; each module's series covers all its parameters."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    model, opt = demo()
+    assert not list(model.named_parameters(recurse=False))  # "*" partitions the parameters
+    agent = agents(model, opt, metrics_port=0)
+    clipped: list[float] = []
+    with layertap.Client(agent.address) as client:
+        client.create_tap("*", point="param_grad", reducers="norm", name="grads")
+        train_steps(model, opt, batches(0, 4, DEMO), 3,
+                    on_grads=lambda _i: clipped.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                                                            math.inf))))
+
+    def total() -> float | None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        l2 = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+              if s.name == "layertap_activation_l2" and s.labels["tap"] == "grads"]
+        return math.sqrt(sum(v * v for v in l2)) if l2 else None
+
+    assert wait_for(lambda: total() is not None and total() == pytest.approx(clipped[-1], rel=1e-5), 20), \
+        (total(), clipped)
+
+
 def test_exposure_and_options_are_checked():
     model, opt = demo()
     with pytest.raises(ValueError, match="auth_tokens="):

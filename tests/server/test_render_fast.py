@@ -58,7 +58,7 @@ def snap(i: int, bins: int, layer: str, scale: int = 1, quantiles: dict[float, f
     counts = rng.integers(0, 1000, bins) * scale
     drift = DriftScore(*rng.random(4).tolist(), thresholds=DriftThresholds(), channel_drift_fraction=math.nan)
     return LayerSnapshot("t", layer, "output", mean=float(rng.normal()), std=-0.0 if i % 2 else 0.0,
-                         max=math.inf if i == 1 else 1e21, zero_fraction=5e-324, nan_total=i, inf_total=None,
+                         max=math.inf if i == 1 else 1e21, zero_fraction=5e-324, l2=float(i) * 1e6, nan_total=i, inf_total=None,
                          last_update=1.7e9, quantiles=quantiles, histogram=(edges, counts), drift=drift)
 
 

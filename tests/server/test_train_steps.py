@@ -135,6 +135,7 @@ def test_total_param_grad_norm_is_clip_grad_norm_with_accumulation(rigs):
     pg = [s for s in got if s.tap == "pg"]
     keys = [(s.step, s.layer, s.output_index) for s in pg]
     assert len(keys) == len(set(keys))  # each parameter read once per step, accumulated
+    assert {s.call_index for s in pg} == {0}  # one read of every parameter, not one "call" each
     totals = {}
     for s in pg:
         totals[s.step] = totals.get(s.step, 0.0) + l2(s) ** 2
