@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,17 +102,46 @@ class WatchRow:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-def _watch_columns(spark_width: int) -> tuple[Column, ...]:
+def _result(reducer: str, attr: str, scale: float = 1.0) -> Callable[[Summary], float | None]:
+    def read(s: Summary) -> float | None:
+        result = s.results.get(reducer)
+        return None if result is None else float(getattr(result, attr)) * scale
+    return read
+
+
+def _median(s: Summary) -> float | None:
+    q = s.results.get("quantiles")
+    if q is None:
+        return None
+    probs, values = getattr(q, "probabilities"), getattr(q, "values")
+    return next((float(v) for p, v in zip(probs, values) if abs(p - 0.5) < 1e-9), None)
+
+
+#: Every statistic the watch view shows: key (the line's ``key=``), table header,
+#: drop rank (lower drops first when the terminal is narrow), and its reader.
+#: A table shows the columns of the statistics some row has.
+_STATS: tuple[tuple[str, str, int, Callable[[Summary], float | None]], ...] = (
+    ("mean", "mean", 6, _result("moments", "mean")),
+    ("std", "std", 2, _result("moments", "std")),
+    ("min", "min", 4, _result("minmax", "min")),
+    ("max", "max", 5, _result("minmax", "max")),
+    ("absmax", "|max|", 1, _result("abs_max", "value")),
+    ("zero", "zero", 1, _result("zero_fraction", "fraction")),
+    ("l2", "l2", 1, _result("norm", "l2")),
+    ("p50", "p50", 1, _median),
+    ("ms", "ms", 7, _result("latency", "seconds", 1e3)),
+)
+#: Columns every table has, whatever the taps compute.
+_ALWAYS = frozenset({"mean", "std", "min", "max", "ms"})
+
+
+def _watch_columns(spark_width: int, stats: Sequence[tuple[str, str, int]]) -> tuple[Column, ...]:
     return (
         Column("layer"),
         Column("pass", "right", drop=1),
-        Column("mean", "right", drop=6),
-        Column("std", "right", drop=2),
-        Column("min", "right", drop=4),
-        Column("max", "right", drop=5),
+        *(Column(header, "right", drop=rank) for _key, header, rank in stats),
         Column("nan", "right"),
         Column("inf", "right", drop=3),
-        Column("ms", "right", drop=7),
         Column(f"mean (last {spark_width})", drop=0),
     )
 
@@ -130,23 +159,21 @@ def watch_table(
     width: int,
 ) -> Table:
     """The live view: one row per tensor, fitted to ``width`` (the sparkline gives way first)."""
+    shown = [(key, header, rank) for key, header, rank, _ in _STATS
+             if key in _ALWAYS or any(key in row.stats for row in rows.values())]
     cells = [
         (
             escape(_row_name(layer, index)),
             str(row.summary.pass_index),
-            _fmt(row.stats.get("mean")),
-            _fmt(row.stats.get("std")),
-            _fmt(row.stats.get("min")),
-            _fmt(row.stats.get("max")),
+            *(_fmt(row.stats.get(key)) for key, _, _ in shown),
             f"[bold red]{row.nan}[/]" if row.nan else "0",
             f"[bold red]{row.inf}[/]" if row.inf else "0",
-            _fmt(row.stats.get("latency_ms")),
             sparkline(row.means, spark_width),
         )
         for (layer, index), row in sorted(rows.items())
     ]
     return fit_table(
-        _watch_columns(spark_width), cells, width, title=escape(title), caption=_watch_caption(dropped, events)
+        _watch_columns(spark_width, shown), cells, width, title=escape(title), caption=_watch_caption(dropped, events)
     )
 
 
@@ -160,15 +187,7 @@ def watch_line(s: Summary) -> str:
     if s.unsampled:
         parts.append("unsampled")
     else:
-        moments = s.results.get("moments")
-        if moments is not None:
-            parts += [f"mean={_fmt(getattr(moments, 'mean'))}", f"std={_fmt(getattr(moments, 'std'))}"]
-        minmax = s.results.get("minmax")
-        if minmax is not None:
-            parts += [f"min={_fmt(getattr(minmax, 'min'))}", f"max={_fmt(getattr(minmax, 'max'))}"]
-        latency = s.results.get("latency")
-        if latency is not None:
-            parts.append(f"ms={_fmt(getattr(latency, 'seconds') * 1e3)}")
+        parts += [f"{key}={_fmt(value)}" for key, _, _, read in _STATS if (value := read(s)) is not None]
     nonfinite = s.results.get("nonfinite")
     if nonfinite is not None:
         parts += [f"nan={getattr(nonfinite, 'nan_count')}", f"inf={getattr(nonfinite, 'inf_count')}"]
@@ -192,15 +211,9 @@ def update_row(rows: dict[tuple[str, int], WatchRow], s: Summary) -> None:
         row.inf += getattr(nonfinite, "inf_count", 0)
     if s.unsampled:
         return  # Only the always-on NaN counter ran on this pass.
-    moments = s.results.get("moments")
-    if moments is not None:
-        row.stats["mean"] = getattr(moments, "mean")
-        row.stats["std"] = getattr(moments, "std")
+    for key, _, _, read in _STATS:
+        value = read(s)
+        if value is not None:
+            row.stats[key] = value
+    if s.results.get("moments") is not None:
         row.means.append(row.stats["mean"])
-    minmax = s.results.get("minmax")
-    if minmax is not None:
-        row.stats["min"] = getattr(minmax, "min")
-        row.stats["max"] = getattr(minmax, "max")
-    latency = s.results.get("latency")
-    if latency is not None:
-        row.stats["latency_ms"] = getattr(latency, "seconds") * 1e3

@@ -10,10 +10,10 @@ import math
 import pytest
 from rich.console import Console
 
-from layertap import LayerInfo, Moments, MinMax, Nonfinite, Summary, TapInfo, TapSpec
+from layertap import AbsMax, LayerInfo, Latency, Moments, MinMax, Nonfinite, Norm, Quantiles, Summary, TapInfo, TapSpec, ZeroFraction
 from layertap._cli_json import jsonable, write_json_lines
 from layertap._cli_table import Column, fit_table, layers_table, taps_table
-from layertap._cli_view import watch_line
+from layertap._cli_view import update_row, watch_line, watch_table
 
 LONG = "encoder.layers.11.self_attn.out_proj"
 
@@ -85,3 +85,29 @@ def test_watch_line_sampled_and_unsampled():
     assert watch_line(sampled) == "layer2[1] pass=7 mean=0.25 std=1 min=-2 max=3 nan=1 inf=0"
     unsampled = Summary("t", "layer2", "output", 0, 8, None, 0.0, True, {"nonfinite": Nonfinite(0, 2)})
     assert watch_line(unsampled) == "layer2 pass=8 unsampled nan=0 inf=2"
+
+
+EVERY = {"moments": Moments(8, 0.25, 1.0), "abs_max": AbsMax(3.0), "zero_fraction": ZeroFraction(0.125, 1),
+         "norm": Norm(2.5), "quantiles": Quantiles([0.25, 0.5], [-0.5, 0.75], 8, 8, 0.1),
+         "latency": Latency(0.0042), "nonfinite": Nonfinite(0, 0)}
+
+
+def test_watch_shows_every_scalar_reducer():
+    """`watch --reducers norm` (docs/training.md) must show the norm, not a bare pass number."""
+    s = Summary("t", "fc", "param_grad", 0, 3, 3, 0.0, False, EVERY)
+    assert watch_line(s) == "fc pass=3 mean=0.25 std=1 absmax=3 zero=0.125 l2=2.5 p50=0.75 ms=4.2 nan=0 inf=0"
+    norm_only = Summary("t", "fc", "param_grad", 0, 3, 3, 0.0, False, {"norm": Norm(2.5)})
+    assert watch_line(norm_only) == "fc pass=3 l2=2.5"
+    rows: dict = {}
+    update_row(rows, s)
+    out = io.StringIO()
+    Console(file=out, width=200, color_system=None).print(watch_table("t", rows, 0, (), 10, 200))
+    header, = [line for line in out.getvalue().splitlines() if "layer" in line]
+    assert [h.strip() for h in header.split("┃") if h.strip()] == [
+        "layer", "pass", "mean", "std", "min", "max", "|max|", "zero", "l2", "p50", "ms", "nan", "inf", "mean (last 10)"]
+    assert "2.5" in out.getvalue() and "0.75" in out.getvalue()
+    plain: dict = {}
+    update_row(plain, Summary("t", "fc", "output", 0, 3, None, 0.0, False, {"moments": Moments(8, 0.25, 1.0)}))
+    out = io.StringIO()
+    Console(file=out, width=200, color_system=None).print(watch_table("t", plain, 0, (), 10, 200))
+    assert "l2" not in out.getvalue() and "|max|" not in out.getvalue()  # columns only for what is computed
