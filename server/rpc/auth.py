@@ -253,17 +253,17 @@ class Authenticator(grpc.ServerInterceptor):
         principal, why = self.authenticate(token)
         if principal is None:
             self.count("UNAUTHENTICATED", "unknown", method, why)
-            return _refusal(handler, Unauthenticated(f"{method}: {why}; send 'authorization: Bearer <token>'",
+            return _refusal(Unauthenticated(f"{method}: {why}; send 'authorization: Bearer <token>'",
                                                      metadata={"method": method}))
         if service not in ANY_TOKEN_SERVICES:
             scope = self._scopes.get(method)
             if scope is None:
                 self.count("PERMISSION_DENIED", principal.id, method, "no scope assigned")
-                return _refusal(handler, PermissionDenied(f"{method}: no scope allows this method",
+                return _refusal(PermissionDenied(f"{method}: no scope allows this method",
                                                           metadata={"method": method}))
             if not principal.has(scope):
                 self.count("PERMISSION_DENIED", principal.id, method, f"missing scope {scope}")
-                return _refusal(handler, PermissionDenied(
+                return _refusal(PermissionDenied(
                     f"{method} needs scope {scope!r}; {principal.id!r} lacks it",
                     metadata={"method": method, "scope": scope, "principal": principal.id}))
         log.debug("auth: %s calls %s", principal.id, method)
@@ -283,13 +283,22 @@ def _inner(handler: grpc.RpcMethodHandler) -> Callable:  # type: ignore[type-arg
     return inner
 
 
-def _refusal(handler: grpc.RpcMethodHandler, exc: LayertapServerError) -> grpc.RpcMethodHandler:
+def _refusal(exc: LayertapServerError) -> grpc.RpcMethodHandler:
+    """A handler that ends the call with ``exc`` without reading the request.
+
+    Whatever the method's shape, it is served as a request stream with no
+    deserializer that is never iterated: grpc then never receives the
+    message, so a caller without a valid token cannot make the server buffer
+    and parse up to ``--max-message-bytes`` (256 MiB) per call first; the
+    transport's flow-control window bounds what arrives. The client still
+    sees only the status, as for any refused call.
+    """
     status = rpc_status.to_status(rich_status(exc))
 
-    def abort(_request: Any, context: grpc.ServicerContext) -> Any:
+    def abort(_requests: Any, context: grpc.ServicerContext) -> Any:
         context.abort_with_status(status)
 
-    return _wrap(handler, abort)
+    return grpc.stream_stream_rpc_method_handler(abort)
 
 
 def _bound(handler: grpc.RpcMethodHandler, principal: Principal) -> grpc.RpcMethodHandler:

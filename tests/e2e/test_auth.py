@@ -326,3 +326,70 @@ def test_cli_token_flag_and_environment(secured, capsys, monkeypatch):
     assert main(["taps", address, "--token", TOKENS["infer"]]) == 1
     err = capsys.readouterr().err
     assert "PERMISSION_DENIED" in err and TOKENS["infer"] not in err
+
+
+class _StallingProxy:
+    """Forwards a client's first ``limit`` bytes to the server, then stalls the upload (the reply flows)."""
+
+    def __init__(self, port: int, limit: int) -> None:
+        import socket
+        import threading
+
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._target, self._limit = port, limit
+        self._socks: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return
+        upstream = socket.create_connection(("127.0.0.1", self._target))
+        self._socks += [conn, upstream]
+        threading.Thread(target=self._pipe, args=(conn, upstream, self._limit), daemon=True).start()
+        threading.Thread(target=self._pipe, args=(upstream, conn, None), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst, limit: int | None) -> None:
+        sent = 0
+        try:
+            while data := src.recv(1 << 16):
+                if limit is not None:
+                    data = data[:max(0, limit - sent)]
+                    if not data:
+                        continue  # keep reading (the client's window stays open), forward nothing
+                dst.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for sock in (self._listener, *self._socks):
+            sock.close()
+
+
+def test_a_refused_call_is_answered_without_reading_its_request(secured):
+    """Without a valid token (or scope) the server answers before the message arrives: it never
+    buffers and parses up to --max-message-bytes for a caller it refuses (a stalled upload of a
+    200 MiB request used to pin 200 MiB of server memory per call, for as long as it stalled)."""
+    from layertap.v1 import tensor_pb2
+
+    request = inference_pb2.InferRequest(inputs=[tensor_pb2.Tensor(
+        dtype=tensor_pb2.DATA_TYPE_FLOAT32, shape=[1 << 24, 1], raw_data=bytes(64 << 20))])
+    for token, code in (("not-a-token", grpc.StatusCode.UNAUTHENTICATED),
+                        (TOKENS["read"], grpc.StatusCode.PERMISSION_DENIED)):
+        proxy = _StallingProxy(secured.port, limit=1 << 20)  # the server sees 1 MiB of the 64
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{proxy.port}",
+                                       options=[("grpc.max_send_message_length", -1)]) as channel:
+                stub = inference_pb2_grpc.InferenceServiceStub(channel)
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Infer(request, timeout=20, metadata=[("authorization", f"Bearer {token}")])
+                assert err.value.code() == code, err.value  # not DEADLINE_EXCEEDED: nothing waited for the rest
+        finally:
+            proxy.close()
