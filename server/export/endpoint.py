@@ -14,6 +14,7 @@ import logging
 import socket
 import ssl
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -93,6 +94,12 @@ def make_metrics_app(registry: Collector, authorize: Authorize | None = None) ->
     return app
 
 
+#: Seconds a connection may take for its TLS handshake, its request, and its response each.
+REQUEST_TIMEOUT_SECONDS = 10.0
+#: Connections served at once; more are closed at accept (counted in the log).
+MAX_CONNECTIONS = 64
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         """Scrapes every few seconds would flood the log."""
@@ -100,8 +107,17 @@ class _QuietHandler(WSGIRequestHandler):
 
 def start_metrics_server(registry: Collector, host: str = "127.0.0.1", port: int = 9466, *,
                          ssl_context: ssl.SSLContext | None = None,
-                         authorize: Authorize | None = None) -> tuple[Any, int]:
+                         authorize: Authorize | None = None,
+                         request_timeout: float = REQUEST_TIMEOUT_SECONDS,
+                         max_connections: int = MAX_CONNECTIONS) -> tuple[Any, int]:
     """Serve ``/metrics`` for ``registry`` on a daemon thread.
+
+    Each connection gets a thread, so both its life and their number are
+    bounded: a client that connects and sends nothing (or never finishes a
+    TLS handshake, which runs on that thread) is dropped after
+    ``request_timeout``, and past ``max_connections`` at once new ones are
+    closed at accept. Otherwise idle sockets, no token needed, would each
+    hold a thread for as long as they stayed open.
 
     Args:
         registry: The injected registry.
@@ -110,23 +126,46 @@ def start_metrics_server(registry: Collector, host: str = "127.0.0.1", port: int
         ssl_context: Serve HTTPS with it (the handshake runs on the request's
             thread, so a slow client never stalls accepting).
         authorize: See :func:`make_metrics_app`.
+        request_timeout: Seconds for each of a connection's handshake, request and response.
+        max_connections: Connections served at once.
 
     Returns:
         ``(server, bound_port)``; stop with :func:`stop_metrics_server`.
     """
+    slots = threading.BoundedSemaphore(max_connections)
+
+    class _Handler(_QuietHandler):
+        timeout = request_timeout  # socketserver applies it to the connection (and so to the TLS handshake)
 
     class _Server(ThreadingWSGIServer):
         """A subclass, so setting address_family stays local."""
 
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not slots.acquire(blocking=False):
+                log.warning("/metrics: %d connections open, closing one from %s", max_connections, client_address[0])
+                self.shutdown_request(request)
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                slots.release()  # no thread started
+                raise
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                slots.release()
+
         def handle_error(self, request: Any, client_address: Any) -> None:
             exc = sys.exc_info()[1]
-            if isinstance(exc, (ssl.SSLError, ConnectionError)):  # a failed handshake: no traceback
+            if isinstance(exc, (ssl.SSLError, ConnectionError, TimeoutError)):  # a failed handshake, an idle client
                 log.info("/metrics: connection from %s failed: %s", client_address[0], exc)
                 return
             super().handle_error(request, client_address)
 
     _Server.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    server = make_server(host, port, make_metrics_app(registry, authorize), _Server, handler_class=_QuietHandler)
+    server = make_server(host, port, make_metrics_app(registry, authorize), _Server, handler_class=_Handler)
     if ssl_context is not None:
         server.socket = ssl_context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
     # A scrape's rendering yields the CPU to the model; request threads inherit the value.

@@ -18,6 +18,7 @@ from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DriftThresholds
 from layertap.server.export.activations import ActivationCollector
 from layertap.server.export.endpoint import start_metrics_server, stop_metrics_server
+from support.e2e import wait_for
 from layertap.server.export.exposition import render_latest, render_openmetrics
 from layertap.server.export.health import ServerMetrics
 from layertap.server.export.pipeline import PipelineCollector
@@ -223,6 +224,38 @@ def test_http_endpoint_on_port_zero(setup) -> None:
         stop_metrics_server(server)
     names = {f.name for f in text_string_to_metric_families(body)}
     assert {"layertap_activation_mean", "layertap_inference_requests", "layertap_export_layers_dropped"} <= names
+
+
+def test_idle_connections_neither_pile_up_threads_nor_block_scrapes(setup) -> None:
+    """Sockets that connect and send nothing (no token needed) each held a thread for as long
+    as they stayed open: now at most max_connections are served, each for request_timeout."""
+    import socket
+    import threading
+    import time
+
+    registry, store, _ = setup
+    store.update_from_summary("tap-1", summary("layer1"))
+
+    def serving() -> int:
+        return sum(1 for t in threading.enumerate() if "process_request_thread" in t.name)
+
+    server, port = start_metrics_server(registry, "127.0.0.1", 0, request_timeout=1.0, max_connections=4)
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(12)]
+    try:
+        for sock in idle:
+            sock.settimeout(5)
+        time.sleep(0.3)
+        assert serving() <= 4
+        start = time.monotonic()
+        closed = [sock.recv(1) for sock in idle]  # the server hangs up on every one: b"" (EOF)
+        assert closed == [b""] * 12 and time.monotonic() - start < 4  # 8 at accept, 4 after the timeout
+        assert wait_for(lambda: serving() == 0, 5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            assert resp.status == 200 and b"layertap_activation_mean" in resp.read()
+    finally:
+        for sock in idle:
+            sock.close()
+        stop_metrics_server(server)
 
 
 def test_pipeline_counters_follow_their_sources() -> None:
