@@ -89,10 +89,21 @@ def _results(summary: pb.Summary) -> dict[str, pb.ReducerResult]:
     return {r.WhichOneof("value"): r for r in summary.results}
 
 
+#: SetBaseline's default tap ids start so; other taps may not take such a name,
+#: or a principal could take the id another's SetBaseline will use.
+BASELINE_PREFIX = "baseline-"
+
+
 def baseline_tap_id(req: pb.SetBaselineRequest) -> str:
     """The id of the durable tap a SetBaseline creates (or replaces)."""
     point = req.point or pb.POINT_OUTPUT
-    return req.name or "baseline-" + hashlib.sha1(f"{req.selector}|{point}".encode()).hexdigest()[:8]
+    return req.name or BASELINE_PREFIX + hashlib.sha1(f"{req.selector}|{point}".encode()).hexdigest()[:8]
+
+
+def check_not_baseline_name(name: str, field: str) -> None:
+    """InvalidSpec naming ``field`` when a tap other than a baseline asks for a baseline's name."""
+    if name.startswith(BASELINE_PREFIX):
+        raise InvalidSpec(field, f"names starting {BASELINE_PREFIX!r} are SetBaseline's own; pick another")
 
 
 class DriftMonitor(Sink):

@@ -23,6 +23,9 @@ MEAN_SIGMA = "mean_sigma"
 DEFAULT_INTERVAL_SECONDS = 60.0
 #: Longest interval a spec may ask for (a day): beyond it a typo silences a trigger.
 MAX_INTERVAL_SECONDS = 86400.0
+#: Shortest (besides 0, the default): each incident replays a forward pass and
+#: takes a place in the shared ring, so a tap may not fire on every pass.
+MIN_INTERVAL_SECONDS = 1.0
 #: The reducer each trigger reads.
 NEEDS: dict[str, int] = {
     NONFINITE: pb.REDUCER_KIND_NONFINITE,
@@ -62,8 +65,9 @@ def check_triggers(spec: pb.TapSpec, *, durable: bool, field_prefix: str = "spec
         v = getattr(t, name)
         if not math.isfinite(v) or v < 0:
             raise InvalidSpec(f"{where}.{name}", f"must be a finite value >= 0 (0 = off/default), got {v}")
-    if t.min_interval_seconds > MAX_INTERVAL_SECONDS:
-        raise InvalidSpec(f"{where}.min_interval_seconds", f"at most {MAX_INTERVAL_SECONDS:g}, got {t.min_interval_seconds}")
+    if t.min_interval_seconds > MAX_INTERVAL_SECONDS or 0 < t.min_interval_seconds < MIN_INTERVAL_SECONDS:
+        raise InvalidSpec(f"{where}.min_interval_seconds", f"{MIN_INTERVAL_SECONDS:g} to {MAX_INTERVAL_SECONDS:g} "
+                                                           f"seconds (0: {DEFAULT_INTERVAL_SECONDS:g}), got {t.min_interval_seconds}")
     on = enabled(t)
     if not on:
         return

@@ -16,7 +16,7 @@ from layertap.server.taps.capture_options import describe, parse_options
 from layertap.server.taps.capture_limits import CaptureSlot
 from layertap.server.taps.capture_wire import encode_pass
 from layertap.server.errors import InvalidSpec, NotFound, Unavailable, grpc_errors
-from layertap.server.drift.monitor import baseline_tap_id
+from layertap.server.drift.monitor import baseline_tap_id, check_not_baseline_name
 from layertap.server.rpc.auth import principal_of, require
 from layertap.server.rpc.baselines import BaselineMethods
 from layertap.server.rpc.explain import ExplainMethods
@@ -45,6 +45,7 @@ class TapMethods:
         # Not ToTimedelta(): seconds beyond timedelta's range raise OverflowError;
         # check_ttl refuses what is out of range, naming the field.
         ttl = request.ttl.seconds + request.ttl.nanos / 1e9 if request.HasField("ttl") else None
+        check_not_baseline_name(request.spec.name, "spec.name")
         tap = self.state.taps.create(request.spec, kind=pb.TAP_KIND_DURABLE, ttl=ttl, forever=request.forever,
                                      owner=principal_of(context).id)
         return pb.CreateTapResponse(tap=tap.info())
@@ -80,6 +81,7 @@ class TapMethods:
         stream_taps = []
         try:
             for i, spec in enumerate(request.stream_taps):
+                check_not_baseline_name(spec.name, f"stream_taps[{i}].name")
                 stream_taps.append(engine.create(spec, kind=pb.TAP_KIND_STREAM, field_prefix=f"stream_taps[{i}]",
                                                  owner=owner))
             ids = [*request.tap_ids, *(t.id for t in stream_taps)]

@@ -188,6 +188,32 @@ def test_baseline_of_another_principal_needs_admin(secured):
             alice.set_baseline("layer1", passes=2)  # now root's
 
 
+def test_baseline_ids_and_reservoirs_are_not_anyone_s(secured):
+    """SetBaseline's default ids cannot be taken first by another principal's tap, and a
+    baseline's builders (samples of the layer's values) are exported to their owner or admin."""
+    from layertap.server.drift.monitor import baseline_tap_id
+
+    squat = baseline_tap_id(telemetry_pb2.SetBaselineRequest(selector="layer3"))
+    with client(secured, "alice") as alice, client(secured, "bob") as bob, client(secured, "root") as root:
+        with pytest.raises(layertap.InvalidArgument) as err:
+            bob.create_tap("layer3", reducers=["moments"], name=squat)
+        assert err.value.field == "spec.name"
+        with pytest.raises(layertap.InvalidArgument) as err:
+            next(iter(bob.watch("layer3", reducers=["moments"], name="baseline-mine")))
+        assert err.value.field == "stream_taps[0].name"
+        info = alice.set_baseline("layer3", passes=2)
+        assert info.tap == squat
+        export = telemetry_pb2.ExportBaselineRequest(tap=squat)
+        for who, code in (("bob", grpc.StatusCode.PERMISSION_DENIED), ("alice", None), ("root", None)):
+            with grpc.insecure_channel(f"127.0.0.1:{secured.port}") as ch:
+                stub = telemetry_pb2_grpc.TelemetryServiceStub(ch)
+                try:
+                    layers = stub.ExportBaseline(export, timeout=10, metadata=[("authorization", f"Bearer {TOKENS[who]}")])
+                    assert code is None and [x.layer for x in layers.layers] == ["layer3"], who
+                except grpc.RpcError as exc:
+                    assert exc.code() == code, (who, exc)
+
+
 def test_stream_taps_need_tap_scope(secured):
     with client(secured, "read") as c, pytest.raises(layertap.PermissionDenied) as err:
         next(iter(c.watch("layer1", reducers=["moments"])))

@@ -142,10 +142,14 @@ def test_trigger_validation_names_the_field():
     with pytest.raises(InvalidSpec):
         check_triggers(spec, durable=True)
     spec.point = pb.POINT_OUTPUT
-    spec.triggers.min_interval_seconds = math.inf
-    with pytest.raises(InvalidSpec) as err:
+    for bad in (math.inf, 1e-300, 0.5, 86401):  # 1e-300 fired on every pass, each a replay, flooding the ring
+        spec.triggers.min_interval_seconds = bad
+        with pytest.raises(InvalidSpec) as err:
+            check_triggers(spec, durable=True)
+        assert err.value.field == "spec.triggers.min_interval_seconds"
+    for good in (0, 1, 86400):
+        spec.triggers.min_interval_seconds = good
         check_triggers(spec, durable=True)
-    assert err.value.field == "spec.triggers.min_interval_seconds"
 
 
 def test_anomalous_rows_match_a_float64_reference():
