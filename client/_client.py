@@ -468,6 +468,7 @@ class Client:
         window: int = 50,
         point: str = "output",
         thresholds: DriftThresholds | Mapping[str, float] | None = None,
+        name: str = "",
         timeout: float | None = None,
     ) -> BaselineInfo:
         """Freezes a drift baseline from the next ``passes`` live passes.
@@ -480,13 +481,15 @@ class Client:
             thresholds: Drift thresholds, as a :class:`DriftThresholds` or a
                 mapping with keys psi, js, wasserstein, mean_shift (missing keys
                 take the server defaults 0.2, 0.1, 0.1, 1.0).
+            name: The baseline tap's id (default: ``baseline-<hash>`` of the
+                selector and point). Calling again with the same name resets it.
             timeout: Deadline override in seconds.
 
         Returns:
             The durable tap collecting the baseline and the layers it covers.
         """
         req = _convert.set_baseline_request(
-            selector, passes=passes, window=window, point=point, thresholds=thresholds
+            selector, passes=passes, window=window, point=point, thresholds=thresholds, name=name
         )
         with self._translating(layer_hint=True):
             resp = self._telemetry.SetBaseline(req, timeout=self._deadline(timeout))

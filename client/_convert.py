@@ -426,6 +426,7 @@ def set_baseline_request(
     window: int,
     point: str,
     thresholds: DriftThresholds | Mapping[str, float] | None,
+    name: str = "",
 ) -> telemetry_pb2.SetBaselineRequest:
     """Builds a SetBaselineRequest (thresholds left out take the server defaults).
 
@@ -437,7 +438,7 @@ def set_baseline_request(
     if passes < 1 or window < 1:
         raise InvalidArgument(f"passes and window must be >= 1, got {passes} and {window}")
     req = telemetry_pb2.SetBaselineRequest(
-        selector=selector, passes=passes, window=window, point=point_code(point)
+        selector=selector, passes=passes, window=window, point=point_code(point), name=name
     )
     if thresholds is not None:
         values = (

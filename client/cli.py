@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passes", type=positive_int, default=100, help="passes in the baseline (default 100)")
     p.add_argument("--window", type=positive_int, default=50, help="sliding window compared with it (default 50)")
     p.add_argument("--point", default="output")
+    p.add_argument("--name", default="", help="the baseline tap's id (default: baseline-<hash of selector and point>)")
     for metric in ("psi", "js", "wasserstein", "mean-shift"):
         p.add_argument(f"--{metric}", type=positive_float, help=f"{metric} threshold")
     p.set_defaults(func=_cmd_baseline)
@@ -317,6 +318,7 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
             window=args.window,
             point=args.point,
             thresholds=thresholds or None,
+            name=args.name,
         )
     print(f"baseline tap {info.tap}: collecting {args.passes} passes over {len(info.layers)} layer(s)")
     for layer in info.layers:

@@ -372,7 +372,8 @@ def start_health_listener(address: str, servicer: health.HealthServicer) -> tupl
     if port == 0:
         raise OSError(f"--health-address {address}: cannot bind (in use, or not HOST:PORT?)")
     server.start()
-    log.info("health listener (plaintext, grpc.health.v1.Health only) on %s", address)
+    host = address.rsplit(":", 1)[0]
+    log.info("health listener (plaintext, grpc.health.v1.Health only) on %s:%d", host, port)  # port 0: the one chosen
     return server, port
 
 

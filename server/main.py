@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the demo model's weights")
     p.add_argument("--weights", help="state_dict file, loaded with torch.load(weights_only=True)")
     p.add_argument("--input-shape", help="input shape for factory/export/TorchScript models, -1 for the batch (e.g. -1,3,224,224)")
-    p.add_argument("--input-dtype", default=d.input_dtype)
+    p.add_argument("--input-dtype", default=d.input_dtype,
+                   help="input dtype for factory/export/TorchScript models, with --input-shape (default float32)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", default=d.dtype, choices=MODEL_DTYPES)
     p.add_argument("--host", default=d.host, help="bind address (default loopback; 0.0.0.0 exposes the server)")
@@ -57,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "page-faulting it back in; costs resident memory (see docs/operations.md)")
     p.add_argument("--taps", dest="tap_config", help="YAML or JSON file of durable taps to create at start")
     p.add_argument("--baseline-dir", help="directory where drift baselines are saved and reloaded")
-    p.add_argument("--drift-window", type=int, default=d.drift_window, help="passes in the sliding drift window")
+    p.add_argument("--drift-window", type=int, default=d.drift_window,
+                   help="passes in the sliding drift window of baselines that name none (SetBaseline with window 0, reloaded ones); default 50")
     p.add_argument("--max-export-layers", type=int, default=d.max_export_layers)
     p.add_argument("--grace", dest="grace_seconds", type=float, default=d.grace_seconds, help="seconds to drain on SIGTERM")
     p.add_argument("--auth-tokens", help="token file: 'id sha256:<hex> scope,scope [RFC 3339 expiry]' per line; SIGHUP reloads")
@@ -75,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--incident-max-age", type=float, default=d.incident_max_age, help="seconds an incident is kept")
     p.add_argument("--smoke", action="store_true",
                    help="start on a free port, capture the model's last block once through the client, print it, exit")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR, for the server's log on stderr")
     return p
 
 
@@ -121,10 +123,14 @@ def suggested_layer(server: LayertapServer) -> str | None:
 
 def hint(server: LayertapServer, layer: str | None) -> str:
     """The first command to try (tests and scripts wait for a line starting ``layertap: try``)."""
-    address = f"{server.state.config.host}:{server.port}"
+    config = server.state.config
+    address = f"{config.host}:{server.port}"
+    # The flags the client needs against this server, so the printed command runs as is.
+    flags = " --tls-ca CA.pem" if config.tls_cert else ""
+    token = " with $LAYERTAP_TOKEN set" if config.auth_tokens else ""
     if layer is None:
-        return f"layertap: try `layertap layers {address}`"
-    return f"layertap: try `layertap capture {address} {layer} -o {layer}.npy`"
+        return f"layertap: try `layertap layers {address}{flags}`{token}"
+    return f"layertap: try `layertap capture {address} {layer} -o {layer}.npy{flags}`{token}"
 
 
 def smoke(address: str, layer: str) -> int:

@@ -322,3 +322,12 @@ def test_a_baseline_over_many_long_layer_names_survives_a_restart(make_server, t
     with layertap.Client(f"127.0.0.1:{again.port}") as client:
         assert len(client.drift()) == 60
         assert [t.id for t in client.taps()] == [info.tap]
+
+
+def test_a_named_baseline_takes_and_keeps_its_name(client) -> None:
+    """docs/operations.md: a baseline tap may be named, and set again under that name to reset it."""
+    info = client.set_baseline("layer1", passes=3, window=2, name="nightly")
+    assert info.tap == "nightly" and info.layers == ["layer1"]
+    again = client.set_baseline("layer1", passes=3, window=2, name="nightly")
+    assert again.tap == "nightly" and [t.id for t in client.taps()].count("nightly") == 1
+    client.delete_tap("nightly")

@@ -192,3 +192,22 @@ def test_real_prometheus_scrapes_over_tls_with_a_bearer_token(make_server, pki, 
         assert rows
         assert wrong.wait_for(lambda: wrong.query("up == 0"), what="the wrong token's scrape refused")
         assert prom.query("up == 1")
+
+
+def test_the_printed_first_command_runs_as_printed_on_a_tls_server_with_tokens(make_server, pki, tmp_path):
+    """`layertap serve` prints a command to try; on a server with TLS and tokens it names
+    the CA flag and the token variable, and run that way it works."""
+    import os
+    import shlex
+
+    from layertap.server.main import hint
+
+    srv = make_server(tls_cert=str(pki.cert), tls_key=str(pki.key), auth_tokens=str(tokens_file(tmp_path)))
+    line = hint(srv, None)
+    assert line.endswith("with $LAYERTAP_TOKEN set")
+    command = shlex.split(line.split("`")[1])
+    assert command[:2] == ["layertap", "layers"] and command[-2:] == ["--tls-ca", "CA.pem"]
+    command[-1] = str(pki.ca_path)
+    done = subprocess.run([sys.executable, "-m", "layertap.cli", *command[1:]], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "LAYERTAP_TOKEN": TOKEN})
+    assert done.returncode == 0 and "layer4" in done.stdout, done.stderr
