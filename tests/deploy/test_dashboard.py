@@ -12,13 +12,13 @@ import yaml
 from support.dashboard import DASHBOARD, dashboard_exprs, dashboard_targets, dashboard_variables, load_dashboard
 
 DEPLOY = DASHBOARD.parents[1]
-VALUES = {"model": "demo", "layer": "layer3"}
+VALUES = {"model": "demo", "layer": "layer3", "tap": "baseline-0123abcd"}
 
 
 def test_dashboard_has_the_required_panels_and_variables() -> None:
     d = load_dashboard()
     assert d["uid"] == "layertap-drift"
-    assert dashboard_variables() == ["model", "layer"]
+    assert dashboard_variables() == ["model", "layer", "tap"]  # tap: the heatmap sums buckets of one tap's edges
     panels = {(p["type"], p["title"]) for p in d["panels"]}
     types = {t for t, _ in panels}
     assert {"stat", "status-history", "heatmap", "timeseries"} <= types

@@ -144,7 +144,7 @@ def test_drift_dashboard_and_health_through_real_prometheus(make_server, tmp_pat
 
         # Every dashboard query returns data for real values of $model and $layer.
         # Rates need a few scrapes of the frozen histogram and the counters.
-        exprs = dashboard_exprs(values={"model": MODEL, "layer": "layer3"}, rate_interval=RATE_INTERVAL)
+        exprs = dashboard_exprs(values={"model": MODEL, "layer": "layer3", "tap": tap}, rate_interval=RATE_INTERVAL)
         raw = [e for _, e in dashboard_targets()]
         assert len(exprs) >= 10 and not any("vector(" in e for e in raw), raw
         results: dict[str, list[dict[str, Any]]] = {}
