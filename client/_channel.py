@@ -86,3 +86,18 @@ def open_channel(target: str, options: Sequence[tuple[str, Any]], token: str | N
     if any(c in token for c in "\r\n") or token != token.strip():
         raise InvalidArgument("token: must not contain whitespace or line breaks")
     return base, grpc.intercept_channel(base, _BearerToken(token))
+
+
+def normalize_target(target: str | int) -> str:
+    """Turns ``"host:port"``, ``"port"``, ``":port"`` or an int port into a gRPC target.
+
+    A bare port means ``127.0.0.1``, the server's default bind address.
+    """
+    text = str(target).strip()
+    if text.startswith(":"):
+        text = text[1:]
+    if text.isdigit():
+        return f"127.0.0.1:{text}"
+    if not text:
+        raise InvalidArgument("empty server address; expected host:port or a port")
+    return text

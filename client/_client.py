@@ -14,7 +14,7 @@ import grpc
 from . import _capture, _convert, _explain
 from ._capture import CaptureOptions, ProgressCallback
 from ._capture_wire import capture_method
-from ._channel import TlsOption, open_channel
+from ._channel import TlsOption, normalize_target, open_channel
 from ._codec import Array
 from ._errors import ClientClosed, DeadlineExceeded, InvalidArgument, NotFound, from_rpc_error
 from ._taps import DurableTapOptions, SummaryStream, TapHandle, TapOptions, Unpack, tap_spec
@@ -32,21 +32,6 @@ DEFAULT_TIMEOUT = 30.0
 #: slack covers the protobuf envelope around the raw bytes.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * MiB + 1 * MiB
 _LAYER_NAMES_TIMEOUT = 5.0
-
-
-def normalize_target(target: str | int) -> str:
-    """Turns ``"host:port"``, ``"port"``, ``":port"`` or an int port into a gRPC target.
-
-    A bare port means ``127.0.0.1``, the server's default bind address.
-    """
-    text = str(target).strip()
-    if text.startswith(":"):
-        text = text[1:]
-    if text.isdigit():
-        return f"127.0.0.1:{text}"
-    if not text:
-        raise InvalidArgument("empty server address; expected host:port or a port")
-    return text
 
 
 class Client:

@@ -29,7 +29,8 @@ from ._cli_tensorboard import add_tensorboard_command
 from ._cli_table import drift_table, layers_table, stats_table, taps_table
 from ._cli_view import SPARK_WIDTH, CaptureProgress, sparkline
 from ._cli_watch import WatchOptions, run_watch
-from ._client import DEFAULT_TIMEOUT, Client, normalize_target
+from ._channel import normalize_target
+from ._client import DEFAULT_TIMEOUT, Client
 from ._errors import InvalidArgument, LayertapError
 from ._types import DEFAULT_REDUCERS
 from ._version import __version__
