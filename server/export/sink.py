@@ -28,9 +28,7 @@ class MetricsSink(Sink):
 
     def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
         durable = self._durable()
-        for s in summaries:
-            if durable.get(s.tap):
-                self.store.update_from_summary(s.tap, s)
+        self.store.update_from_summaries((s.tap, s) for s in summaries if durable.get(s.tap))
 
     def on_tap_created(self, tap: Tap) -> None:
         self.store.add_tap(tap.id)

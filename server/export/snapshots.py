@@ -13,7 +13,7 @@ import math
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -152,67 +152,78 @@ class SnapshotStore:
         the gauges (labels have neither); non-finite counts of every output
         and call add up, so a NaN anywhere in the layer still raises the alert.
         """
+        with self._lock:
+            self._fold(tap_id, summary)
+
+    def update_from_summaries(self, items: Iterable[tuple[str, Any]]) -> None:
+        """:meth:`update_from_summary` of each ``(tap_id, summary)`` of one pass, under one lock:
+        a scrape never sees part of a pass (a layer's L2 norm adds up its tensors)."""
+        with self._lock:
+            for tap_id, summary in items:
+                self._fold(tap_id, summary)
+
+    def _fold(self, tap_id: str, summary: Any) -> None:
+        """One summary into its layer's state (the caller holds the lock)."""
         key = (tap_id or summary.tap, summary.layer, point_name(summary.point))
         ts = summary.wall_time.seconds + summary.wall_time.nanos * 1e-9 if summary.HasField("wall_time") else self._clock()
         primary = summary.output_index == 0 and getattr(summary, "call_index", 0) == 0
-        with self._lock:
-            if key[0] in self._gone:
-                return
-            st = self._layers.get(key)
-            if st is None:
-                st = self._layers[key] = _LayerState()
-            self._dirty[key] = None
-            st.last_update = ts if st.last_update is None else max(st.last_update, ts)
-            if primary and not getattr(summary, "unsampled", False):
-                # A sampled summary carries everything the tap computes now; a
-                # result it no longer carries (reducers changed, e.g. when a
-                # baseline froze) must not linger as a stale series.
-                kinds = {res.WhichOneof("value") for res in summary.results}
-                for kind, fields in self._SCALARS.items():
-                    if kind not in kinds:
-                        for name, _attr in fields:
-                            st.values.pop(name, None)
-                if "norm" not in kinds:
-                    st.l2_pass = None
-                if "quantiles" not in kinds:
-                    st.quantiles = None
-                if "histogram" not in kinds:
-                    st.hist_edges = st.hist_counts = None
-            for res in summary.results:
-                kind = res.WhichOneof("value")
-                if kind == "nonfinite":
-                    nf = res.nonfinite
-                    st.nan_total = (st.nan_total or 0) + nf.nan_count
-                    st.inf_total = (st.inf_total or 0) + nf.inf_count
-                elif kind == "norm" and getattr(summary, "call_index", 0) == 0 and not getattr(summary, "unsampled", False):
-                    # Every tensor of the module's first call adds up: a param_grad
-                    # tap's series is the module's whole gradient norm (its
-                    # parameters are the outputs), so sqrt(sum(l2^2)) over a
-                    # partition of the model is clip_grad_norm_'s total.
-                    sq = float(res.norm.l2) ** 2
-                    prev = st.l2_pass[1] if st.l2_pass is not None and st.l2_pass[0] == summary.pass_index else 0.0
-                    st.l2_pass = (summary.pass_index, prev + sq)
-                elif not primary:
-                    continue
-                elif kind in self._SCALARS:
-                    msg = getattr(res, kind)
-                    for name, attr in self._SCALARS[kind]:
-                        st.values[name] = float(getattr(msg, attr))
-                elif kind == "quantiles":
-                    q = res.quantiles
-                    st.quantiles = {float(p): float(v) for p, v in zip(q.probabilities, q.values)
-                                    if round(float(p), 6) in EXPORTED_QUANTILES} or None
-                elif kind == "histogram":
-                    h = res.histogram
-                    edges = tuple(h.edges)
-                    counts = np.asarray(h.counts, dtype=np.int64)
-                    if counts.shape[0] != len(edges) + 1:
-                        continue  # malformed; never let one summary break the scrape
-                    if st.hist_edges != edges or st.hist_counts is None:
-                        # New edges (e.g. a baseline froze): a fresh counter.
-                        st.hist_edges, st.hist_counts = edges, counts
-                    else:
-                        st.hist_counts = st.hist_counts + counts  # new array: snapshots stay immutable
+        if key[0] in self._gone:
+            return
+        st = self._layers.get(key)
+        if st is None:
+            st = self._layers[key] = _LayerState()
+        self._dirty[key] = None
+        st.last_update = ts if st.last_update is None else max(st.last_update, ts)
+        if primary and not getattr(summary, "unsampled", False):
+            # A sampled summary carries everything the tap computes now; a
+            # result it no longer carries (reducers changed, e.g. when a
+            # baseline froze) must not linger as a stale series.
+            kinds = {res.WhichOneof("value") for res in summary.results}
+            for kind, fields in self._SCALARS.items():
+                if kind not in kinds:
+                    for name, _attr in fields:
+                        st.values.pop(name, None)
+            if "norm" not in kinds:
+                st.l2_pass = None
+            if "quantiles" not in kinds:
+                st.quantiles = None
+            if "histogram" not in kinds:
+                st.hist_edges = st.hist_counts = None
+        for res in summary.results:
+            kind = res.WhichOneof("value")
+            if kind == "nonfinite":
+                nf = res.nonfinite
+                st.nan_total = (st.nan_total or 0) + nf.nan_count
+                st.inf_total = (st.inf_total or 0) + nf.inf_count
+            elif kind == "norm" and getattr(summary, "call_index", 0) == 0 and not getattr(summary, "unsampled", False):
+                # Every tensor of the module's first call adds up: a param_grad
+                # tap's series is the module's whole gradient norm (its
+                # parameters are the outputs), so sqrt(sum(l2^2)) over a
+                # partition of the model is clip_grad_norm_'s total.
+                sq = float(res.norm.l2) ** 2
+                prev = st.l2_pass[1] if st.l2_pass is not None and st.l2_pass[0] == summary.pass_index else 0.0
+                st.l2_pass = (summary.pass_index, prev + sq)
+            elif not primary:
+                continue
+            elif kind in self._SCALARS:
+                msg = getattr(res, kind)
+                for name, attr in self._SCALARS[kind]:
+                    st.values[name] = float(getattr(msg, attr))
+            elif kind == "quantiles":
+                q = res.quantiles
+                st.quantiles = {float(p): float(v) for p, v in zip(q.probabilities, q.values)
+                                if round(float(p), 6) in EXPORTED_QUANTILES} or None
+            elif kind == "histogram":
+                h = res.histogram
+                edges = tuple(h.edges)
+                counts = np.asarray(h.counts, dtype=np.int64)
+                if counts.shape[0] != len(edges) + 1:
+                    continue  # malformed; never let one summary break the scrape
+                if st.hist_edges != edges or st.hist_counts is None:
+                    # New edges (e.g. a baseline froze): a fresh counter.
+                    st.hist_edges, st.hist_counts = edges, counts
+                else:
+                    st.hist_counts = st.hist_counts + counts  # new array: snapshots stay immutable
 
     def set_drift(
         self,

@@ -151,16 +151,14 @@ class HookRegistry:
         # A hook added while a pass runs (a training step: the model thread
         # never waits for the RPC adding it) would see only part of that pass.
         born = self._raw_pass()
-        # A forward inside backward is activation checkpointing's recompute
-        # (use_reentrant=True), not another micro-batch: forward points skip it.
-        replayed = _in_backward if point in (pb.POINT_OUTPUT, pb.POINT_INPUT) else _never
+        replays = _Replays() if point in (pb.POINT_OUTPUT, pb.POINT_INPUT) else None
 
         def fire(value: Any) -> None:
             # A handle removed mid-pass (from another thread) goes quiet at
             # once; torch copies its hook dicts before iterating, so the
             # removal itself is safe without holding the model lock.
             ctx = current()
-            if ctx is None or handle._removed or ctx is born or replayed():
+            if ctx is None or handle._removed or ctx is born or (replays is not None and replays.skip(ctx)):
                 return
             try:
                 callback(ctx, value)
@@ -289,16 +287,42 @@ class HookRegistry:
             h.remove()
 
 
-def _never() -> bool:
-    return False
-
-
 #: Whether this thread is running inside autograd's backward (-1: it is not).
 _graph_task = getattr(torch._C, "_current_graph_task_id", None)
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
+    """Whether the calling thread runs inside autograd's backward (a checkpoint's recompute does)."""
     return _graph_task is not None and _graph_task() != -1
+
+
+class _Replays:
+    """Tells a forward hook's firings during backward that recompute an observed forward.
+
+    Activation checkpointing runs a module's forward again inside backward.
+    That recompute is the same micro-batch, not another, when the forward it
+    repeats was observed: skipped. When it was not (a whole model checkpointed
+    with ``use_reentrant=True`` runs its first forward under ``no_grad``, an
+    evaluation forward to the step tracker), the recompute is the only
+    forward this pass sees of that micro-batch: kept.
+    """
+
+    __slots__ = ("_ctx", "_forwards", "_recomputes")
+
+    def __init__(self) -> None:
+        self._ctx: object = None
+        self._forwards = self._recomputes = 0
+
+    def skip(self, ctx: object) -> bool:
+        if ctx is not self._ctx:
+            self._ctx, self._forwards, self._recomputes = ctx, 0, 0
+        if not in_backward():
+            self._forwards += 1
+            return False
+        if self._forwards > self._recomputes:
+            self._recomputes += 1
+            return True
+        return False
 
 
 def _tensors(value: Any) -> list[torch.Tensor | None]:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from layertap.server.host.hooks import in_backward
 from layertap.server.host.model_host import ModelHost, PassContext
 
 log = logging.getLogger("layertap.server")
@@ -126,7 +127,10 @@ class StepTracker:
         # publishes nothing. ``sys.exc_info()`` cannot tell: a loop running
         # inside the user's own ``except`` block (a retry after an OOM) has an
         # exception in flight on every step.
-        if not evaluation and not completed and self._ctx is not None:
+        # A recompute in backward (activation checkpointing) may end early on
+        # purpose: torch stops it by raising through the forward once it has
+        # what backward needs. Only a forward the user ran can fail a step.
+        if not evaluation and not completed and self._ctx is not None and not in_backward():
             self._ctx.failed = True
 
     # -- the optimizer's step ----------------------------------------------------

@@ -244,10 +244,14 @@ def test_a_loop_running_inside_an_except_block_publishes_every_step(rigs):
     assert sorted(s.step for s in rig.summaries()) == [3]
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["block", "whole-model"])
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_checkpointing_recompute_is_not_another_micro_batch(rigs, reentrant):
-    """Reentrant activation checkpointing re-runs the block's forward inside backward:
-    its output is read once per micro-batch, as without checkpointing."""
+def test_checkpointing_recompute_is_not_another_micro_batch(rigs, reentrant, whole):
+    """Activation checkpointing re-runs forwards inside backward: each output is read once
+    per micro-batch, as without checkpointing. Checkpointing the whole model, the
+    reentrant first forward runs under no_grad (unobserved), so the recompute is the one
+    read; the non-reentrant recompute ends early by raising through the forward, which
+    must not fail the step."""
     from torch.utils.checkpoint import checkpoint
 
     class Net(nn.Module):
@@ -257,7 +261,8 @@ def test_checkpointing_recompute_is_not_another_micro_batch(rigs, reentrant):
             self.head = nn.Linear(8, 2)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(checkpoint(self.block, x, use_reentrant=reentrant))
+            inner = self.block(x) if whole else checkpoint(self.block, x, use_reentrant=reentrant)
+            return self.head(inner)
 
     torch.manual_seed(0)
     model = Net()
@@ -271,7 +276,8 @@ def test_checkpointing_recompute_is_not_another_micro_batch(rigs, reentrant):
     for step in range(2):
         opt.zero_grad()
         for x in xs[2 * step: 2 * step + 2]:  # two micro-batches a step
-            model(x).sum().backward()
+            out = checkpoint(model, x, use_reentrant=reentrant) if whole else model(x)
+            out.sum().backward()
         opt.step()
     got = rig.summaries()
     want = [(st, c) for st in range(2) for c in range(2)]
@@ -279,6 +285,7 @@ def test_checkpointing_recompute_is_not_another_micro_batch(rigs, reentrant):
     assert sorted((s.step, s.call_index) for s in got if s.tap == "go") == want
     step0 = sorted((s for s in got if s.tap == "o" and s.step == 0), key=lambda s: s.call_index)
     assert [s.results[0].moments.mean for s in step0] == pytest.approx(means, rel=1e-6, abs=1e-7)
+    assert rig.steps.errors == 0 and rig.host.hooks.errors == 0
 
 
 def test_step_with_an_optimizer_is_refused(rigs):
