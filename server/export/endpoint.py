@@ -14,7 +14,6 @@ import logging
 import socket
 import ssl
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -22,6 +21,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from layertap.server.export.connections import ConnectionLimits
 from layertap.server.export.exposition import negotiate
 from layertap.server.host.priority import telemetry_thread
 
@@ -94,30 +94,49 @@ def make_metrics_app(registry: Collector, authorize: Authorize | None = None) ->
     return app
 
 
-#: Seconds a connection may take for its TLS handshake, its request, and its response each.
+#: Seconds a connection may live, from accept to close: TLS handshake, request and response together.
 REQUEST_TIMEOUT_SECONDS = 10.0
-#: Connections served at once; more are closed at accept (counted in the log).
+#: Connections served at once; more are closed at accept (logged at most once a minute).
 MAX_CONNECTIONS = 64
+#: Of those, from one client address: one host flooding the port leaves room for the scraper.
+MAX_CONNECTIONS_PER_ADDRESS = 8
+
+
+class _LogWriter:
+    """wsgiref's handler prints a traceback to its stderr when a write fails (a client gone or
+    too slow): that goes to the log at DEBUG instead, so a stranger cannot fill stderr."""
+
+    def write(self, text: str) -> None:
+        if text.strip():
+            log.debug("/metrics: %s", text.rstrip())
+
+    def flush(self) -> None:
+        pass
 
 
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         """Scrapes every few seconds would flood the log."""
 
+    def get_stderr(self) -> Any:
+        return _LogWriter()
+
 
 def start_metrics_server(registry: Collector, host: str = "127.0.0.1", port: int = 9466, *,
                          ssl_context: ssl.SSLContext | None = None,
                          authorize: Authorize | None = None,
                          request_timeout: float = REQUEST_TIMEOUT_SECONDS,
-                         max_connections: int = MAX_CONNECTIONS) -> tuple[Any, int]:
+                         max_connections: int = MAX_CONNECTIONS,
+                         max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS) -> tuple[Any, int]:
     """Serve ``/metrics`` for ``registry`` on a daemon thread.
 
     Each connection gets a thread, so both its life and their number are
-    bounded: a client that connects and sends nothing (or never finishes a
-    TLS handshake, which runs on that thread) is dropped after
-    ``request_timeout``, and past ``max_connections`` at once new ones are
-    closed at accept. Otherwise idle sockets, no token needed, would each
-    hold a thread for as long as they stayed open.
+    bounded (:mod:`.connections`): a connection is ended ``request_timeout``
+    after it was accepted, whatever it does meanwhile (idle, dripping bytes,
+    a TLS handshake never finished), and past ``max_connections`` at once, or
+    ``max_per_address`` from one address, new ones are closed at accept.
+    Otherwise sockets opened without a token would each hold a thread for as
+    long as they stayed open.
 
     Args:
         registry: The injected registry.
@@ -126,36 +145,38 @@ def start_metrics_server(registry: Collector, host: str = "127.0.0.1", port: int
         ssl_context: Serve HTTPS with it (the handshake runs on the request's
             thread, so a slow client never stalls accepting).
         authorize: See :func:`make_metrics_app`.
-        request_timeout: Seconds for each of a connection's handshake, request and response.
+        request_timeout: Seconds a connection may live.
         max_connections: Connections served at once.
+        max_per_address: Of those, from one client address.
 
     Returns:
         ``(server, bound_port)``; stop with :func:`stop_metrics_server`.
     """
-    slots = threading.BoundedSemaphore(max_connections)
+    limits = ConnectionLimits(max_connections, max_per_address, request_timeout)
 
     class _Handler(_QuietHandler):
-        timeout = request_timeout  # socketserver applies it to the connection (and so to the TLS handshake)
+        timeout = request_timeout  # each read too (the deadline above bounds the whole connection)
 
     class _Server(ThreadingWSGIServer):
         """A subclass, so setting address_family stays local."""
 
+        connection_limits = limits
+
         def process_request(self, request: Any, client_address: Any) -> None:
-            if not slots.acquire(blocking=False):
-                log.warning("/metrics: %d connections open, closing one from %s", max_connections, client_address[0])
+            if not limits.admit(request, client_address[0]):
                 self.shutdown_request(request)
                 return
             try:
                 super().process_request(request, client_address)
             except BaseException:
-                slots.release()  # no thread started
+                limits.release(request)  # no thread started
                 raise
 
         def process_request_thread(self, request: Any, client_address: Any) -> None:
             try:
                 super().process_request_thread(request, client_address)
             finally:
-                slots.release()
+                limits.release(request)
 
         def handle_error(self, request: Any, client_address: Any) -> None:
             exc = sys.exc_info()[1]
@@ -177,4 +198,7 @@ def start_metrics_server(registry: Collector, host: str = "127.0.0.1", port: int
 def stop_metrics_server(server: Any) -> None:
     """Stop serving and close the socket."""
     server.shutdown()
+    limits = getattr(server, "connection_limits", None)
+    if limits is not None:
+        limits.close()
     server.server_close()

@@ -228,7 +228,9 @@ def test_http_endpoint_on_port_zero(setup) -> None:
 
 def test_idle_connections_neither_pile_up_threads_nor_block_scrapes(setup) -> None:
     """Sockets that connect and send nothing (no token needed) each held a thread for as long
-    as they stayed open: now at most max_connections are served, each for request_timeout."""
+    as they stayed open; a byte every few seconds defeated a per-read timeout. Now each
+    connection lives request_timeout at most, and one address gets max_per_address of them."""
+    import http.client
     import socket
     import threading
     import time
@@ -239,21 +241,45 @@ def test_idle_connections_neither_pile_up_threads_nor_block_scrapes(setup) -> No
     def serving() -> int:
         return sum(1 for t in threading.enumerate() if "process_request_thread" in t.name)
 
-    server, port = start_metrics_server(registry, "127.0.0.1", 0, request_timeout=1.0, max_connections=4)
-    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(12)]
+    server, port = start_metrics_server(registry, "127.0.0.1", 0, request_timeout=1.0, max_connections=10,
+                                        max_per_address=4)
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
+    drip = socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.3", 0))
     try:
-        for sock in idle:
+        for sock in (*idle, drip):
             sock.settimeout(5)
         time.sleep(0.3)
-        assert serving() <= 4
-        start = time.monotonic()
-        closed = [sock.recv(1) for sock in idle]  # the server hangs up on every one: b"" (EOF)
-        assert closed == [b""] * 12 and time.monotonic() - start < 4  # 8 at accept, 4 after the timeout
+        assert serving() <= 5  # 4 from 127.0.0.1, the dripping one from 127.0.0.3
+        # Another address still gets its scrape while 127.0.0.1 holds all of its share.
+        scrape = http.client.HTTPConnection("127.0.0.1", port, timeout=5, source_address=("127.0.0.2", 0))
+        scrape.request("GET", "/metrics")
+        response = scrape.getresponse()
+        assert response.status == 200 and b"layertap_activation_mean" in response.read()
+        scrape.close()
+        start, cut = time.monotonic(), None
+        while time.monotonic() - start < 4:  # a byte of a request line every 0.2 s
+            try:
+                drip.sendall(b"G")
+            except OSError:
+                cut = time.monotonic() - start
+                break
+            time.sleep(0.2)
+            drip.setblocking(False)
+            try:
+                if drip.recv(1) == b"":
+                    cut = time.monotonic() - start
+                    break
+            except BlockingIOError:
+                pass
+            finally:
+                drip.setblocking(True)
+                drip.settimeout(5)
+        assert cut is not None and cut < 2.0, cut  # ended at its deadline (1 s), not kept alive by the drip
+        assert [sock.recv(1) for sock in idle] == [b""] * 8  # 4 closed at accept, 4 at their deadline
         assert wait_for(lambda: serving() == 0, 5)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-            assert resp.status == 200 and b"layertap_activation_mean" in resp.read()
+        assert server.connection_limits.count() == 0 and server.connection_limits.expired >= 5
     finally:
-        for sock in idle:
+        for sock in (*idle, drip):
             sock.close()
         stop_metrics_server(server)
 
