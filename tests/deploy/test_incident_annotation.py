@@ -42,6 +42,10 @@ def test_the_first_incident_of_a_tap_is_marked(tmp_path: Path) -> None:
                        {"eval_time": "3m", "alertname": "Incident", "exp_alerts": [{"exp_labels": labels}]},
                        {"eval_time": "5m", "alertname": "Incident", "exp_alerts": []},
                        {"eval_time": "7m", "alertname": "Incident", "exp_alerts": [{"exp_labels": labels}]},
-                   ]}]}))
+                   ]},
+                  # Scrapes missed for minutes (Prometheus or the target away): an old count is no incident.
+                  {"interval": "1m", "input_series": [{"series": series, "values": "2x20 _x12 2x15"}],
+                   "alert_rule_test": [
+                       {"eval_time": f"{m}m", "alertname": "Incident", "exp_alerts": []} for m in (33, 34, 36)]}]}))
     res = subprocess.run([exe, "test", "rules", "test.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
