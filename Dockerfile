@@ -35,7 +35,10 @@ COPY client ./client
 COPY server ./server
 RUN pip install ".[server]" && rm -rf /src
 
-RUN useradd --system --uid 10001 layertap
+RUN useradd --system --uid 10001 layertap \
+    && mkdir -p /var/lib/layertap/baselines && chown layertap /var/lib/layertap/baselines
+# (A named volume mounted there starts as a copy of this directory, owned by layertap:
+# otherwise Docker creates it root-owned and baselines could not be saved.)
 USER layertap
 WORKDIR /home/layertap
 # Inductor's persistent cache: mount a volume here so a restarted container

@@ -432,7 +432,7 @@ class Client:
             queue_size: Server-side queue length for this subscriber.
             timeout: Deadline in seconds (None: until closed).
         """
-        ids = [tap_ids] if isinstance(tap_ids, str) else tap_ids  # a str is one id, not its characters
+        ids = ([tap_ids] if tap_ids else []) if isinstance(tap_ids, str) else tap_ids  # a str is one id; "" is all
         req = _convert.subscribe_request(tap_ids=ids, queue_size=queue_size)
         return self._subscribe(req, timeout)
 

@@ -154,5 +154,7 @@ def assemble(messages: Iterable[telemetry_pb2.GetIncidentResponse]) -> Incident:
             inputs.append(arr)
         else:
             key = t.layer if (t.call_index, t.output_index) == (0, 0) else f"{t.layer}#{t.call_index}.{t.output_index}"
+            if key in layers:
+                raise ProtocolError(f"GetIncident: two tensors for {key!r}")
             layers[key] = arr
     return Incident(info_from_proto(first.incident), inputs, layers)

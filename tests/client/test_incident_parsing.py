@@ -44,6 +44,8 @@ def test_a_whole_stream_gives_inputs_layers_and_the_record() -> None:
     ([_header(shape=(1 << 20, 1 << 20), total=4 << 40)], "exceed"),  # announced before any allocation
     ([_header(), _chunk(0, 0, RAW[:16]), _chunk(1, 16, RAW[16:]), RECORD], "second incident record"),
     ([_chunk(0, 0, RAW)], "unannounced"),
+    ([_header(0, chunks=1), _chunk(0, 0, RAW), _header(1, chunks=1), _chunk(0, 0, RAW, tensor_id=1)],
+     "two tensors for 'fc'"),  # the second would silently replace the first
 ])
 def test_a_stream_that_breaks_the_framing_raises(messages: list[pb.GetIncidentResponse], match: str) -> None:
     with pytest.raises(ProtocolError, match=match):

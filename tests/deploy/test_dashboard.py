@@ -79,6 +79,9 @@ def test_compose_stack_is_consistent() -> None:
     assert args.host == "0.0.0.0" and args.metrics_port == 9466 and args.port == 50051
     assert args.insecure  # explicit: local use only (protected mode refuses 0.0.0.0 otherwise)
     assert args.baseline_dir == svc["layertap"]["volumes"][0].split(":")[1]  # on the named volume
+    # which starts as a copy of the image's directory: it must exist there, owned by the server's user
+    runs = " ".join(rest for word, rest in instructions() if word == "RUN")
+    assert f"mkdir -p {args.baseline_dir}" in runs and f"chown layertap {args.baseline_dir}" in runs
     for service in svc.values():  # published on loopback only
         for port in service.get("ports", []):
             assert str(port).startswith("127.0.0.1:") and str(port).count(":") == 2, port

@@ -201,6 +201,9 @@ def test_baseline_ids_and_reservoirs_are_not_anyone_s(secured):
         with pytest.raises(layertap.InvalidArgument) as err:
             next(iter(bob.watch("layer3", reducers=["moments"], name="baseline-mine")))
         assert err.value.field == "stream_taps[0].name"
+        with pytest.raises(layertap.InvalidArgument) as err:  # nor by naming a SetBaseline into it
+            bob.set_baseline("layer1", passes=2, name=squat)
+        assert err.value.field == "name"
         info = alice.set_baseline("layer3", passes=2)
         assert info.tap == squat
         export = telemetry_pb2.ExportBaselineRequest(tap=squat)
