@@ -54,7 +54,7 @@ class ConnectionLimits:
         #: Connections ended by the deadline, and refused at admission (for tests and logs).
         self.expired = 0
         self.refused = 0
-        self._thread = telemetry_thread(self._reap, "layertap-metrics-reaper")
+        self._thread = telemetry_thread(self._reap, "layertap-http-reaper")
         self._thread.start()
 
     def admit(self, conn: socket.socket, address: str) -> bool:
