@@ -90,10 +90,13 @@ class ConnectionLimits:
             return len(self._open)
 
     def close(self) -> None:
-        """Stops the reaper; connections still open are left to their handlers."""
+        """Stops the reaper and hangs up every connection still open (their deadline goes with it)."""
         with self._cond:
             self._closed = True
+            still = [conn for conn, _a, _d in self._open.values()]
             self._cond.notify()
+        for conn in still:
+            _hang_up(conn)
         self._thread.join(5)
 
     def _reap(self) -> None:

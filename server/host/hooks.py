@@ -299,29 +299,27 @@ def in_backward() -> bool:
 class _Replays:
     """Tells a forward hook's firings during backward that recompute an observed forward.
 
-    Activation checkpointing runs a module's forward again inside backward.
-    That recompute is the same micro-batch, not another, when the forward it
-    repeats was observed: skipped. When it was not (a whole model checkpointed
-    with ``use_reentrant=True`` runs its first forward under ``no_grad``, an
+    Activation checkpointing runs a module's forward again inside backward
+    (once per enclosing checkpoint, when they nest). Once the pass has
+    observed the module's forward, every firing in backward is such a
+    recompute: skipped. When it has not (a whole model checkpointed with
+    ``use_reentrant=True`` runs its first forward under ``no_grad``, an
     evaluation forward to the step tracker), the recompute is the only
-    forward this pass sees of that micro-batch: kept.
+    forward this pass sees of the micro-batch: kept.
     """
 
-    __slots__ = ("_ctx", "_forwards", "_recomputes")
+    __slots__ = ("_ctx", "_forwards")
 
     def __init__(self) -> None:
         self._ctx: object = None
-        self._forwards = self._recomputes = 0
+        self._forwards = 0
 
     def skip(self, ctx: object) -> bool:
         if ctx is not self._ctx:
-            self._ctx, self._forwards, self._recomputes = ctx, 0, 0
-        if not in_backward():
-            self._forwards += 1
-            return False
-        if self._forwards > self._recomputes:
-            self._recomputes += 1
-            return True
+            self._ctx, self._forwards = ctx, 0
+        if in_backward():
+            return self._forwards > 0
+        self._forwards += 1
         return False
 
 

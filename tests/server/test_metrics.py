@@ -284,6 +284,25 @@ def test_idle_connections_neither_pile_up_threads_nor_block_scrapes(setup) -> No
         stop_metrics_server(server)
 
 
+def test_stopping_the_endpoint_hangs_up_its_open_connections(setup) -> None:
+    """Past the stop no reaper enforces deadlines: the stop itself ends what is still open."""
+    import socket
+    import time
+
+    registry, _, _ = setup
+    server, port = start_metrics_server(registry, "127.0.0.1", 0, request_timeout=30.0)
+    sock = socket.create_connection(("127.0.0.1", port))
+    try:
+        sock.sendall(b"GET /met")  # a request never finished
+        time.sleep(0.2)
+        start = time.monotonic()
+        stop_metrics_server(server)
+        sock.settimeout(5)
+        assert sock.recv(1) == b"" and time.monotonic() - start < 3
+    finally:
+        sock.close()
+
+
 def test_pipeline_counters_follow_their_sources() -> None:
     registry = CollectorRegistry()
     stats = FakeTransferStats(processed=10, dropped=2, errors=1, pinned_allocations=3)

@@ -244,7 +244,7 @@ def test_a_loop_running_inside_an_except_block_publishes_every_step(rigs):
     assert sorted(s.step for s in rig.summaries()) == [3]
 
 
-@pytest.mark.parametrize("whole", [False, True], ids=["block", "whole-model"])
+@pytest.mark.parametrize("whole", [False, True, "nested"], ids=["block", "whole-model", "nested"])
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_checkpointing_recompute_is_not_another_micro_batch(rigs, reentrant, whole):
     """Activation checkpointing re-runs forwards inside backward: each output is read once
@@ -261,7 +261,11 @@ def test_checkpointing_recompute_is_not_another_micro_batch(rigs, reentrant, who
             self.head = nn.Linear(8, 2)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            inner = self.block(x) if whole else checkpoint(self.block, x, use_reentrant=reentrant)
+            if whole == "nested":  # the block inside a checkpoint inside a checkpoint: recomputed twice
+                inner = checkpoint(lambda y: checkpoint(self.block, y, use_reentrant=reentrant) * 1.0, x,
+                                   use_reentrant=reentrant)
+            else:
+                inner = self.block(x) if whole else checkpoint(self.block, x, use_reentrant=reentrant)
             return self.head(inner)
 
     torch.manual_seed(0)
@@ -276,7 +280,7 @@ def test_checkpointing_recompute_is_not_another_micro_batch(rigs, reentrant, who
     for step in range(2):
         opt.zero_grad()
         for x in xs[2 * step: 2 * step + 2]:  # two micro-batches a step
-            out = checkpoint(model, x, use_reentrant=reentrant) if whole else model(x)
+            out = checkpoint(model, x, use_reentrant=reentrant) if whole is True else model(x)
             out.sum().backward()
         opt.step()
     got = rig.summaries()
