@@ -211,7 +211,9 @@ class AbsMax:
 
 @dataclass(frozen=True)
 class ZeroFraction:
-    """Fraction and count of elements equal to zero."""
+    """The fraction of elements equal to zero (``-0.0`` included), and ``count``, the
+    number of elements it is taken over (the tensor's size, not the zeros: those are
+    ``round(fraction * count)``)."""
 
     fraction: float
     count: int
