@@ -49,7 +49,7 @@ class ConnectionLimits:
         self._open: dict[int, tuple[socket.socket, str, float]] = {}
         self._per_address: Counter[str] = Counter()
         self._closed = False
-        self._refused = 0
+        self._unreported = 0  # refusals since the last warning
         self._warned = -_WARN_EVERY
         #: Connections ended by the deadline, and refused at admission (for tests and logs).
         self.expired = 0
@@ -63,12 +63,12 @@ class ConnectionLimits:
             full = len(self._open) >= self.max_total or self._per_address[address] >= self.max_per_address
             if full or self._closed:
                 self.refused += 1
-                self._refused += 1
+                self._unreported += 1
                 now = self._clock()
                 if now - self._warned >= _WARN_EVERY:
                     log.warning("/metrics: refused %d connection(s) (at most %d open, %d per address), the "
-                                "latest from %s", self._refused, self.max_total, self.max_per_address, address)
-                    self._warned, self._refused = now, 0
+                                "latest from %s", self._unreported, self.max_total, self.max_per_address, address)
+                    self._warned, self._unreported = now, 0
                 return False
             self._open[id(conn)] = (conn, address, self._clock() + self.lifetime)
             self._per_address[address] += 1
