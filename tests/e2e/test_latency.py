@@ -172,8 +172,14 @@ class Nested(nn.Module):
         return self.block(x)
 
 
-#: Reducers of the input tap: a sort (quantiles) and a histogram of the input, far dearer than the Linear.
+#: Reducers of an input tap: a sort (quantiles) and a histogram of the input, far dearer than the Linear.
 HEAVY_INPUT_REDUCERS = ["quantiles", "histogram", "moments", "minmax", "zero_fraction", "nonfinite", "abs_max"]
+
+
+def heavy_input_reducers(i: int) -> list:
+    """HEAVY_INPUT_REDUCERS with a histogram of its own: taps with equal reducers on one layer
+    share one reduction (taps.reuse), so each tap must differ to add its cost."""
+    return [{"histogram": {"bins": 64 + i}} if r == "histogram" else r for r in HEAVY_INPUT_REDUCERS]
 
 
 def test_an_input_tap_added_after_the_latency_tap_is_not_timed(make_server):
@@ -200,8 +206,8 @@ def test_an_input_tap_added_after_the_latency_tap_is_not_timed(make_server):
         while next(it).layer != "block":
             pass
         alone = medians(client, it)
-        for name in ("heavy-input-1", "heavy-input-2"):
-            client.create_tap("block.0", point="input", reducers=HEAVY_INPUT_REDUCERS, name=name)
+        for i in range(4):
+            client.create_tap("block.0", point="input", reducers=heavy_input_reducers(i), name=f"heavy-input-{i}")
         tapped = medians(client, it)
     # The parent's span holds the input tap's pre-hook whatever the order: that is its cost.
     cost = tapped["block"] - alone["block"]
