@@ -10,7 +10,6 @@ the exporter knows to reuse its rendered lines.
 from __future__ import annotations
 
 import math
-
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -166,7 +165,9 @@ class SnapshotStore:
         """One summary into its layer's state (the caller holds the lock)."""
         key = (tap_id or summary.tap, summary.layer, point_name(summary.point))
         ts = summary.wall_time.seconds + summary.wall_time.nanos * 1e-9 if summary.HasField("wall_time") else self._clock()
-        primary = summary.output_index == 0 and getattr(summary, "call_index", 0) == 0
+        first_call = getattr(summary, "call_index", 0) == 0
+        sampled = not getattr(summary, "unsampled", False)
+        primary = summary.output_index == 0 and first_call
         if key[0] in self._gone:
             return
         st = self._layers.get(key)
@@ -174,7 +175,7 @@ class SnapshotStore:
             st = self._layers[key] = _LayerState()
         self._dirty[key] = None
         st.last_update = ts if st.last_update is None else max(st.last_update, ts)
-        if primary and not getattr(summary, "unsampled", False):
+        if primary and sampled:
             # A sampled summary carries everything the tap computes now; a
             # result it no longer carries (reducers changed, e.g. when a
             # baseline froze) must not linger as a stale series.
@@ -195,7 +196,7 @@ class SnapshotStore:
                 nf = res.nonfinite
                 st.nan_total = (st.nan_total or 0) + nf.nan_count
                 st.inf_total = (st.inf_total or 0) + nf.inf_count
-            elif kind == "norm" and getattr(summary, "call_index", 0) == 0 and not getattr(summary, "unsampled", False):
+            elif kind == "norm" and first_call and sampled:
                 # Every tensor of the module's first call adds up: a param_grad
                 # tap's series is the module's whole gradient norm (its
                 # parameters are the outputs), so sqrt(sum(l2^2)) over a

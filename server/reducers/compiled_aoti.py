@@ -24,10 +24,11 @@ C++ toolchain (the code is built for the native CPU) and the signature, so a
 restart loads instead of compiling (cold compile ~15-20 s on 2 cores, load
 well under a second). A package that does not load is counted and rebuilt
 over (an atomic rename, never an unlink first: replicas sharing the volume
-never find it missing or lose a package they just wrote), never fatal. Every load touches the package; packages and
-leftover temporary files nobody has loaded for ``STALE_DAYS`` (from older
-torch versions, older bodies, or hosts gone from a shared volume) are
-deleted, once per process, so the cache does not grow with every upgrade.
+never find it missing or lose a package they just wrote), never fatal.
+Every load touches the package; packages and leftover temporary files
+nobody has loaded for ``STALE_DAYS`` (from older torch versions, older
+bodies, or hosts gone from a shared volume) are deleted, once per process,
+so the cache does not grow with every upgrade.
 """
 
 from __future__ import annotations

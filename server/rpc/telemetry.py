@@ -146,9 +146,7 @@ class TelemetryService(StateBacked, TapMethods, ExplainMethods, IncidentMethods,
     def SetBaseline(self, request: pb.SetBaselineRequest, context: grpc.ServicerContext) -> pb.SetBaselineResponse:
         me = principal_of(context).id
         check_not_baseline_name(request.name, "name")  # the derived ids' namespace: no one names into it
-        current = {t.id: t.owner for t in self.state.taps.all_taps()}.get(baseline_tap_id(request))
-        if current is not None and current != me:
-            require(context, "admin", f"replacing baseline {baseline_tap_id(request)!r} of {current or 'the server'!r}")
+        self._own(baseline_tap_id(request), context, "replacing")
         tap, layers = self.state.drift.set_baseline(request)
         try:
             self.state.taps.get(tap).owner = me
