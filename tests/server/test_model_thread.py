@@ -41,7 +41,10 @@ def test_a_closed_model_thread_refuses_calls_as_unavailable() -> None:
 
 
 SCRIPT = textwrap.dedent("""
-        import sys, time, torch
+        import signal, sys, time, torch
+        # Python's own Ctrl-C handler, which it leaves out when started with SIGINT
+        # ignored (pytest run as a background job of a non-interactive shell).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from layertap.server.host.model_thread import in_own_thread
         def work():
             print("started", flush=True)
@@ -59,11 +62,15 @@ SCRIPT = textwrap.dedent("""
 def test_ctrl_c_during_torch_work_on_its_own_thread_waits_for_it_then_stops(presses: int) -> None:
     """A process that exits with a thread inside torch's C++ aborts (SIGABRT): one or two
     interrupts wait for the work, then raise; a third leaves at once (exit 130)."""
-    # A child inherits an ignored SIGINT (pytest started in the background by a
-    # non-interactive shell), and then Python installs no handler: reset it.
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    assert proc.stdout is not None and proc.stdout.readline() == "started\n"
+    # The script installs Python's SIGINT handler itself: a preexec_fn doing it
+    # runs between fork and exec in this multi-threaded process, which Python
+    # warns is unsafe (a CI run saw the child die before its first line).
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    if first != "started\n":
+        proc.kill()
+        pytest.fail(f"the child did not start: {first!r}, exit {proc.wait()}, stderr {proc.stderr.read()[-2000:]!r}")
     for _ in range(presses):
         time.sleep(0.3)
         proc.send_signal(signal.SIGINT)
