@@ -103,7 +103,8 @@ def explain(
         FailedPrecondition: TorchScript, a training agent, a layer that does
             not run once or has no channel dimension, or an output that is not
             ``(N, classes)`` without ``target``.
-        InvalidArgument: Bad input or target.
+        InvalidArgument: Bad input or target, or ``upsample`` for a layer
+            whose map has no spatial dims to resize (e.g. a Linear head).
     """
     req = explain_request(x, layer, target, normalize=normalize, upsample=upsample)
     with self._translating(layer_hint=True):

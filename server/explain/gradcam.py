@@ -127,9 +127,11 @@ def _finish(cam: torch.Tensor, opts: GradCamOptions, input_size: Sequence[int]) 
     if opts.upsample:
         mode = _MODES.get(cam.dim() - 1)
         if mode is None or len(input_size) != cam.dim() - 1:
-            raise Unsupported(f"upsample: the map of {opts.layer!r} has {cam.dim() - 1} spatial dim(s) and the "
-                              f"input {len(input_size)} (after N, C); upsampling needs 1 to 3 of each",
-                              field="upsample")
+            # The caller's argument, not the server's state: this layer and input never
+            # upsample, and the same request without upsample is answered.
+            raise InvalidSpec("upsample", f"the map of {opts.layer!r} has {cam.dim() - 1} spatial dim(s) and the "
+                                          f"input {len(input_size)} (after N, C); upsampling needs 1 to 3 of each, "
+                                          "the same number: leave upsample off or pick a spatial layer")
         cam = F.interpolate(cam[:, None], size=list(input_size), mode=mode, align_corners=False)[:, 0]
     if opts.normalize:
         flat = cam.reshape(cam.shape[0], -1)  # a layer without spatial dims gives one value per sample
@@ -168,7 +170,8 @@ def grad_cam(host: ModelHost, inputs: Sequence[torch.Tensor], opts: GradCamOptio
             is not ``(N, classes)`` without targets (FAILED_PRECONDITION).
             A model that cached an inference tensor while serving (see the
             module docstring).
-        InvalidSpec: Bad targets, or the model raised on the input.
+        InvalidSpec: Bad targets, ``upsample`` on a map without 1 to 3 spatial dims
+            (or not as many as the input's), or the model raised on the input.
         LimitExceeded: The device ran out of memory.
     """
     require_hooks(host)

@@ -260,6 +260,17 @@ def test_normalize_a_layer_without_spatial_dims(client):
     assert found.classes == plain.classes
 
 
+def test_upsample_without_spatial_dims_is_the_callers_argument(client):
+    """``fc`` has no spatial dims to resize: INVALID_ARGUMENT naming ``upsample`` (the same request
+    without it is answered), not FAILED_PRECONDITION, which says the server is in the wrong state."""
+    x = batch(2, seed=13)
+    with pytest.raises(layertap.InvalidArgument) as err:
+        client.explain(x, "fc", upsample=True)
+    assert (err.value.code, err.value.field) == ("INVALID_ARGUMENT", "upsample")
+    assert "0 spatial dim" in str(err.value)
+    assert client.explain(x, "fc").maps.shape == (2,)
+
+
 class LazyCache(nn.Module):
     """Builds a per-channel scale on its first forward, as rotary and positional caches do."""
 

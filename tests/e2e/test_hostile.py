@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 
 from layertap.server.app import start_server
 from layertap.v1 import telemetry_pb2 as pb
@@ -55,6 +55,23 @@ def test_every_rpc_of_every_service_has_cases() -> None:
                for s in f.DESCRIPTOR.services_by_name.values() for m in s.methods}
     assert set(RPCS) == methods == set(SHARES)
     assert sum(SHARES.values()) == 1000
+
+
+def test_valid_explain_cases_never_upsample_a_map_without_spatial_dims() -> None:
+    """The server answers that INVALID_ARGUMENT (upsample), so a "valid" case must not ask it;
+    the suite's 30 Explain cases drew none, the fuzzer's 10,000 drew five."""
+    seen: set[tuple[str, bool]] = set()
+
+    @settings(max_examples=300, deadline=None, database=None, phases=[Phase.generate], derandomize=True,
+              suppress_health_check=list(HealthCheck), print_blob=False)
+    @given(RPCS["TelemetryService.Explain"].cases)
+    def case(c: Case) -> None:
+        if c.valid:
+            seen.add((c.request.layer, c.request.upsample))
+
+    case()
+    assert ("fc", True) not in seen
+    assert ("fc", False) in seen and any(up for _layer, up in seen)  # both still drawn
 
 
 @pytest.mark.parametrize("rpc", sorted(SHARES))

@@ -401,9 +401,13 @@ def _set_baseline(valid: bool) -> st.SearchStrategy[pb.SetBaselineRequest]:
 def _explain(valid: bool) -> st.SearchStrategy[pb.ExplainRequest]:
     if valid:  # a batch of at least one: Explain refuses an empty batch
         inputs = valid_input(4).filter(lambda t: t.shape[0] > 0).map(lambda t: [t])
-        return st.builds(pb.ExplainRequest, inputs=inputs, layer=st.sampled_from(["layer4", "layer3", "layer2.0", "fc"]),
-                         targets=st.lists(st.integers(0, 9), max_size=1), normalize=st.booleans(),
-                         upsample=st.booleans())
+        targets = st.lists(st.integers(0, 9), max_size=1)
+        spatial = st.builds(pb.ExplainRequest, inputs=inputs, layer=st.sampled_from(["layer4", "layer3", "layer2.0"]),
+                            targets=targets, normalize=st.booleans(), upsample=st.booleans())
+        # fc's map has no spatial dims: upsampling it is the caller's bad argument (INVALID_ARGUMENT).
+        dense = st.builds(pb.ExplainRequest, inputs=inputs, layer=st.just("fc"), targets=targets,
+                          normalize=st.booleans())
+        return weighted((3, spatial), (1, dense))
     layers = weighted((3, st.sampled_from(LAYERS)), (1, texts()), (1, st.sampled_from(["", "x" * 1025, "re:.*"])))
     return st.builds(pb.ExplainRequest, inputs=tensors(), layer=layers, targets=st.lists(INT64, max_size=10),
                      normalize=st.booleans(), upsample=st.booleans())
