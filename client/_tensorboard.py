@@ -179,9 +179,9 @@ class TensorBoardBridge:
         return step
 
     def write_drift(self, drift: Iterable[LayerDrift], step: int) -> None:
-        """Writes the scores of every layer whose baseline is ready."""
+        """Writes the scores of every layer whose baseline is frozen (saved or not: both score)."""
         values = [summary_pb2.Summary.Value(tag=f"drift/{d.layer}/{m}", simple_value=float(getattr(d, m)))
-                  for d in drift if d.state == "ready" for m in _DRIFT]
+                  for d in drift if d.state in ("ready", "unsaved") for m in _DRIFT]
         self._emit(step, values)
 
     def write_image(self, layer: str, maps: np.ndarray[Any, Any], step: int) -> None:

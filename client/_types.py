@@ -339,8 +339,10 @@ class DriftThresholds:
 class LayerDrift:
     """Current drift of one layer against its baseline.
 
-    ``state`` is ``"collecting"`` or ``"ready"``; ``channel_drift_fraction``
-    is None when per-channel stats are not tapped.
+    ``state`` is ``"collecting"``, ``"ready"``, or ``"unsaved"``: frozen and
+    scoring, but its file could not be written (``save_error`` says why), so
+    it would be lost at a restart until the server's retries write it.
+    ``channel_drift_fraction`` is None when per-channel stats are not tapped.
     """
 
     tap: str
@@ -356,3 +358,4 @@ class LayerDrift:
     thresholds: DriftThresholds
     drifted: bool
     channel_drift_fraction: float | None
+    save_error: str = ""

@@ -220,7 +220,10 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
         sinks.add(MetricsSink(metrics, snapshots, taps.is_durable))
     drift = sinks.add(DriftMonitor(taps, store=snapshots, baseline_dir=config.baseline_dir,
                                    default_window=config.drift_window,
-                                   on_load_error=(lambda _why: metrics.baseline_load_errors.inc()) if metrics else None))
+                                   on_load_error=(lambda _why: metrics.baseline_load_errors.inc()) if metrics else None,
+                                   on_save_error=(lambda _why: metrics.baseline_save_errors.inc()) if metrics else None))
+    if metrics is not None:
+        metrics.baselines_unsaved.set_function(drift.unsaved)
     if registry is not None:
         registry.register(PipelineCollector(loaded.name, transfer=taps.transfer.stats,
                                             baseline_skipped=drift.skipped_passes,
@@ -418,12 +421,16 @@ def _scrape_check(auth: Authenticator | None):  # type: ignore[no-untyped-def]
 
 
 def _reap(state: ServerState, stopped: threading.Event) -> None:
-    """Expire durable taps on time, traffic or not."""
+    """Expire durable taps on time, and retry unsaved baselines, traffic or not."""
     while not stopped.wait(1.0):
         try:
             state.taps.expire()
         except Exception:  # noqa: BLE001 - keep reaping
             log.exception("tap expiry failed")
+        try:
+            state.drift.retry_saves()
+        except Exception:  # noqa: BLE001 - keep reaping
+            log.exception("baseline save retry failed")
 
 
 def install_signal_handlers(server: LayertapServer) -> None:

@@ -111,12 +111,22 @@ class _BaselineStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Baselin
     BASELINE_STATE_UNSPECIFIED: _BaselineState.ValueType  # 0
     BASELINE_STATE_COLLECTING: _BaselineState.ValueType  # 1
     BASELINE_STATE_READY: _BaselineState.ValueType  # 2
+    BASELINE_STATE_UNSAVED: _BaselineState.ValueType  # 3
+    """Frozen and scoring, but its file in --baseline-dir could not be written
+    (e.g. a full disk): it would be lost at restart. The server retries with
+    backoff and reports READY once the file is written.
+    """
 
 class BaselineState(_BaselineState, metaclass=_BaselineStateEnumTypeWrapper): ...
 
 BASELINE_STATE_UNSPECIFIED: BaselineState.ValueType  # 0
 BASELINE_STATE_COLLECTING: BaselineState.ValueType  # 1
 BASELINE_STATE_READY: BaselineState.ValueType  # 2
+BASELINE_STATE_UNSAVED: BaselineState.ValueType  # 3
+"""Frozen and scoring, but its file in --baseline-dir could not be written
+(e.g. a full disk): it would be lost at restart. The server retries with
+backoff and reports READY once the file is written.
+"""
 Global___BaselineState: _TypeAlias = BaselineState  # noqa: Y015
 
 @_typing.final
@@ -1350,6 +1360,7 @@ class LayerDrift(_message.Message):
     THRESHOLDS_FIELD_NUMBER: _builtins.int
     DRIFTED_FIELD_NUMBER: _builtins.int
     CHANNEL_DRIFT_FRACTION_FIELD_NUMBER: _builtins.int
+    SAVE_ERROR_FIELD_NUMBER: _builtins.int
     tap: _builtins.str
     layer: _builtins.str
     point: Global___Point.ValueType
@@ -1365,6 +1376,8 @@ class LayerDrift(_message.Message):
     """Fraction of channels whose mean moved past the mean-shift threshold
     (-1 when per-channel stats are not tapped).
     """
+    save_error: _builtins.str
+    """Why the baseline's file could not be written (state UNSAVED), else empty."""
     @_builtins.property
     def thresholds(self) -> Global___DriftThresholds: ...
     def __init__(
@@ -1383,10 +1396,11 @@ class LayerDrift(_message.Message):
         thresholds: Global___DriftThresholds | None = ...,
         drifted: _builtins.bool = ...,
         channel_drift_fraction: _builtins.float = ...,
+        save_error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["thresholds", b"thresholds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["baseline_passes", b"baseline_passes", "channel_drift_fraction", b"channel_drift_fraction", "drifted", b"drifted", "js", b"js", "layer", b"layer", "mean_shift", b"mean_shift", "point", b"point", "psi", b"psi", "state", b"state", "tap", b"tap", "thresholds", b"thresholds", "wasserstein", b"wasserstein", "window_passes", b"window_passes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["baseline_passes", b"baseline_passes", "channel_drift_fraction", b"channel_drift_fraction", "drifted", b"drifted", "js", b"js", "layer", b"layer", "mean_shift", b"mean_shift", "point", b"point", "psi", b"psi", "save_error", b"save_error", "state", b"state", "tap", b"tap", "thresholds", b"thresholds", "wasserstein", b"wasserstein", "window_passes", b"window_passes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2059,7 +2073,9 @@ class InstallBaselineResponse(_message.Message):
     FROZEN_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Layers now READY, in the order of `frozen`."""
+        """Layers now installed (READY, or UNSAVED while their file cannot be
+        written), in the order of `frozen`.
+        """
 
     @_builtins.property
     def frozen(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:

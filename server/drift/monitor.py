@@ -19,6 +19,7 @@ import logging
 import math
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,6 +52,11 @@ log = logging.getLogger("layertap.server")
 COLLECT_PROBABILITIES = tuple(round(i / 100, 2) for i in range(1, 100))
 DEFAULT_PASSES = 100
 MAX_PASSES = 100_000
+#: Backoff of the retries of a baseline file that could not be written: the
+#: first retry after the first delay, doubling up to the cap (a full disk is
+#: usually freed in minutes, and each try costs a write of the whole document).
+SAVE_RETRY_FIRST_SECONDS = 1.0
+SAVE_RETRY_MAX_SECONDS = 60.0
 
 
 def _reducers(*, per_channel: bool, edges: np.ndarray | None) -> list[pb.ReducerSpec]:
@@ -83,6 +89,18 @@ class _Layer:
     handle: Tap | None = None
     #: Collect ``passes`` and wait for :meth:`DriftMonitor.install` instead of freezing.
     hold: bool = False
+    #: Why the frozen baseline's file could not be written ("" when saved, or
+    #: when there is no ``--baseline-dir``): the layer is UNSAVED until a retry works.
+    save_error: str = ""
+    #: Monotonic time of the next save retry, and the delay after that one.
+    retry_at: float = 0.0
+    retry_delay: float = SAVE_RETRY_FIRST_SECONDS
+
+    @property
+    def state(self) -> pb.BaselineState.ValueType:
+        if self.baseline is None:
+            return pb.BASELINE_STATE_COLLECTING
+        return pb.BASELINE_STATE_UNSAVED if self.save_error else pb.BASELINE_STATE_READY
 
 
 def _results(summary: pb.Summary) -> dict[str, pb.ReducerResult]:
@@ -111,12 +129,23 @@ class DriftMonitor(Sink):
 
     def __init__(self, engine: TapEngine, *, store: SnapshotStore | None = None,
                  baseline_dir: str | None = None, default_window: int = 50,
-                 on_load_error: Callable[[str], None] | None = None) -> None:
+                 on_load_error: Callable[[str], None] | None = None,
+                 on_save_error: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """Create the monitor (a sink of ``engine``).
+
+        Args:
+            on_load_error: Called with each message of a baseline file refused at start-up.
+            on_save_error: Called with each failed write of a frozen baseline, retries included.
+            clock: Monotonic seconds, for the save retries' backoff.
+        """
         self.engine = engine
         self.store = store
         self.baseline_dir = baseline_dir
         self.default_window = default_window
         self._on_load_error = on_load_error
+        self._on_save_error = on_save_error
+        self._clock = clock
         self._lock = threading.Lock()
         #: Serialises feeding and freezing builders (collector thread) with
         #: exporting and installing them (RPC threads).
@@ -197,7 +226,7 @@ class DriftMonitor(Sink):
         for e in entries:
             msg = pb.LayerDrift(
                 tap=e.tap, layer=e.layer, point=POINT_BY_NAME[e.point],
-                state=pb.BASELINE_STATE_READY if e.baseline is not None else pb.BASELINE_STATE_COLLECTING,
+                state=e.state, save_error=e.save_error,
                 baseline_passes=e.baseline.passes if e.baseline else (e.builder.passes if e.builder else 0),
                 thresholds=pb.DriftThresholds(**e.thresholds.as_dict()),
                 channel_drift_fraction=-1.0,
@@ -229,7 +258,7 @@ class DriftMonitor(Sink):
             for e in self._entries(tap).values():
                 msg = pb.LayerBaseline(layer=e.layer, point=POINT_BY_NAME[e.point])
                 if e.baseline is not None:
-                    msg.state, msg.frozen = pb.BASELINE_STATE_READY, frozen_to_bytes(e.baseline)
+                    msg.state, msg.frozen = e.state, frozen_to_bytes(e.baseline)
                 elif e.builder is not None:
                     msg.state = pb.BASELINE_STATE_COLLECTING
                     msg.builder.CopyFrom(builder_state_to_proto(e.builder.state()))
@@ -395,15 +424,59 @@ class DriftMonitor(Sink):
             if self._layers.get((entry.tap, entry.layer)) is not entry:
                 return False
             entry.baseline = baseline
-            if self.baseline_dir:
-                try:
-                    save_baseline(self.baseline_dir, baseline)
-                except OSError as exc:
-                    log.error("cannot save baseline %s/%s: %s", entry.tap, entry.layer, exc)
+            entry.retry_delay = SAVE_RETRY_FIRST_SECONDS
+            self._save(entry)
         if not self._install(entry, baseline):
             return False
         log.info("baseline %s/%s frozen after %d passes", entry.tap, entry.layer, baseline.passes)
         return True
+
+    def _save(self, entry: _Layer) -> bool:
+        """Write the entry's baseline file (caller holds ``_lock``); on failure mark it UNSAVED.
+
+        Why not refuse the baseline: it is valid and scores drift now; only
+        its survival of a restart is at risk, which the state, the error and
+        ``layertap_baselines_unsaved`` say until a retry writes it.
+        """
+        assert entry.baseline is not None
+        if not self.baseline_dir:
+            entry.save_error = ""
+            return True
+        try:
+            save_baseline(self.baseline_dir, entry.baseline)
+        except OSError as exc:
+            first = not entry.save_error
+            entry.save_error = f"cannot write baseline file to {self.baseline_dir}: {exc}"
+            entry.retry_at = self._clock() + entry.retry_delay
+            (log.error if first else log.warning)(
+                "baseline %s/%s unsaved (retry in %.0f s): %s", entry.tap, entry.layer, entry.retry_delay, exc)
+            entry.retry_delay = min(entry.retry_delay * 2, SAVE_RETRY_MAX_SECONDS)
+            if self._on_save_error is not None:
+                self._on_save_error(entry.save_error)
+            return False
+        if entry.save_error:
+            log.info("baseline %s/%s saved after earlier failures", entry.tap, entry.layer)
+        entry.save_error = ""
+        entry.retry_delay = SAVE_RETRY_FIRST_SECONDS
+        return True
+
+    def retry_saves(self) -> int:
+        """Retry writing every UNSAVED baseline whose backoff has passed; returns how many are still unsaved.
+
+        Called once a second by the server's housekeeping thread, so a baseline
+        is saved once the disk has room again whether or not traffic flows.
+        """
+        now = self._clock()
+        with self._lock:
+            for e in self._layers.values():
+                if e.save_error and e.baseline is not None and e.retry_at <= now:
+                    self._save(e)
+            return sum(1 for e in self._layers.values() if e.save_error)
+
+    def unsaved(self) -> int:
+        """Frozen baselines whose file is not written yet (``layertap_baselines_unsaved``)."""
+        with self._lock:
+            return sum(1 for e in self._layers.values() if e.save_error)
 
     def _install(self, entry: _Layer, baseline: Baseline) -> bool:
         """Switch the layer to the frozen edges; False when its tap went meanwhile."""

@@ -82,6 +82,16 @@ class ServerMetrics:
         self.baseline_load_errors = Counter(
             "layertap_baseline_load_errors", "Baseline files refused at start-up.", m, registry=r
         ).labels(model_name)
+        self.baseline_save_errors = Counter(
+            "layertap_baseline_save_errors",
+            "Failed writes of frozen baselines to --baseline-dir, retries included (e.g. a full disk).",
+            m, registry=r,
+        ).labels(model_name)
+        self.baselines_unsaved = Gauge(
+            "layertap_baselines_unsaved",
+            "Frozen baselines whose file is not written yet (state UNSAVED): they would be lost at restart.",
+            m, registry=r,
+        ).labels(model_name)
         self.build_info = Info("layertap_build", "layertap and torch versions.", m, registry=r).labels(model_name)
         self.build_info.info({"version": version or server_version(), "torch_version": torch_version or _torch_version()})
         # Export the usual outcomes from the start so rate() and the dashboard

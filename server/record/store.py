@@ -15,6 +15,7 @@ which checks their CRC first.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -196,11 +197,17 @@ class IncidentStore:
         data = encode(record, kept)
         path = self._path(record.id)
         tmp = self.dir / f".{record.id}{SUFFIX}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            # A partial file on a full disk would keep it full until the next start.
+            with contextlib.suppress(OSError):  # never hide the write's own error
+                tmp.unlink(missing_ok=True)
+            raise
         with self._lock:
             self._index[record.id] = record
             self._evict(0)

@@ -183,3 +183,56 @@ def test_a_baseline_replaced_as_it_freezes_leaves_the_new_one_collecting(rig, mo
     (d,) = monitor.drift()
     assert d.state == pb.BASELINE_STATE_READY and d.baseline_passes == 2
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_an_unsaved_baseline_retries_with_backoff_until_it_is_written(tmp_path, monkeypatch, caplog):
+    import errno
+
+    from layertap.server.drift import files
+
+    caplog.set_level(logging.INFO, "layertap.server")
+    host = ModelHost(load_model("demo"))
+    host.warm_up()
+    engine = TapEngine(host, Broker())
+    now = [100.0]
+    errors: list[str] = []
+    monitor = engine.sinks.add(DriftMonitor(engine, baseline_dir=str(tmp_path), default_window=5,
+                                            on_save_error=errors.append, clock=lambda: now[0]))
+    real_replace = files.os.replace
+    disk_full = [True]
+
+    def replace(src, dst):  # type: ignore[no-untyped-def]
+        if disk_full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", replace)
+    try:
+        monitor.set_baseline(pb.SetBaselineRequest(selector="layer1", passes=3))
+        feed(host, 3)
+        assert engine.flush(10)
+        (d,) = monitor.drift()
+        assert d.state == pb.BASELINE_STATE_UNSAVED and "No space left on device" in d.save_error
+        assert monitor.unsaved() == 1 and len(errors) == 1
+        assert list(tmp_path.iterdir()) == []  # no baseline file, no temporary file
+        # Retries at +1, +3, +7 s (doubling), none in between.
+        for t, attempts in ((100.5, 1), (101.0, 2), (102.9, 2), (103.0, 3), (106.9, 3), (107.0, 4)):
+            now[0] = t
+            assert monitor.retry_saves() == 1
+            assert len(errors) == attempts, t
+        # ...capped at SAVE_RETRY_MAX_SECONDS.
+        for _ in range(10):
+            now[0] += 60.0
+            monitor.retry_saves()
+        assert len(errors) == 14
+        assert list(tmp_path.iterdir()) == []
+        # Room again: the next retry writes it and the layer is READY (the scores never stopped).
+        disk_full[0] = False
+        now[0] += 60.0
+        assert monitor.retry_saves() == 0
+        (d,) = monitor.drift()
+        assert d.state == pb.BASELINE_STATE_READY and d.save_error == ""
+        assert len(list(tmp_path.glob("*.json"))) == 1 and monitor.unsaved() == 0
+        assert "saved after earlier failures" in caplog.text
+    finally:
+        engine.close()
