@@ -11,7 +11,8 @@ Data flow, by thread:
   counted); the job's input stays counted against ``--record-inputs``;
 * recorder thread: replays the input once with captures on the union of the
   firing taps' layers, checks each tap's summaries against it, writes one
-  incident per tap to the ring, counts it and tells the tap's subscribers (a
+  incident per tap to the ring (owned by the tap's owner: see
+  ``server/rpc/incidents.py``), counts it and tells the tap's subscribers (a
   ``TapEvent`` of kind ``incident`` whose message is the incident id).
 """
 
@@ -239,7 +240,7 @@ class Recorder(Sink):
                                            rows=sorted(share.rows[layer]))
                           for layer, names in firing.layers.items())
         rec.rows.extend(sorted(set().union(*share.rows.values())))
-        self.store.write(rec, tensors)
+        self.store.write(rec, tensors, owner=tap.owner)  # the tap's owner owns what its trigger recorded
         if self._incidents is not None:
             for name in rec.triggers:
                 self._incidents.labels(self._model, tap.id, name).inc()

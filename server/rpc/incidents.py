@@ -2,6 +2,19 @@
 
 Mixed into ``TelemetryService``. All three need the ``capture`` scope: an
 incident holds a request's input and the activations it produced.
+
+An incident belongs to the owner of the tap whose trigger recorded it, as the
+tap does (``""``, the server's, for ``--taps`` and for files written before
+incidents had owners). ListIncidents shows a principal its own; reading or
+deleting another's needs ``admin``, the rule DeleteTap and the baseline RPCs
+apply to other principals' taps and baselines.
+
+Another's incident is PERMISSION_DENIED, not NOT_FOUND: its id is no secret
+from the caller. The recorder announces every id to the tap's subscribers
+(a ``TapEvent`` of kind ``incident``), and ``read`` may subscribe to any tap,
+so hiding that the id exists would protect nothing and would only make a
+missing ``admin`` scope look like a typo, where taps and baselines say which
+scope is missing.
 """
 
 from __future__ import annotations
@@ -13,6 +26,7 @@ import grpc
 from layertap.server.errors import Unsupported, grpc_errors
 from layertap.server.record.recorder import Recorder
 from layertap.server.record.store import check_id
+from layertap.server.rpc.auth import principal_of, require
 from layertap.server.rpc.state import ServerState
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -31,14 +45,29 @@ class IncidentMethods:
             raise Unsupported("the flight recorder is off: start the server with --incident-dir", reason="RECORDER_OFF")
         return recorder
 
+    def _own_incident(self, incident_id: str, context: grpc.ServicerContext, doing: str) -> None:
+        """PermissionDenied unless the incident is the caller's, or the caller has ``admin``.
+
+        Raises:
+            InvalidSpec: Not an incident id.
+            NotFound: No such incident.
+            PermissionDenied: Another's, without ``admin``.
+        """
+        check_id(incident_id)
+        owner = self._recorder().store.owner_of(incident_id)
+        if owner != principal_of(context).id:
+            require(context, "admin", f"{doing} incident {incident_id} of {owner or 'the server'!r}")
+
     @grpc_errors
     def ListIncidents(self, request: pb.ListIncidentsRequest, context: grpc.ServicerContext) -> pb.ListIncidentsResponse:
         store = self._recorder().store
-        return pb.ListIncidentsResponse(incidents=store.entries(request.tap), skipped_files=store.skipped_files)
+        caller = principal_of(context)
+        owner = None if caller.has("admin") else caller.id
+        return pb.ListIncidentsResponse(incidents=store.entries(request.tap, owner), skipped_files=store.skipped_files)
 
     @grpc_errors
     def GetIncident(self, request: pb.GetIncidentRequest, context: grpc.ServicerContext) -> Iterator[pb.GetIncidentResponse]:
-        check_id(request.id)
+        self._own_incident(request.id, context, "reading")
         record, tensors = self._recorder().store.read(request.id)
         yield pb.GetIncidentResponse(incident=record)
         for tensor_id, t in enumerate(tensors):
@@ -53,5 +82,6 @@ class IncidentMethods:
 
     @grpc_errors
     def DeleteIncident(self, request: pb.DeleteIncidentRequest, context: grpc.ServicerContext) -> pb.DeleteIncidentResponse:
+        self._own_incident(request.id, context, "deleting")
         self._recorder().store.delete(request.id)
         return pb.DeleteIncidentResponse()

@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
 import torch
@@ -15,7 +16,8 @@ from layertap.server.taps.capture import CapturedPass, CaptureSession, check_all
 from layertap.server.taps.capture_options import describe, parse_options
 from layertap.server.taps.capture_limits import CaptureSlot
 from layertap.server.taps.capture_wire import encode_pass
-from layertap.server.errors import InvalidSpec, NotFound, Unavailable, grpc_errors
+from layertap.server.errors import (AlreadyExists, InvalidSpec, NotFound, PermissionDenied, Unavailable, echo,
+                                    grpc_errors)
 from layertap.server.drift.monitor import baseline_tap_id, check_not_baseline_name
 from layertap.server.rpc.auth import principal_of, require
 from layertap.server.rpc.baselines import BaselineMethods
@@ -23,6 +25,8 @@ from layertap.server.rpc.explain import ExplainMethods
 from layertap.server.rpc.incidents import IncidentMethods
 from layertap.server.rpc.inference import decode_inputs
 from layertap.server.rpc.state import ServerState, StateBacked
+from layertap.server.taps.engine import TapEngine
+from layertap.server.taps.tap import Tap
 from layertap.v1 import tensor_pb2
 from layertap.v1 import telemetry_pb2 as pb
 from layertap.v1 import telemetry_pb2_grpc
@@ -33,6 +37,30 @@ log = logging.getLogger("layertap.server")
 POLL_SECONDS = 0.1
 #: Largest per-subscriber queue a client may ask for.
 MAX_QUEUE = 65536
+
+
+def create_owned(engine: TapEngine, spec: pb.TapSpec, context: grpc.ServicerContext, **kwargs: Any) -> Tap:
+    """``engine.create`` of a tap owned by the caller.
+
+    A name that another principal's tap (or the server's) holds is
+    PERMISSION_DENIED: it is not the caller's to reuse, and only its owner or
+    ``admin`` may delete it, as DeleteTap says. The caller's own name, or any
+    name for ``admin``, stays ALREADY_EXISTS: delete it, then create.
+
+    Raises:
+        PermissionDenied: Another principal's tap has this name (ErrorInfo ``field``, ``owner``).
+        AlreadyExists: The caller's own tap has it (or the caller has ``admin``).
+    """
+    me = principal_of(context)
+    try:
+        return engine.create(spec, owner=me.id, **kwargs)
+    except AlreadyExists as exc:
+        holder = exc.metadata.get("owner", me.id)
+        if holder == me.id or me.has("admin"):
+            raise
+        raise PermissionDenied(f"{exc.field}: the name {echo(spec.name)} is taken by a tap of {holder or 'the server'!r};"
+                               " pick another name", field=exc.field,
+                               metadata={"owner": holder, "principal": me.id}) from None
 
 
 class TapMethods:
@@ -46,8 +74,8 @@ class TapMethods:
         # check_ttl refuses what is out of range, naming the field.
         ttl = request.ttl.seconds + request.ttl.nanos / 1e9 if request.HasField("ttl") else None
         check_not_baseline_name(request.spec.name, "spec.name")
-        tap = self.state.taps.create(request.spec, kind=pb.TAP_KIND_DURABLE, ttl=ttl, forever=request.forever,
-                                     owner=principal_of(context).id)
+        tap = create_owned(self.state.taps, request.spec, context, kind=pb.TAP_KIND_DURABLE, ttl=ttl,
+                           forever=request.forever)
         return pb.CreateTapResponse(tap=tap.info())
 
     @grpc_errors
@@ -77,13 +105,12 @@ class TapMethods:
                 raise NotFound(f"tap_ids[{i}]: {exc}", field=f"tap_ids[{i}]") from None
         if request.stream_taps:
             require(context, "tap", "Subscribe with stream_taps")
-        owner = principal_of(context).id
         stream_taps = []
         try:
             for i, spec in enumerate(request.stream_taps):
                 check_not_baseline_name(spec.name, f"stream_taps[{i}].name")
-                stream_taps.append(engine.create(spec, kind=pb.TAP_KIND_STREAM, field_prefix=f"stream_taps[{i}]",
-                                                 owner=owner))
+                stream_taps.append(create_owned(engine, spec, context, kind=pb.TAP_KIND_STREAM,
+                                                field_prefix=f"stream_taps[{i}]"))
             ids = [*request.tap_ids, *(t.id for t in stream_taps)]
             sub = broker.subscribe(ids or None, request.queue_size)
         except Exception:

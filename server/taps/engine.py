@@ -133,7 +133,10 @@ class TapEngine:
                 raise LimitExceeded(f"{len(self._taps)} taps exist, the server limit is {self.max_taps}")
             tap_id = spec.name or f"tap-{secrets.token_hex(4)}"
             if tap_id in self._taps:
-                raise AlreadyExists(f"a tap named {echo(tap_id)} exists; delete it or pick another name")
+                # The holder's owner lets the RPC layer tell the caller's own name from another's.
+                raise AlreadyExists(f"a tap named {echo(tap_id)} exists; delete it or pick another name",
+                                    field=f"{field_prefix}.name" if spec.name else "",
+                                    metadata={"owner": self._taps[tap_id].owner})
             stored = pb.TapSpec()
             stored.CopyFrom(spec)
             stored.point = point

@@ -178,6 +178,25 @@ def test_taps_belong_to_their_creator(secured):
         assert root.taps() == []
 
 
+def test_a_taken_tap_name_is_already_exists_for_its_owner_and_denied_to_others(secured):
+    """Another principal's name is PERMISSION_DENIED (it is not the caller's to reuse); the owner's
+    own, and admin's (who may delete the holder), ALREADY_EXISTS. Both name the field."""
+    with client(secured, "alice") as alice, client(secured, "bob") as bob, client(secured, "root") as root:
+        alice.create_tap("layer1", reducers=["moments"], name="shared")
+        with pytest.raises(layertap.PermissionDenied) as denied:
+            bob.create_tap("layer2", reducers=["moments"], name="shared")
+        assert (denied.value.code, denied.value.field) == ("PERMISSION_DENIED", "spec.name")
+        assert denied.value.metadata["owner"] == "alice" and "'alice'" in str(denied.value)
+        with pytest.raises(layertap.PermissionDenied) as denied:
+            next(iter(bob.watch("layer2", reducers=["moments"], name="shared")))
+        assert denied.value.field == "stream_taps[0].name"
+        for who in (alice, root):
+            with pytest.raises(layertap.AlreadyExists) as taken:
+                who.create_tap("layer2", reducers=["moments"], name="shared")
+            assert (taken.value.code, taken.value.field) == ("ALREADY_EXISTS", "spec.name")
+        assert [(t.id, t.owner, t.layers) for t in bob.taps()] == [("shared", "alice", ["layer1"])]
+
+
 def test_baseline_of_another_principal_needs_admin(secured):
     with client(secured, "alice") as alice, client(secured, "bob") as bob, client(secured, "root") as root:
         alice.set_baseline("layer1", passes=2)

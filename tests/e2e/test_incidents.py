@@ -151,6 +151,64 @@ def test_restart_reloads_the_index_and_skips_a_corrupt_file(make_server, tmp_pat
         assert Incidents(c).list() == []
 
 
+TOKENS = {who: f"tok-{who}-0123456789abcdef" for who in ("alice", "bob", "root")}
+
+
+def _secured(make_server, tmp_path):
+    """A recording server with tokens: alice and bob may capture, root is admin too."""
+    import hashlib
+
+    scopes = {"alice": "infer,read,tap,capture", "bob": "infer,read,tap,capture", "root": "infer,read,tap,capture,admin"}
+    tokens = tmp_path / "tokens"
+    tokens.write_text("".join(f"{who} sha256:{hashlib.sha256(TOKENS[who].encode()).hexdigest()} {scopes[who]}\n"
+                              for who in TOKENS))
+    return _server(make_server, tmp_path, auth_tokens=str(tokens))
+
+
+def _as(srv, who: str) -> Client:
+    return Client(f"127.0.0.1:{srv.port}", token=TOKENS[who])
+
+
+def test_incidents_belong_to_their_tap_s_owner_across_a_restart(make_server, tmp_path):
+    """One NaN fires three taps: alice's, bob's and the server's ``guard`` (--taps). Each principal
+    lists only its own incidents and is refused another's; admin sees and reads all. The owner is
+    in the file, so a restarted server (the taps gone) still knows it."""
+    from layertap import PermissionDenied, Triggers
+
+    srv = _secured(make_server, tmp_path)
+    with _as(srv, "alice") as alice, _as(srv, "bob") as bob:
+        alice.create_tap("layer1", reducers=["nonfinite"], triggers=Triggers(nonfinite=True), name="alices")
+        bob.create_tap("layer2", reducers=["nonfinite"], triggers=Triggers(nonfinite=True), name="bobs")
+        bad = batch(2, seed=9)
+        bad[0, 0, 0, 0] = np.nan
+        alice.infer(bad)
+        _settle(srv)
+    for server in (srv, None):
+        if server is None:  # again, from the files alone
+            srv.state.taps.close()
+            srv.stop(0)
+            srv = _secured(make_server, tmp_path)
+        with _as(srv, "alice") as alice, _as(srv, "bob") as bob, _as(srv, "root") as root:
+            everything = {i.tap: i.id for i in Incidents(root).list()}
+            assert set(everything) == {"alices", "bobs", "guard"}
+            assert [i.tap for i in Incidents(alice).list()] == ["alices"]
+            assert [i.tap for i in Incidents(bob).list()] == ["bobs"]
+            assert Incidents(bob).list(tap="alices") == []
+            assert Incidents(alice).get(everything["alices"]).layers["layer1"].shape[0] == 2
+            for who, tap in ((bob, "alices"), (alice, "bobs"), (alice, "guard")):
+                with pytest.raises(PermissionDenied) as err:
+                    Incidents(who).get(everything[tap])
+                assert err.value.metadata["scope"] == "admin"
+                with pytest.raises(PermissionDenied):
+                    Incidents(who).delete(everything[tap])
+            assert {i.tap for i in Incidents(root).list()} == set(everything)  # nothing was deleted
+            assert Incidents(root).get(everything["bobs"]).inputs[0].shape == (2, 3, 32, 32)
+    with _as(srv, "bob") as bob, _as(srv, "root") as root:
+        Incidents(bob).delete(everything["bobs"])
+        Incidents(root).delete(everything["alices"])
+        assert [i.tap for i in Incidents(root).list()] == ["guard"]
+
+
 def test_trigger_specs_are_checked(make_server, tmp_path):
     plain = make_server()
     recording = _server(make_server, tmp_path)

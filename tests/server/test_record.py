@@ -171,7 +171,7 @@ def test_per_incident_cap_cuts_once_and_keeps_what_fits(tmp_path, monkeypatch):
 
     calls = []
     real = store_module.encode
-    monkeypatch.setattr(store_module, "encode", lambda rec, ts: calls.append(len(ts)) or real(rec, ts))
+    monkeypatch.setattr(store_module, "encode", lambda rec, ts, owner="": calls.append(len(ts)) or real(rec, ts, owner))
     store = IncidentStore(tmp_path, RingLimits(max_incident_bytes=20_000), clock=lambda: 2.0)
     rec = pb.Incident(id=new_id(1.0), tap="t", time=timestamp(1.0))
     tensors = [StoredTensor(pb.CaptureHeader(layer=f"l{i}", dtype=1, shape=[250], total_bytes=1000), bytes([i]) * 1000)
@@ -206,8 +206,8 @@ def test_truncated_or_crafted_tensor_sections_are_skipped_not_internal(tmp_path)
     def raw_file(rec: pb.Incident, body: bytes) -> None:
         """A file with a valid record (its ``bytes`` the file's size, as encode settles it) and ``body``."""
         for _ in range(3):
-            rec.bytes = len(store_module.MAGIC) + 8 + len(rec.SerializeToString()) + 4 + len(body)
-        head = rec.SerializeToString()
+            rec.bytes = len(store_module.MAGIC) + 8 + 4 + len(rec.SerializeToString()) + 4 + len(body)
+        head = u32(0) + rec.SerializeToString()  # no owner: the server's
         _file_of(store, rec).write_bytes(store_module.MAGIC + u32(len(head)) + u32(zlib.crc32(head)) + head
                                          + u32(zlib.crc32(body)) + body)
 
@@ -295,3 +295,42 @@ def test_recorded_tensors_are_headed_by_the_live_pass_and_its_step(tmp_path, ste
     _, (back,) = store.read(rec.id)
     h = back.header
     assert (h.layer, h.pass_index, h.call_index, h.has_step, h.step) == ("fc", 9, 1, step is not None, step or 0)
+
+
+def test_the_owner_is_in_the_file_and_files_without_one_are_the_servers(tmp_path):
+    """The owner survives a restart; a file of the first layout (no owner) loads as the server's (``""``)."""
+    import struct
+    import zlib
+
+    from layertap.server.record import store as store_module
+
+    store = IncidentStore(tmp_path, clock=lambda: 10.0e8)
+    mine = store.write(pb.Incident(id=new_id(10.0e8), tap="t", time=timestamp(10.0e8)), [], owner="alice")
+    ours = store.write(pb.Incident(id=new_id(10.0e8 + 1), tap="g", time=timestamp(10.0e8 + 1)), [])
+    old = pb.Incident(id=new_id(10.0e8 + 2), tap="t", time=timestamp(10.0e8 + 2))
+    for _ in range(3):
+        old.bytes = len(store_module.MAGIC_V1) + 8 + len(old.SerializeToString()) + 4
+    head, u32 = old.SerializeToString(), struct.Struct("<I").pack
+    (tmp_path / f"{old.id}.incident").write_bytes(
+        store_module.MAGIC_V1 + u32(len(head)) + u32(zlib.crc32(head)) + head + u32(zlib.crc32(b"")))
+    again = IncidentStore(tmp_path, clock=lambda: 10.0e8)
+    assert again.skipped_files == 0
+    assert [again.owner_of(r.id) for r in (mine, ours, old)] == ["alice", "", ""]
+    assert [r.id for r in again.entries(owner="alice")] == [mine.id]
+    assert [r.id for r in again.entries(owner="")] == [old.id, ours.id]
+    assert [r.id for r in again.entries(tap="t", owner="bob")] == []
+    assert again.read(old.id)[0].tap == "t" and again.read(mine.id)[0].tap == "t"
+    again.delete(mine.id)
+    with pytest.raises(NotFound):
+        again.owner_of(mine.id)
+
+
+def test_the_per_incident_cap_counts_the_owner(tmp_path):
+    """A long owner takes room in the file: fewer tensors fit, and the file stays under the cap."""
+    store = IncidentStore(tmp_path, RingLimits(max_incident_bytes=1500), clock=lambda: 2.0)
+    rec = pb.Incident(id=new_id(1.0), tap="t", time=timestamp(1.0))
+    header = pb.CaptureHeader(layer="a", dtype=1, shape=[125], total_bytes=500)
+    store.write(rec, [StoredTensor(header, bytes(500)), StoredTensor(header, bytes(500))], owner="o" * 600)
+    assert (rec.tensor_count, rec.tensors_dropped) == (1, 1)
+    assert rec.bytes == (tmp_path / f"{rec.id}.incident").stat().st_size <= 1500
+    assert store.owner_of(rec.id) == "o" * 600
