@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -58,10 +59,16 @@ SERVICE_NAMES = (
 #: Seconds each shutdown step after the gRPC drain (metrics server, host-transfer
 #: thread, expiry thread) may take before the process exits without it.
 STOP_STEP_SECONDS = 3.0
+#: Seconds past ``--grace`` after which a signalled server exits whatever is
+#: stuck: room for the steps above (each bounded by STOP_STEP_SECONDS).
+SHUTDOWN_MARGIN = 10.0
 #: The health listener's pool: Check is quick and Watch holds no worker.
 HEALTH_WORKERS = 4
 #: Health.Watch streams open at once on the health listener.
 HEALTH_MAX_STREAMS = 16
+#: Watches its servicer admits (in total, per connection): well under the
+#: listener's rpc_limit, so held watches always leave room for probes' Checks.
+HEALTH_MAX_WATCHES = (4, 2)
 #: Receive limit of the health listener: a HealthCheckRequest is one short name.
 HEALTH_MAX_MESSAGE_BYTES = 4096
 
@@ -83,7 +90,7 @@ class LayertapServer:
     grpc_server: grpc.Server
     state: ServerState
     port: int
-    health: health.HealthServicer
+    health: HealthServicer
     metrics_port: int | None = None
     auth: Authenticator | None = None
     tls: TlsFiles | None = None
@@ -92,11 +99,14 @@ class LayertapServer:
     #: The plaintext Health-only listener (``--health-address``) and its port.
     health_server: grpc.Server | None = None
     health_port: int | None = None
+    listener_health: HealthServicer | None = None
     #: Shutdown steps after the gRPC drain, run in reverse order: (what, how).
     _closers: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
     _stopped: threading.Event = field(default_factory=threading.Event)
     _finished: threading.Event = field(default_factory=threading.Event)
     _stop_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: The shutdown step in progress, named in the watchdog's log line.
+    _step: str = "not started"
 
     @property
     def address(self) -> str:
@@ -118,18 +128,27 @@ class LayertapServer:
             self._finished.wait()
             return
         try:
-            # Both listeners serve this servicer: probes read NOT_SERVING on
-            # either port for the whole drain.
+            # The health listener's servicer follows this one: probes read
+            # NOT_SERVING on either port for the whole drain.
+            self._step = "health NOT_SERVING"
             self.health.enter_graceful_shutdown()
             # End Subscribe streams first: they never finish on their own, so the
             # grace period would otherwise always run out on them.
+            self._step = "closing subscriber streams"
             self.state.broker.close()
+            self._step = "draining gRPC calls"
             self.grpc_server.stop(self.state.config.grace_seconds if grace is None else grace).wait()
             if self.health_server is not None:
+                self._step = "stopping the health listener"
                 self.health_server.stop(0).wait()
                 log.info("health listener stopped")
+            for servicer in (self.health, self.listener_health):
+                if servicer is not None:
+                    servicer.close()
             for what, close in reversed(self._closers):
+                self._step = f"stopping the {what}"
                 _run_bounded(what, close, STOP_STEP_SECONDS)
+            self._step = "done"
             log.info("shutdown complete")
         finally:
             self._finished.set()
@@ -253,6 +272,7 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        # Per-connection HTTP/2 limits (rapid reset, vanished peers): see server/rpc/transport.py.
     ]
     if not 0 < config.max_streams < config.workers:
         raise ValueError(f"--max-streams {config.max_streams} must be at least 1 and below --workers {config.workers}: "
@@ -288,18 +308,22 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
         reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     server.start()
     health_server = health_port = None
+    listener_health: HealthServicer | None = None
     try:
         if config.health_address:
-            health_server, health_port = start_health_listener(config.health_address, health_servicer)
+            health_server, health_port, listener_health = start_health_listener(config.health_address, health_servicer)
         state = build_state(config, loaded, host=host, registry=registry)
     except BaseException:
         server.stop(0)
         if health_server is not None:
             health_server.stop(0)
+        for servicer in (health_servicer, listener_health):
+            if servicer is not None:
+                servicer.close()
         raise
     cell.set(state)
     running = LayertapServer(server, state, port, health_servicer, auth=auth, tls=tls, streams=streams,
-                             health_server=health_server, health_port=health_port)
+                             health_server=health_server, health_port=health_port, listener_health=listener_health)
     running._closers.append(("host-transfer thread", state.taps.close))
     running._closers.append(("model thread", state.host.model_thread.close))
     if state.recorder is not None:
@@ -309,10 +333,14 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
             auth.register(state.registry)
         callbacks = streams.callbacks
         assert callbacks is not None
-        state.registry.register(StreamsCollector(state.host.loaded.name, {
+        pools = {
             "workers": lambda: (streams.open_streams, streams.refused),
             "callbacks": lambda: (callbacks.open_streams, callbacks.refused),
-        }))
+            "health_watches": health_servicer.pool,
+        }
+        if listener_health is not None:
+            pools["health_listener_watches"] = listener_health.pool
+        state.registry.register(StreamsCollector(state.host.loaded.name, pools))
         try:
             mserver, mport = start_metrics_server(
                 state.registry, config.host, config.metrics_port or 0,
@@ -348,12 +376,14 @@ def rpc_limit(workers: int) -> int:
     return 2 * workers
 
 
-def start_health_listener(address: str, servicer: health.HealthServicer) -> tuple[grpc.Server, int]:
+def start_health_listener(address: str, servicer: HealthServicer) -> tuple[grpc.Server, int, HealthServicer]:
     """``--health-address``: a plaintext listener serving only ``grpc.health.v1.Health``.
 
     Docker HEALTHCHECK and kubelet gRPC probes cannot speak TLS. This server
-    shares the main server's servicer, so it reports the same status and goes
-    NOT_SERVING with it; it serves nothing else (any other method is
+    has a servicer of its own that follows the main one (``servicer``), so it
+    reports the same status and goes NOT_SERVING with it, while its watches,
+    lock and limits are its own: nothing sent here can hold up the main
+    port. It serves nothing else (any other method is
     UNIMPLEMENTED) and needs no token, like Health on the main port. Any
     address is accepted: kubelet probes dial the pod IP, and the listener
     reveals only what the open Health service does (see docs/security.md).
@@ -367,17 +397,20 @@ def start_health_listener(address: str, servicer: health.HealthServicer) -> tupl
         interceptors=[StreamAdmission(HEALTH_MAX_STREAMS, flag="the health listener's stream limit"),
                       MalformedRequests()],
     )
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    own = HealthServicer(max_watches=HEALTH_MAX_WATCHES[0], max_watches_per_connection=HEALTH_MAX_WATCHES[1])
+    health_pb2_grpc.add_HealthServicer_to_server(own, server)
     try:
         port = server.add_insecure_port(address)
     except RuntimeError:  # newer grpcio raises instead of returning 0
         port = 0
     if port == 0:
+        own.close()
         raise OSError(f"--health-address {address}: cannot bind (in use, or not HOST:PORT?)")
     server.start()
+    servicer.follow(own)
     host = address.rsplit(":", 1)[0]
     log.info("health listener (plaintext, grpc.health.v1.Health only) on %s:%d", host, port)  # port 0: the one chosen
-    return server, port
+    return server, port, own
 
 
 def _run_bounded(what: str, step: Callable[[], None], timeout: float) -> None:
@@ -433,11 +466,39 @@ def _reap(state: ServerState, stopped: threading.Event) -> None:
             log.exception("baseline save retry failed")
 
 
+def _watchdog(server: LayertapServer, deadline: float) -> None:
+    """End the process if ``stop()`` has not finished ``deadline`` seconds after the signal.
+
+    Whatever is stuck (a deadlocked gRPC thread, a callback that never
+    returns), a SIGTERMed server must exit: orchestrators escalate to SIGKILL
+    only after their own grace, and a wedged process holds its port until then.
+    Exits 1, after a logged reason that names the step in progress.
+    """
+    if server._finished.wait(deadline):
+        return
+    log.error("shutdown did not finish within %.1fs (--grace %.1fs + %.1fs): stuck %s; exiting with code 1",
+              deadline, server.state.config.grace_seconds, SHUTDOWN_MARGIN, server._step)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(1)
+
+
 def install_signal_handlers(server: LayertapServer) -> None:
-    """SIGTERM/SIGINT: graceful shutdown (health goes NOT_SERVING first); SIGHUP: reload tokens and certificates."""
+    """SIGTERM/SIGINT: graceful shutdown (health goes NOT_SERVING first); SIGHUP: reload tokens and certificates.
+
+    A watchdog ends the process with code 1 if shutdown has not finished
+    ``--grace`` + :data:`SHUTDOWN_MARGIN` seconds after the first signal.
+    """
+    started = threading.Event()
+
     def handle(signum: int, _frame: object) -> None:
         log.info("signal %d: shutting down (grace %.1fs)", signum, server.state.config.grace_seconds)
-        threading.Thread(target=server.stop, daemon=True).start()
+        if started.is_set():
+            return
+        started.set()
+        threading.Thread(target=server.stop, name="layertap-stop", daemon=True).start()
+        threading.Thread(target=_watchdog, args=(server, server.state.config.grace_seconds + SHUTDOWN_MARGIN),
+                         name="layertap-watchdog", daemon=True).start()
 
     def hangup(_signum: int, _frame: object) -> None:
         log.info("SIGHUP: reloading tokens and certificates")

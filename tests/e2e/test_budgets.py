@@ -61,10 +61,11 @@ def _timed(fn) -> float:  # type: ignore[no-untyped-def]
 
 
 def test_open_streams_never_starve_infer_or_health_check(make_server):
-    """70 Watch + 70 reflection + 70 Subscribe at once: 48 of each pool admitted, the rest refused, calls answer.
+    """70 Watch + 70 reflection + 70 Subscribe at once: 48 of each worker pool admitted, the rest refused, calls answer.
 
-    Health.Watch (callback streams: no worker held, no token needed) has a pool
-    of its own, so 48 strangers' Watches cannot lock Subscribe and reflection out.
+    Health.Watch (callback streams: no worker held, no token needed) is bounded
+    by the health servicer, per connection and in total, so strangers' Watches
+    cannot lock Subscribe and reflection out; one channel gets its connection's share.
     """
     srv = make_server(max_subscribers=4 * STREAMS_EACH)  # the stream cap, not the subscriber cap, is under test
     assert srv.streams is not None and srv.streams.limit == srv.state.config.max_streams == 48
@@ -84,7 +85,9 @@ def test_open_streams_never_starve_infer_or_health_check(make_server):
         refused = [c for c, o in zip(calls, outcomes) if o is not None]
         watches, blocking = outcomes[0::3], outcomes[1::3] + outcomes[2::3]
         assert srv.streams.callbacks is not None
-        assert watches.count(None) == srv.streams.callbacks.open_streams == 48
+        per_connection = srv.health.max_watches_per_connection
+        assert watches.count(None) == srv.health.open_watches == srv.streams.callbacks.open_streams == per_connection
+        assert srv.health.refused["connection"] == STREAMS_EACH - per_connection
         assert blocking.count(None) == srv.streams.open_streams == 48
         assert {o for o in outcomes if o is not None} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
         named = [c for c in refused if "--max-streams=48" in (c.details() or "")]

@@ -249,3 +249,39 @@ def wait_for_hooks(srv, n: int) -> bool:  # type: ignore[no-untyped-def]
     from support.e2e import wait_for
 
     return wait_for(lambda: srv.state.host.hooks.active == n, 10)
+
+
+WEDGED_SERVER = """
+import sys, threading
+from layertap.server.app import install_signal_handlers, start_server
+from layertap.server.config import ServerConfig
+
+srv = start_server(ServerConfig(port=0, metrics_port=None, compile_reducers=False, grace_seconds={grace}))
+install_signal_handlers(srv)
+# Wedged on purpose: the health lock is held for good, as grpc_health's was by
+# a blocked send, so stop() waits forever in its first step.
+srv.health._lock.acquire()
+print("ready", flush=True)
+srv.wait()
+"""
+
+
+def test_a_wedged_shutdown_is_ended_by_the_watchdog_with_a_reason():
+    """Whatever is stuck, SIGTERM ends the process after --grace + the margin: exit 1, the step named."""
+    from layertap.server.app import SHUTDOWN_MARGIN
+
+    proc = subprocess.Popen([sys.executable, "-c", WEDGED_SERVER.format(grace=GRACE)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=TESTS_DIR)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", proc.stderr
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(GRACE + SHUTDOWN_MARGIN + EXIT_SLACK)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _, err = proc.communicate(timeout=10)
+    assert code == 1, err
+    assert GRACE + SHUTDOWN_MARGIN - 0.5 <= took, f"ended after {took:.1f}s: before the watchdog's deadline?"
+    assert "shutdown did not finish within" in err and "stuck health NOT_SERVING" in err, err
