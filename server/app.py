@@ -39,14 +39,15 @@ from layertap.server.host.model_thread import in_own_thread
 from layertap.server.host.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, tune_malloc
 from layertap.server.host.priority import set_telemetry_nice
 from layertap.server.host.sources import LoadedModel, ModelLoadError, load_model
-from layertap.server.rpc.admission import StreamAdmission
+from layertap.server.rpc.admission import PrincipalAdmission, StreamAdmission
 from layertap.server.rpc.malformed import MalformedRequests
-from layertap.server.rpc.auth import SERVER_OWNER, Authenticator
+from layertap.server.rpc.auth import OPEN_SERVICES, SERVER_OWNER, Authenticator, principal_of
 from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.rpc.health import HealthServicer
 from layertap.server.rpc.state import ServerState, StateCell
 from layertap.server.tls import TlsFiles
 from layertap.server.rpc.telemetry import TelemetryService, add_to_server as add_telemetry_service
+from layertap.server.rpc.transport import HEALTH_LISTENER_OPTIONS, SERVER_OPTIONS
 from layertap.v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -64,6 +65,9 @@ STOP_STEP_SECONDS = 3.0
 SHUTDOWN_MARGIN = 10.0
 #: The health listener's pool: Check is quick and Watch holds no worker.
 HEALTH_WORKERS = 4
+#: The main port's pool for the open services (Health, no token): strangers'
+#: slow calls fill only these threads, never the workers of token holders.
+OPEN_WORKERS = 8
 #: Health.Watch streams open at once on the health listener.
 HEALTH_MAX_STREAMS = 16
 #: Watches its servicer admits (in total, per connection): well under the
@@ -96,6 +100,8 @@ class LayertapServer:
     tls: TlsFiles | None = None
     #: Admission of long streams (``--max-streams``).
     streams: StreamAdmission | None = None
+    #: Per-principal budgets and the open services' pool.
+    principals: PrincipalAdmission | None = None
     #: The plaintext Health-only listener (``--health-address``) and its port.
     health_server: grpc.Server | None = None
     health_port: int | None = None
@@ -273,13 +279,19 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
         # Per-connection HTTP/2 limits (rapid reset, vanished peers): see server/rpc/transport.py.
+        *SERVER_OPTIONS,
     ]
     if not 0 < config.max_streams < config.workers:
         raise ValueError(f"--max-streams {config.max_streams} must be at least 1 and below --workers {config.workers}: "
                          "the workers it leaves free serve unary calls and health probes")
     auth = Authenticator(config.auth_tokens) if config.auth_tokens else None  # ValueError names the line
     tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert and config.tls_key else None
+    if not 0 < config.principal_share <= 1:
+        raise ValueError(f"--principal-share {config.principal_share}: must be above 0 and at most 1")
     streams = StreamAdmission(config.max_streams, callback_limit=config.max_streams)
+    principals = PrincipalAdmission(
+        principal_limit=max(1, int(config.workers * config.principal_share)) if auth else None,
+        open_services=OPEN_SERVICES, open_workers=OPEN_WORKERS, principal_of=lambda ctx: principal_of(ctx).id)
     # Every open stream holds a worker, so at most max_streams of them are
     # admitted and workers - max_streams threads stay for unary calls. Auth
     # runs first: a refused caller never takes a stream slot. Malformed
@@ -288,7 +300,7 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
         futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="layertap-rpc"),
         options=options,
         maximum_concurrent_rpcs=rpc_limit(config.workers),
-        interceptors=[i for i in (auth, streams, MalformedRequests()) if i is not None],
+        interceptors=[i for i in (auth, principals, streams, MalformedRequests()) if i is not None],
     )
     cell = StateCell()
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(cell), server)
@@ -323,7 +335,9 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
         raise
     cell.set(state)
     running = LayertapServer(server, state, port, health_servicer, auth=auth, tls=tls, streams=streams,
-                             health_server=health_server, health_port=health_port, listener_health=listener_health)
+                             health_server=health_server, health_port=health_port, listener_health=listener_health,
+                             principals=principals)
+    running._closers.append(("open services' pool", principals.close))
     running._closers.append(("host-transfer thread", state.taps.close))
     running._closers.append(("model thread", state.host.model_thread.close))
     if state.recorder is not None:
@@ -340,6 +354,8 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
         }
         if listener_health is not None:
             pools["health_listener_watches"] = listener_health.pool
+        if principals.principals is not None:
+            pools["principals"] = principals.principals.pool
         state.registry.register(StreamsCollector(state.host.loaded.name, pools))
         try:
             mserver, mport = start_metrics_server(
@@ -392,7 +408,8 @@ def start_health_listener(address: str, servicer: HealthServicer) -> tuple[grpc.
         futures.ThreadPoolExecutor(max_workers=HEALTH_WORKERS, thread_name_prefix="layertap-health"),
         # A health request is a service name: a few KiB is plenty, and a
         # stranger cannot make the probe port buffer megabytes.
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", HEALTH_MAX_MESSAGE_BYTES)],
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", HEALTH_MAX_MESSAGE_BYTES),
+                 *HEALTH_LISTENER_OPTIONS],
         maximum_concurrent_rpcs=rpc_limit(HEALTH_WORKERS),
         interceptors=[StreamAdmission(HEALTH_MAX_STREAMS, flag="the health listener's stream limit"),
                       MalformedRequests()],

@@ -39,11 +39,20 @@ class ServerConfig:
     subscriber_queue: int = 256
     #: Bytes of summaries one subscriber's queue may hold before it drops the oldest.
     subscriber_queue_bytes: int = 16 << 20
+    #: Bytes of summaries all subscribers' queues may hold together; past it the
+    #: oldest messages server-wide are dropped (see stream.broker).
+    subscribers_budget_bytes: int = 64 << 20
+    #: Bytes of pass values waiting for the host-transfer thread; past it the
+    #: oldest passes are dropped (see reducers.transfer).
+    transfer_queue_bytes: int = 64 << 20
     max_taps: int = 64
     workers: int = 64
     #: Long streams (Subscribe, Capture, Health.Watch, reflection) in flight at once;
     #: the rest of the worker pool stays free for unary calls and probes.
     max_streams: int = 48
+    #: With auth: the share of ``workers`` one principal's calls may hold at
+    #: once, whatever its scope, so a slow client cannot take every worker.
+    principal_share: float = 0.25
     #: Basic statistics from one compiled (inductor) kernel per signature,
     #: compiled in the background; False (``--no-compile``): eager torch ops only.
     compile_reducers: bool = True

@@ -43,9 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-subscribers", type=int, default=d.max_subscribers)
     p.add_argument("--subscriber-queue-bytes", type=int, default=d.subscriber_queue_bytes,
                    help="bytes one subscriber's queue may hold before it drops the oldest")
+    p.add_argument("--subscribers-budget-bytes", type=int, default=d.subscribers_budget_bytes,
+                   help="bytes all subscribers' queues may hold together before the oldest messages server-wide "
+                        "are dropped (default 64 MiB)")
+    p.add_argument("--transfer-queue-bytes", type=int, default=d.transfer_queue_bytes,
+                   help="bytes of pass values waiting for the host-transfer thread before the oldest passes are "
+                        "dropped (default 64 MiB)")
     p.add_argument("--workers", type=int, default=d.workers, help="RPC worker threads (streams hold one each)")
     p.add_argument("--max-streams", type=int, default=d.max_streams,
                    help="long streams in flight at once; the other workers stay free for unary calls and probes")
+    p.add_argument("--principal-share", type=float, default=d.principal_share,
+                   help="with --auth-tokens: the share of --workers one principal's calls may hold at once "
+                        "(default 0.25); past it, RESOURCE_EXHAUSTED before the request is read")
     p.add_argument("--health-address", default=d.health_address,
                    help="plaintext gRPC health-only listener for probes that cannot speak TLS (e.g. 127.0.0.1:50052)")
     p.add_argument("--no-compile", dest="compile_reducers", action="store_false",

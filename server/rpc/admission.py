@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent import futures
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -36,7 +37,7 @@ from layertap.server.errors import LimitExceeded, rich_status
 
 log = logging.getLogger("layertap.server.admission")
 
-__all__ = ["StreamAdmission", "is_long_stream", "streaming_methods"]
+__all__ = ["PrincipalAdmission", "StreamAdmission", "is_long_stream", "streaming_methods"]
 
 
 def is_long_stream(handler: grpc.RpcMethodHandler) -> bool:
@@ -164,5 +165,174 @@ class StreamAdmission(grpc.ServerInterceptor):
             behavior = stream
         kind = ("stream" if handler.request_streaming else "unary") + "_" + ("stream" if handler.response_streaming else "unary")
         make = getattr(grpc, f"{kind}_rpc_method_handler")
+        return make(behavior, request_deserializer=handler.request_deserializer,  # type: ignore[no-any-return]
+                    response_serializer=handler.response_serializer)
+
+
+
+class _Budget:
+    """Calls in flight per key, at most ``limit`` each; counts what it refuses."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._held: dict[str, int] = {}
+        self.refused = 0
+
+    def pool(self) -> tuple[int, int]:
+        """``(in flight, refused)`` for ``layertap_streams_*``."""
+        with self._lock:
+            return sum(self._held.values()), self.refused
+
+    def take(self, key: str) -> int:
+        """0 when taken, else how many ``key`` already holds."""
+        with self._lock:
+            n = self._held.get(key, 0)
+            if n >= self.limit:
+                self.refused += 1
+                return n
+            self._held[key] = n + 1
+            return 0
+
+    def give(self, key: str) -> None:
+        with self._lock:
+            n = self._held.get(key, 0) - 1
+            if n > 0:
+                self._held[key] = n
+            else:
+                self._held.pop(key, None)
+
+
+class _Held:
+    """One call's place in a budget, given back once (``finally`` or grpc's end-of-call callback)."""
+
+    __slots__ = ("_budget", "_key", "_done", "_lock")
+
+    def __init__(self, budget: _Budget, key: str) -> None:
+        self._budget, self._key = budget, key
+        self._done = False
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._budget.give(self._key)
+
+
+def _first(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+    """The one request of a unary-request method, read only once the call holds its place."""
+    for request in requests:
+        return request
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: the call ended before its message arrived")
+
+
+class PrincipalAdmission(grpc.ServerInterceptor):
+    """No one caller can take the workers: a share per principal, a pool of their own for open services.
+
+    The sync server reads a unary request on a worker before any behaviour
+    runs, so a client that sends headers and then drips its body holds that
+    worker for as long as it likes: 64 such calls from one ``read`` token
+    took every worker, Health's included.
+
+    - An authenticated principal (any scope, admin included) holds at most
+      ``principal_limit`` calls in flight. Its calls are served as request
+      streams, so the budget is checked on the worker *before* the request is
+      read; past it the call ends RESOURCE_EXHAUSTED having read nothing.
+      Without auth every caller is one principal and this budget is off.
+    - The open services (Health, no token needed) run on a small pool of
+      their own: strangers' slow calls can fill only that pool, and a burst
+      of probes queues there instead of being refused.
+
+    Runs after :class:`~layertap.server.rpc.auth.Authenticator`, which names
+    the principal; the callers it refuses never get here.
+
+    Args:
+        principal_limit: Calls in flight per principal; None: no per-principal budget (auth off).
+        open_services: Service names callable without a token.
+        open_workers: Threads of the open services' pool.
+        principal_of: The caller's principal id, from the call's context.
+        flag: The setting named in refusals.
+    """
+
+    def __init__(self, *, principal_limit: int | None, open_services: frozenset[str], open_workers: int,
+                 principal_of: Callable[[grpc.ServicerContext], str], flag: str = "--principal-share") -> None:
+        self.principals = _Budget(principal_limit) if principal_limit is not None else None
+        self.open_services = open_services
+        self.open_pool = futures.ThreadPoolExecutor(max_workers=open_workers, thread_name_prefix="layertap-open")
+        self.flag = flag
+        self._principal_of = principal_of
+
+    def close(self) -> None:
+        """Stop the open services' pool (after the server stopped)."""
+        self.open_pool.shutdown(wait=False, cancel_futures=True)
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method: str = handler_call_details.method
+        if method.lstrip("/").split("/", 1)[0] in self.open_services:
+            return self._on_open_pool(handler)
+        if self.principals is None:
+            return handler
+        return self._budgeted(handler, method, self.principals)
+
+    def _on_open_pool(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """The same handler, run on the open services' pool."""
+        kind = ("stream" if handler.request_streaming else "unary") + "_" + ("stream" if handler.response_streaming else "unary")
+        inner: Callable[..., Any] = getattr(handler, kind)
+
+        def behavior(*args: Any, **kwargs: Any) -> Any:
+            return inner(*args, **kwargs)
+        for name in ("experimental_non_blocking",):
+            if hasattr(inner, name):
+                setattr(behavior, name, getattr(inner, name))
+        behavior.experimental_thread_pool = self.open_pool  # type: ignore[attr-defined]
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        return make(behavior, request_deserializer=handler.request_deserializer,  # type: ignore[no-any-return]
+                    response_serializer=handler.response_serializer)
+
+    def _take(self, method: str, budget: _Budget, context: grpc.ServicerContext) -> _Held:
+        """The call's place in its principal's budget, or the call ended RESOURCE_EXHAUSTED."""
+        who = self._principal_of(context)
+        if n := budget.take(who):
+            exc = LimitExceeded(
+                f"{method}: principal {who!r} has {n} calls in flight, the limit is {budget.limit} "
+                f"({self.flag} of --workers); retry later",
+                metadata={"method": method, "principal": who, "principal_limit": str(budget.limit)})
+            log.debug("refused %s for %s: %d calls in flight", method, who, n)
+            context.abort_with_status(rpc_status.to_status(rich_status(exc)))
+        return _Held(budget, who)
+
+    def _budgeted(self, handler: grpc.RpcMethodHandler, method: str, budget: _Budget) -> grpc.RpcMethodHandler:
+        inner: Callable[..., Any] = (handler.unary_unary or handler.unary_stream  # type: ignore[assignment]
+                                     or handler.stream_unary or handler.stream_stream)
+        streaming_in = handler.request_streaming
+
+        def request(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            return requests if streaming_in else _first(requests, context)
+
+        behavior: Callable[..., Any]
+        if not handler.response_streaming:
+            def unary_reply(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+                held = self._take(method, budget, context)
+                try:
+                    return inner(request(requests, context), context)
+                finally:
+                    held.release()
+            behavior = unary_reply
+        else:
+            def stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+                held = self._take(method, budget, context)
+                if not context.add_callback(held.release):  # a cancelled generator is never resumed
+                    held.release()
+                try:
+                    yield from inner(request(requests, context), context)
+                finally:
+                    held.release()
+            behavior = stream
+        make = grpc.stream_stream_rpc_method_handler if handler.response_streaming else grpc.stream_unary_rpc_method_handler
         return make(behavior, request_deserializer=handler.request_deserializer,  # type: ignore[no-any-return]
                     response_serializer=handler.response_serializer)

@@ -33,6 +33,7 @@ import grpc
 from grpc_status import rpc_status
 from prometheus_client import CollectorRegistry, Counter
 
+from layertap.server.throttled_log import ThrottledLog
 from layertap.server.errors import LayertapServerError, PermissionDenied, Unauthenticated, rich_status
 from layertap.v1 import inference_pb2, telemetry_pb2
 
@@ -191,6 +192,7 @@ class Authenticator(grpc.ServerInterceptor):
         self._entries = parse_token_file(path)
         self._lock = threading.Lock()
         self._scopes = method_scopes()
+        self._log = ThrottledLog(log)
         self.failures = Counter("layertap_auth_failures_total", "Refused RPCs and scrapes, by reason",
                                 ["reason"], registry=CollectorRegistry())
 
@@ -237,8 +239,9 @@ class Authenticator(grpc.ServerInterceptor):
         return p, why
 
     def count(self, reason: str, principal: str, method: str, why: str) -> None:
+        """Count a refusal on ``layertap_auth_failures_total``; the log gets one line per reason a minute."""
         self.failures.labels(reason=reason).inc()
-        log.warning("auth: refused %s for %s: %s", method, principal, why)
+        self._log.warning(reason, f"auth: refused {method} for {principal}: {why}")
 
     def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
         method: str = handler_call_details.method

@@ -102,7 +102,8 @@ def test_watches_are_bounded_per_connection_and_in_total(make_server):
         except grpc.RpcError as exc:
             codes.append(exc.code())
             assert f"the limit is {per}" in (exc.details() or "")
-    assert codes == [None] * per + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3
+    # Calls on one connection start on several workers: which ones are refused is not fixed, how many is.
+    assert sorted(codes, key=str) == sorted([None] * per + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3, key=str)
     others = [grpc.insecure_channel(address, options=OWN_CONNECTION) for _ in range(8)]
     more = [health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=30) for ch in others]
     admitted = 0
