@@ -77,6 +77,17 @@ class ServerMetrics:
         self.stream_dropped = Counter(
             "layertap_stream_dropped", "Subscribe messages dropped by full subscriber queues.", m, registry=r
         ).labels(model_name)
+        self.stream_budget_dropped = Counter(
+            "layertap_stream_budget_dropped",
+            "Subscribe messages dropped, oldest first, because all subscriber queues together held "
+            "--subscribers-budget-bytes (also counted in layertap_stream_dropped_total); rising means readers fall behind.",
+            m, registry=r,
+        ).labels(model_name)
+        self.stream_held_bytes = Gauge(
+            "layertap_stream_held_bytes",
+            "Bytes (wire size) of Subscribe messages queued for all subscribers, against --subscribers-budget-bytes.",
+            m, registry=r,
+        ).labels(model_name)
         self.subscribers = Gauge("layertap_subscribers", "Open Subscribe streams.", m, registry=r).labels(model_name)
         self.taps = Gauge("layertap_taps", "Registered taps, durable and stream.", m, registry=r).labels(model_name)
         self.baseline_load_errors = Counter(

@@ -47,3 +47,9 @@ class MetricsSink(Sink):
         self.metrics.stream_messages.inc()
         if dropped:
             self.metrics.stream_dropped.inc(dropped)
+
+    def on_budget(self, dropped: int, held_bytes: int) -> None:
+        self.metrics.stream_held_bytes.set(held_bytes)
+        if dropped:
+            self.metrics.stream_dropped.inc(dropped)
+            self.metrics.stream_budget_dropped.inc(dropped)

@@ -6,7 +6,10 @@ concatenates them into one device buffer per device and, on CUDA, starts ONE
 non-blocking copy into pinned host memory and records an event: the model
 thread never waits. A :class:`HostTransfer` thread waits for the event and
 hands the host values to a callback (decode, broker, metrics) off the model
-thread; :meth:`HostTransfer.stats` reports its counts for self-metrics.
+thread; :meth:`HostTransfer.stats` reports its counts for self-metrics. The
+backlog waiting for that thread is bounded in passes and in bytes
+(:data:`DEFAULT_TRANSFER_BYTES`, ``--transfer-queue-bytes``): a pass of a
+wide tap holds megabytes, so a count alone let a stalled thread hold gigabytes.
 
     buf = PassBuffer()
     buf.add(("tap1", "layer1"), plan.run(x))
@@ -27,9 +30,12 @@ import torch
 
 from layertap.server.host.priority import telemetry_thread
 
-__all__ = ["HostTransfer", "PassBuffer", "PendingPass", "PinnedPool", "TransferStats", "ValuesCallback"]
+__all__ = ["DEFAULT_TRANSFER_BYTES", "HostTransfer", "PassBuffer", "PendingPass", "PinnedPool", "TransferStats", "ValuesCallback"]
 
 _log = logging.getLogger(__name__)
+
+#: Bytes of pass values the transfer backlog may hold by default (``--transfer-queue-bytes``).
+DEFAULT_TRANSFER_BYTES = 64 << 20
 
 #: Receives each key's float64 host values for one pass.
 ValuesCallback = Callable[[dict[Hashable, np.ndarray]], None]
@@ -115,6 +121,11 @@ class PendingPass:
 
     def __len__(self) -> int:
         return self._size
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the pass's values, what the backlog's byte bound counts."""
+        return self._size * 8
 
     def ready(self) -> bool:
         """Whether :meth:`wait` would return without blocking."""
@@ -243,27 +254,38 @@ class TransferStats:
     errors: int
     #: Host buffers the pinned pool has allocated (reuses are not counted).
     pinned_allocations: int
+    #: Bytes of pass values queued or being handled now (a gauge, unlike the rest).
+    held_bytes: int = 0
 
 
 class HostTransfer:
     """A daemon thread that turns pending passes into callbacks, in order.
 
-    The queue is bounded and never blocks the model thread: when full, the
-    oldest pending pass is dropped and counted. Callback errors are logged and
-    counted, never raised into the submitter.
+    The queue is bounded in passes and in bytes (:attr:`PendingPass.nbytes`)
+    and never blocks the model thread: past either bound the oldest pending
+    passes are dropped and counted. The bytes count the batch the thread is
+    handling too, so the backlog holds at most ``max_bytes`` plus the newest
+    pass, which is always kept. Callback errors are logged and counted, never
+    raised into the submitter.
 
     Args:
         maxsize: Pending passes held at most.
+        max_bytes: Bytes of pass values held at most (queued and in hand).
         name: Thread name.
         pool: The pool the submitted passes' buffers come from, for
             :meth:`stats`; defaults to the one :class:`PassBuffer` shares.
     """
 
     def __init__(self, maxsize: int = 256, name: str = "layertap-collector",
-                 pool: PinnedPool | None = None) -> None:
+                 pool: PinnedPool | None = None, max_bytes: int = DEFAULT_TRANSFER_BYTES) -> None:
         if maxsize < 1:
             raise ValueError("maxsize must be at least 1")
+        if max_bytes < 1:
+            raise ValueError(f"--transfer-queue-bytes {max_bytes}: must be at least 1")
         self.maxsize = maxsize
+        self.max_bytes = max_bytes
+        self._queued_bytes = 0
+        self._busy_bytes = 0  # the batch the thread has in hand
         self._pool = pool
         self._queue: collections.deque[_Job] = collections.deque()
         self._cond = threading.Condition()
@@ -291,7 +313,8 @@ class HostTransfer:
         """The counts so far, consistent with each other; never blocks on a callback."""
         pool = self._pool if self._pool is not None else _default_pool()
         with self._cond:
-            return TransferStats(self.processed, self.dropped, self.errors, pool.allocations)
+            return TransferStats(self.processed, self.dropped, self.errors, pool.allocations,
+                                 self._queued_bytes + self._busy_bytes)
 
     def pending(self) -> int:
         """Passes queued and not yet taken by the thread."""
@@ -306,29 +329,34 @@ class HostTransfer:
         pushed out of a full queue before the thread takes it.
 
         Returns:
-            False when an older pass had to be dropped to make room.
+            False when older passes had to be dropped to make room.
 
         Raises:
             RuntimeError: After :meth:`close`.
         """
-        dropped: _Job | None = None
+        dropped: list[_Job] = []
+        nbytes = pending.nbytes
         with self._cond:
             if self._closed:
                 raise RuntimeError("collector is closed")
-            if len(self._queue) >= self.maxsize:
-                dropped = self._queue.popleft()
-                self.dropped += 1
+            while self._queue and (len(self._queue) >= self.maxsize
+                                   or self._queued_bytes + self._busy_bytes + nbytes > self.max_bytes):
+                old = self._queue.popleft()
+                self._queued_bytes -= old.pending.nbytes
+                dropped.append(old)
+            self.dropped += len(dropped)
             self._submitted += 1
             self._queue.append(_Job(pending, callback, self._submitted, on_drop))
+            self._queued_bytes += nbytes
             self._cond.notify_all()
-        if dropped is not None:
-            dropped.pending.discard()
-            if dropped.on_drop is not None:
+        for old in dropped:
+            old.pending.discard()
+            if old.on_drop is not None:
                 try:
-                    dropped.on_drop()
+                    old.on_drop()
                 except Exception:  # noqa: BLE001 - accounting must not fail the model thread
                     _log.exception("collector on_drop callback failed")
-        return dropped is None
+        return not dropped
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until every pass submitted so far was handled (or dropped).
@@ -373,11 +401,14 @@ class HostTransfer:
                 # one flush notification per batch, not per pass.
                 jobs = list(self._queue)
                 self._queue.clear()
+                self._busy_bytes, self._queued_bytes = self._queued_bytes, 0
                 self._busy_seq = jobs[0].seq  # the oldest running: flush waits for the whole batch
             for job in jobs:
                 self._handle(job)
+            del jobs, job  # before the bytes are given back: nothing of the batch stays referenced
             with self._cond:
                 self._busy_seq = None
+                self._busy_bytes = 0
                 self._cond.notify_all()
 
     def _handle(self, job: _Job) -> None:

@@ -8,7 +8,7 @@ place (``layertap.server.app``) and a new consumer is one ``sinks.add(...)``.
 
 Threads: ``on_summaries`` runs on the host-transfer thread, ``on_hook_time``
 on the model thread, the tap events on whichever thread changed the tap, and
-``on_delivery`` on the publishing thread. None may block; a sink that raises
+``on_delivery`` and ``on_budget`` on the publishing (or unsubscribing) thread. None may block; a sink that raises
 is logged and the others still run, so a broken consumer never stalls a pass.
 """
 
@@ -45,6 +45,9 @@ class Sink:
 
     def on_delivery(self, dropped: int) -> None:
         """One message was queued for a subscriber, ``dropped`` older ones lost."""
+
+    def on_budget(self, dropped: int, held_bytes: int) -> None:
+        """The subscribers' byte budget dropped ``dropped`` oldest messages; all queues hold ``held_bytes``."""
 
 
 _S = TypeVar("_S", bound=Sink)
@@ -88,3 +91,6 @@ class Sinks(Sink):
 
     def on_delivery(self, dropped: int) -> None:
         self._each(lambda s: s.on_delivery(dropped))
+
+    def on_budget(self, dropped: int, held_bytes: int) -> None:
+        self._each(lambda s: s.on_budget(dropped, held_bytes))

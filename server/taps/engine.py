@@ -22,7 +22,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from layertap.server.stream.broker import Broker
 from layertap.server.stream.sinks import Sinks
 from layertap.server.taps.tap import Tap, timestamp
-from layertap.server.reducers.transfer import HostTransfer, PassBuffer
+from layertap.server.reducers.transfer import DEFAULT_TRANSFER_BYTES, HostTransfer, PassBuffer
 from layertap.server.errors import echo, AlreadyExists, InvalidSpec, LimitExceeded, NotFound, Unsupported
 from layertap.server.host.hooks import POINT_NAMES, ParamGrad
 from layertap.server.limits import check_name, check_ttl
@@ -61,7 +61,8 @@ class TapEngine:
 
     def __init__(self, host: ModelHost, broker: Broker, *, clock: Clock = time.monotonic,
                  wall: Clock = time.time, max_taps: int = 64, rng: random.Random | None = None,
-                 transfer_queue: int = 64, sinks: Sinks | None = None) -> None:
+                 transfer_queue: int = 64, sinks: Sinks | None = None,
+                 transfer_bytes: int = DEFAULT_TRANSFER_BYTES) -> None:
         self.host = host
         self.broker = broker
         self.clock = clock
@@ -76,7 +77,8 @@ class TapEngine:
         self.reducer_errors = 0
         #: Downstream consumers; the app assembles them (see stream.sinks).
         self.sinks: Sinks = sinks if sinks is not None else Sinks()
-        self.transfer = HostTransfer(maxsize=transfer_queue)
+        # Bounded in bytes too: one pass of wide taps holds megabytes of values.
+        self.transfer = HostTransfer(maxsize=transfer_queue, max_bytes=transfer_bytes)
         self._wire = SummaryWire()
         #: Model thread only: reductions of this pass a later firing may reuse.
         self._reuse = PassReuse(passthrough_parents(host.modules))
