@@ -136,8 +136,8 @@ class TapEngine:
             tap_id = spec.name or f"tap-{secrets.token_hex(4)}"
             if tap_id in self._taps:
                 # The holder's owner lets the RPC layer tell the caller's own name from another's.
-                raise AlreadyExists(f"a tap named {echo(tap_id)} exists; delete it or pick another name",
-                                    field=f"{field_prefix}.name" if spec.name else "",
+                raise AlreadyExists(f"{field_prefix}.name: a tap named {echo(tap_id)} exists; delete it or pick "
+                                    "another name", field=f"{field_prefix}.name",
                                     metadata={"owner": self._taps[tap_id].owner})
             stored = pb.TapSpec()
             stored.CopyFrom(spec)

@@ -194,6 +194,7 @@ def test_a_taken_tap_name_is_already_exists_for_its_owner_and_denied_to_others(s
             with pytest.raises(layertap.AlreadyExists) as taken:
                 who.create_tap("layer2", reducers=["moments"], name="shared")
             assert (taken.value.code, taken.value.field) == ("ALREADY_EXISTS", "spec.name")
+            assert str(taken.value).startswith("spec.name: ")  # the message names the field too
         assert [(t.id, t.owner, t.layers) for t in bob.taps()] == [("shared", "alice", ["layer1"])]
 
 
