@@ -75,11 +75,12 @@ class Subscription:
                                    or self._bytes + batch.nbytes > self.max_bytes):
                 old = self._queue.popleft()
                 old.gone = True
+                self._bytes -= old.nbytes
                 freed += old.nbytes
                 dropped += 1
             self.dropped += dropped
             self._queue.append(batch)
-            self._bytes += batch.nbytes - freed
+            self._bytes += batch.nbytes
             self._cond.notify()
         if self._budget is not None:
             self._budget.add(batch.nbytes - freed)

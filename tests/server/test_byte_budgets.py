@@ -144,6 +144,16 @@ def test_the_newest_pass_is_kept_even_over_the_budget() -> None:
     assert broker.budget.held == 3 * summary("t", 500, 2).ByteSize()
 
 
+def test_a_queue_s_own_byte_bound_keeps_the_budget_exact() -> None:
+    one = summary("t", 1000, 1).ByteSize()
+    broker = Broker(default_queue_size=100, queue_bytes=3 * one, budget_bytes=1 << 20)
+    sub = broker.subscribe(["t"])
+    for i in range(10):
+        broker.publish([summary("t", 1000, i)], {"t": False})
+    assert sub.pending() == 3 and sub.dropped == 7  # its own bound: one drop per publish once full
+    assert broker.budget.held == sub.pending_bytes() == 3 * one and broker.budget.dropped == 0
+
+
 def test_unsubscribing_gives_its_bytes_back_to_the_budget() -> None:
     broker = Broker(budget_bytes=1 << 20)
     a, b = broker.subscribe(["t"]), broker.subscribe(["t"])
