@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -39,7 +37,7 @@ from layertap.server.host.model_thread import in_own_thread
 from layertap.server.host.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, tune_malloc
 from layertap.server.host.priority import set_telemetry_nice
 from layertap.server.host.sources import LoadedModel, ModelLoadError, load_model
-from layertap.server.rpc.admission import PrincipalAdmission, StreamAdmission
+from layertap.server.rpc.admission import PrincipalAdmission, StreamAdmission, rpc_limit
 from layertap.server.rpc.malformed import MalformedRequests
 from layertap.server.rpc.auth import OPEN_SERVICES, SERVER_OWNER, Authenticator, principal_of
 from layertap.server.reducers.compiled import COMPILED_STATS
@@ -47,7 +45,8 @@ from layertap.server.rpc.health import HealthServicer
 from layertap.server.rpc.state import ServerState, StateCell
 from layertap.server.tls import TlsFiles
 from layertap.server.rpc.telemetry import TelemetryService, add_to_server as add_telemetry_service
-from layertap.server.rpc.transport import HEALTH_LISTENER_OPTIONS, SERVER_OPTIONS
+from layertap.server.rpc.health_listener import start_health_listener
+from layertap.server.rpc.transport import SERVER_OPTIONS
 from layertap.v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -60,21 +59,9 @@ SERVICE_NAMES = (
 #: Seconds each shutdown step after the gRPC drain (metrics server, host-transfer
 #: thread, expiry thread) may take before the process exits without it.
 STOP_STEP_SECONDS = 3.0
-#: Seconds past ``--grace`` after which a signalled server exits whatever is
-#: stuck: room for the steps above (each bounded by STOP_STEP_SECONDS).
-SHUTDOWN_MARGIN = 10.0
-#: The health listener's pool: Check is quick and Watch holds no worker.
-HEALTH_WORKERS = 4
 #: The main port's pool for the open services (Health, no token): strangers'
 #: slow calls fill only these threads, never the workers of token holders.
 OPEN_WORKERS = 8
-#: Health.Watch streams open at once on the health listener.
-HEALTH_MAX_STREAMS = 16
-#: Watches its servicer admits (in total, per connection): well under the
-#: listener's rpc_limit, so held watches always leave room for probes' Checks.
-HEALTH_MAX_WATCHES = (4, 2)
-#: Receive limit of the health listener: a HealthCheckRequest is one short name.
-HEALTH_MAX_MESSAGE_BYTES = 4096
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -159,6 +146,15 @@ class LayertapServer:
         finally:
             self._finished.set()
 
+    @property
+    def step(self) -> str:
+        """The shutdown step in progress (``not started``, ..., ``done``)."""
+        return self._step
+
+    def finished(self, timeout: float | None = None) -> bool:
+        """Whether ``stop()`` has finished, waiting up to ``timeout`` seconds."""
+        return self._finished.wait(timeout)
+
     def reload(self) -> None:
         """SIGHUP: re-read the token file and the certificates; a bad file keeps the old ones."""
         if self.auth is not None:
@@ -230,8 +226,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
     version = server_version()
     sinks = Sinks()
     broker = Broker(default_queue_size=config.subscriber_queue, max_subscribers=config.max_subscribers, sinks=sinks,
-                    queue_bytes=config.subscriber_queue_bytes)
-    taps = TapEngine(host, broker, max_taps=config.max_taps, sinks=sinks)
+                    queue_bytes=config.subscriber_queue_bytes, budget_bytes=config.subscribers_budget_bytes)
+    taps = TapEngine(host, broker, max_taps=config.max_taps, sinks=sinks, transfer_bytes=config.transfer_queue_bytes)
     metrics = snapshots = None
     if config.metrics_port is None:
         registry = None
@@ -379,57 +375,6 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
     return running
 
 
-def rpc_limit(workers: int) -> int:
-    """``maximum_concurrent_rpcs``: every worker may have one call waiting.
-
-    Bounded, so a flood gets RESOURCE_EXHAUSTED instead of a queue without
-    end. Streams count too, but never hold more than ``--max-streams`` workers.
-    Not a defence against calls that never send their request: the sync
-    server reads the message on a worker, before any interceptor, so such a
-    call holds that worker until its deadline or its connection ends
-    (docs/security.md, "Not protected against").
-    """
-    return 2 * workers
-
-
-def start_health_listener(address: str, servicer: HealthServicer) -> tuple[grpc.Server, int, HealthServicer]:
-    """``--health-address``: a plaintext listener serving only ``grpc.health.v1.Health``.
-
-    Docker HEALTHCHECK and kubelet gRPC probes cannot speak TLS. This server
-    has a servicer of its own that follows the main one (``servicer``), so it
-    reports the same status and goes NOT_SERVING with it, while its watches,
-    lock and limits are its own: nothing sent here can hold up the main
-    port. It serves nothing else (any other method is
-    UNIMPLEMENTED) and needs no token, like Health on the main port. Any
-    address is accepted: kubelet probes dial the pod IP, and the listener
-    reveals only what the open Health service does (see docs/security.md).
-    """
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=HEALTH_WORKERS, thread_name_prefix="layertap-health"),
-        # A health request is a service name: a few KiB is plenty, and a
-        # stranger cannot make the probe port buffer megabytes.
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", HEALTH_MAX_MESSAGE_BYTES),
-                 *HEALTH_LISTENER_OPTIONS],
-        maximum_concurrent_rpcs=rpc_limit(HEALTH_WORKERS),
-        interceptors=[StreamAdmission(HEALTH_MAX_STREAMS, flag="the health listener's stream limit"),
-                      MalformedRequests()],
-    )
-    own = HealthServicer(max_watches=HEALTH_MAX_WATCHES[0], max_watches_per_connection=HEALTH_MAX_WATCHES[1])
-    health_pb2_grpc.add_HealthServicer_to_server(own, server)
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError:  # newer grpcio raises instead of returning 0
-        port = 0
-    if port == 0:
-        own.close()
-        raise OSError(f"--health-address {address}: cannot bind (in use, or not HOST:PORT?)")
-    server.start()
-    servicer.follow(own)
-    host = address.rsplit(":", 1)[0]
-    log.info("health listener (plaintext, grpc.health.v1.Health only) on %s:%d", host, port)  # port 0: the one chosen
-    return server, port, own
-
-
 def _run_bounded(what: str, step: Callable[[], None], timeout: float) -> None:
     """Run one shutdown step on its own thread, waiting ``timeout`` seconds at most.
 
@@ -483,45 +428,3 @@ def _reap(state: ServerState, stopped: threading.Event) -> None:
             log.exception("baseline save retry failed")
 
 
-def _watchdog(server: LayertapServer, deadline: float) -> None:
-    """End the process if ``stop()`` has not finished ``deadline`` seconds after the signal.
-
-    Whatever is stuck (a deadlocked gRPC thread, a callback that never
-    returns), a SIGTERMed server must exit: orchestrators escalate to SIGKILL
-    only after their own grace, and a wedged process holds its port until then.
-    Exits 1, after a logged reason that names the step in progress.
-    """
-    if server._finished.wait(deadline):
-        return
-    log.error("shutdown did not finish within %.1fs (--grace %.1fs + %.1fs): stuck %s; exiting with code 1",
-              deadline, server.state.config.grace_seconds, SHUTDOWN_MARGIN, server._step)
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    os._exit(1)
-
-
-def install_signal_handlers(server: LayertapServer) -> None:
-    """SIGTERM/SIGINT: graceful shutdown (health goes NOT_SERVING first); SIGHUP: reload tokens and certificates.
-
-    A watchdog ends the process with code 1 if shutdown has not finished
-    ``--grace`` + :data:`SHUTDOWN_MARGIN` seconds after the first signal.
-    """
-    started = threading.Event()
-
-    def handle(signum: int, _frame: object) -> None:
-        log.info("signal %d: shutting down (grace %.1fs)", signum, server.state.config.grace_seconds)
-        if started.is_set():
-            return
-        started.set()
-        threading.Thread(target=server.stop, name="layertap-stop", daemon=True).start()
-        threading.Thread(target=_watchdog, args=(server, server.state.config.grace_seconds + SHUTDOWN_MARGIN),
-                         name="layertap-watchdog", daemon=True).start()
-
-    def hangup(_signum: int, _frame: object) -> None:
-        log.info("SIGHUP: reloading tokens and certificates")
-        threading.Thread(target=server.reload, name="layertap-reload", daemon=True).start()
-
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
-    if hasattr(signal, "SIGHUP"):  # not on Windows
-        signal.signal(signal.SIGHUP, hangup)

@@ -165,7 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from layertap.server.app import install_signal_handlers, start_server
+    from layertap.server.app import start_server
+    from layertap.server.signals import install_signal_handlers
     from layertap.server.host.sources import ModelLoadError
 
     config = config_from_args(args)

@@ -14,25 +14,27 @@ the sliding window that drift is scored on. Everything arrives as ordinary
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from layertap.server.drift.baseline import Baseline
 from layertap.server.drift.builder import BaselineBuilder, BuilderState
+from layertap.server.drift.layer import (
+    SAVE_RETRY_FIRST_SECONDS, SAVE_RETRY_MAX_SECONDS, LayerEntry, layer_reducers,
+)
+from layertap.server.drift.names import baseline_tap_id
 from layertap.server.drift.exchange import (
     builder_state_from_proto, builder_state_to_proto, frozen_from_bytes, frozen_to_bytes, merge_states,
 )
 from layertap.server.drift.files import baseline_filename, load_baselines, save_baseline
-from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.drift.window import SlidingWindow
 from layertap.server.errors import AlreadyExists, InvalidSpec, NotFound, Unsupported
@@ -48,80 +50,12 @@ from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")
 
-#: Percentiles reported per pass while a baseline collects.
-COLLECT_PROBABILITIES = tuple(round(i / 100, 2) for i in range(1, 100))
 DEFAULT_PASSES = 100
 MAX_PASSES = 100_000
-#: Backoff of the retries of a baseline file that could not be written: the
-#: first retry after the first delay, doubling up to the cap (a full disk is
-#: usually freed in minutes, and each try costs a write of the whole document).
-SAVE_RETRY_FIRST_SECONDS = 1.0
-SAVE_RETRY_MAX_SECONDS = 60.0
-
-
-def _reducers(*, per_channel: bool, edges: np.ndarray | None) -> list[pb.ReducerSpec]:
-    specs = [pb.ReducerSpec(kind=pb.REDUCER_KIND_MOMENTS), pb.ReducerSpec(kind=pb.REDUCER_KIND_MINMAX),
-             pb.ReducerSpec(kind=pb.REDUCER_KIND_NONFINITE)]
-    if edges is None:
-        specs.append(pb.ReducerSpec(kind=pb.REDUCER_KIND_QUANTILES,
-                                    quantiles=pb.QuantileParams(probabilities=COLLECT_PROBABILITIES)))
-    else:
-        specs.append(pb.ReducerSpec(kind=pb.REDUCER_KIND_HISTOGRAM,
-                                    histogram=pb.HistogramParams(edges=[float(e) for e in edges])))
-    if per_channel:
-        specs.append(pb.ReducerSpec(kind=pb.REDUCER_KIND_PER_CHANNEL, per_channel=pb.PerChannelParams(dim=1)))
-    return specs
-
-
-@dataclass
-class _Layer:
-    tap: str
-    layer: str
-    point: str
-    passes: int
-    window_len: int
-    thresholds: DriftThresholds
-    builder: BaselineBuilder | None = None
-    baseline: Baseline | None = None
-    window: SlidingWindow | None = None
-    score: DriftScore | None = None
-    #: The tap this entry was made for: a replacement under the same id is another tap.
-    handle: Tap | None = None
-    #: Collect ``passes`` and wait for :meth:`DriftMonitor.install` instead of freezing.
-    hold: bool = False
-    #: Why the frozen baseline's file could not be written ("" when saved, or
-    #: when there is no ``--baseline-dir``): the layer is UNSAVED until a retry works.
-    save_error: str = ""
-    #: Monotonic time of the next save retry, and the delay after that one.
-    retry_at: float = 0.0
-    retry_delay: float = SAVE_RETRY_FIRST_SECONDS
-
-    @property
-    def state(self) -> pb.BaselineState.ValueType:
-        if self.baseline is None:
-            return pb.BASELINE_STATE_COLLECTING
-        return pb.BASELINE_STATE_UNSAVED if self.save_error else pb.BASELINE_STATE_READY
 
 
 def _results(summary: pb.Summary) -> dict[str, pb.ReducerResult]:
     return {r.WhichOneof("value"): r for r in summary.results}
-
-
-#: SetBaseline's default tap ids start so; other taps may not take such a name,
-#: or a principal could take the id another's SetBaseline will use.
-BASELINE_PREFIX = "baseline-"
-
-
-def baseline_tap_id(req: pb.SetBaselineRequest) -> str:
-    """The id of the durable tap a SetBaseline creates (or replaces)."""
-    point = req.point or pb.POINT_OUTPUT
-    return req.name or BASELINE_PREFIX + hashlib.sha1(f"{req.selector}|{point}".encode()).hexdigest()[:8]
-
-
-def check_not_baseline_name(name: str, field: str) -> None:
-    """InvalidSpec naming ``field`` when a tap other than a baseline asks for a baseline's name."""
-    if name.startswith(BASELINE_PREFIX):
-        raise InvalidSpec(field, f"names starting {BASELINE_PREFIX!r} are SetBaseline's own; pick another")
 
 
 class DriftMonitor(Sink):
@@ -150,7 +84,7 @@ class DriftMonitor(Sink):
         #: Serialises feeding and freezing builders (collector thread) with
         #: exporting and installing them (RPC threads).
         self._build_lock = threading.Lock()
-        self._layers: dict[tuple[str, str], _Layer] = {}
+        self._layers: dict[tuple[str, str], LayerEntry] = {}
         #: Taps this monitor created (the only ones SetBaseline may replace).
         self._own: set[str] = set()
         #: Passes refused by any builder, ever: kept here because builders go
@@ -189,13 +123,13 @@ class DriftMonitor(Sink):
         thresholds = DriftThresholds.from_message(req.thresholds)
         per_channel = all(self._channels(layer) is not None for layer in layers)
         spec = pb.TapSpec(name=tap_id, selector=req.selector, point=point, sampling=req.sampling,
-                          reducers=_reducers(per_channel=per_channel, edges=None))
+                          reducers=layer_reducers(per_channel=per_channel, edges=None))
         existing = {t.id for t in self.engine.all_taps()}
         if tap_id in existing:
             if tap_id not in self._own:
                 raise AlreadyExists(f"name: a tap named {tap_id!r} exists and is not a baseline; pick another name")
             self.engine.delete(tap_id, reason="replaced")
-        entries = {layer: _Layer(tap_id, layer, POINT_NAMES[point], passes, window, thresholds,
+        entries = {layer: LayerEntry(tap_id, layer, POINT_NAMES[point], passes, window, thresholds,
                                  builder=BaselineBuilder(tap_id, layer, POINT_NAMES[point], passes=passes),
                                  hold=req.hold)
                    for layer in layers}
@@ -244,7 +178,7 @@ class DriftMonitor(Sink):
         return out
 
     # -- fleet-wide baselines (see ``exchange``) -----------------------------
-    def _entries(self, tap: str) -> dict[str, _Layer]:
+    def _entries(self, tap: str) -> dict[str, LayerEntry]:
         with self._lock:
             entries = {e.layer: e for e in self._layers.values() if e.tap == tap}
         if not entries:
@@ -309,7 +243,7 @@ class DriftMonitor(Sink):
         return list(baselines.values())
 
     @staticmethod
-    def _check_layer(entries: dict[str, _Layer], layer: str, point: str, field: str) -> None:
+    def _check_layer(entries: dict[str, LayerEntry], layer: str, point: str, field: str) -> None:
         if layer not in entries:
             raise InvalidSpec(f"{field}.layer", f"{layer!r} is not a layer of this baseline tap ({', '.join(entries)})")
         if entries[layer].point != point:
@@ -342,10 +276,10 @@ class DriftMonitor(Sink):
             selector = "re:" + "|".join(re.escape(b.layer) for b in group)
             per_channel = all(b.channel_mean is not None for b in group)
             spec = pb.TapSpec(name=tap_id, selector=selector, point=POINT_BY_NAME[point],
-                              reducers=_reducers(per_channel=per_channel, edges=None))
+                              reducers=layer_reducers(per_channel=per_channel, edges=None))
             with self._lock:
                 for b in group:
-                    self._layers[(tap_id, b.layer)] = _Layer(tap_id, b.layer, point, b.passes, b.window, b.thresholds)
+                    self._layers[(tap_id, b.layer)] = LayerEntry(tap_id, b.layer, point, b.passes, b.window, b.thresholds)
             try:
                 tap = self.engine.create(spec, forever=True, trusted_selector=True)
                 self._own.add(tap_id)
@@ -386,7 +320,7 @@ class DriftMonitor(Sink):
             elif entry.baseline is not None and entry.window is not None:
                 self._observe(entry, res)
 
-    def _collect(self, entry: _Layer, res: dict[str, pb.ReducerResult]) -> None:
+    def _collect(self, entry: LayerEntry, res: dict[str, pb.ReducerResult]) -> None:
         if "quantiles" not in res:
             return
         m, q = res["moments"].moments, res["quantiles"].quantiles
@@ -410,7 +344,7 @@ class DriftMonitor(Sink):
         if builder.done and not entry.hold:
             self._freeze(entry, builder.freeze(window=entry.window_len, thresholds=entry.thresholds))
 
-    def _freeze(self, entry: _Layer, baseline: Baseline) -> bool:
+    def _freeze(self, entry: LayerEntry, baseline: Baseline) -> bool:
         """Make ``baseline`` the layer's reference: save it, then switch the tap to its edges.
 
         Returns False when the layer's tap was deleted or replaced meanwhile.
@@ -421,7 +355,8 @@ class DriftMonitor(Sink):
             # deleted baseline would come back at the next start. Saved under
             # the lock, with ``entry.baseline`` set, so that a removal that comes
             # after this sees the file and deletes it.
-            if self._layers.get((entry.tap, entry.layer)) is not entry:
+            key = (entry.tap, entry.layer)
+            if key not in self._layers or self._layers[key] is not entry:
                 return False
             entry.baseline = baseline
             entry.retry_delay = SAVE_RETRY_FIRST_SECONDS
@@ -431,7 +366,7 @@ class DriftMonitor(Sink):
         log.info("baseline %s/%s frozen after %d passes", entry.tap, entry.layer, baseline.passes)
         return True
 
-    def _save(self, entry: _Layer) -> bool:
+    def _save(self, entry: LayerEntry) -> bool:
         """Write the entry's baseline file (caller holds ``_lock``); on failure mark it UNSAVED.
 
         Why not refuse the baseline: it is valid and scores drift now; only
@@ -478,20 +413,20 @@ class DriftMonitor(Sink):
         with self._lock:
             return sum(1 for e in self._layers.values() if e.save_error)
 
-    def _install(self, entry: _Layer, baseline: Baseline) -> bool:
+    def _install(self, entry: LayerEntry, baseline: Baseline) -> bool:
         """Switch the layer to the frozen edges; False when its tap went meanwhile."""
         entry.baseline = baseline
         entry.builder = None
         entry.window = SlidingWindow.for_baseline(baseline, entry.window_len)
         try:
-            self.engine.set_layer_reducers(entry.tap, entry.layer, _reducers(
+            self.engine.set_layer_reducers(entry.tap, entry.layer, layer_reducers(
                 per_channel=baseline.channel_mean is not None, edges=baseline.edges), tap=entry.handle)
         except NotFound:  # deleted or replaced: on_tap_removed forgot the entry and its file
             return False
         self._export(entry)
         return True
 
-    def _observe(self, entry: _Layer, res: dict[str, pb.ReducerResult]) -> None:
+    def _observe(self, entry: LayerEntry, res: dict[str, pb.ReducerResult]) -> None:
         baseline, window = entry.baseline, entry.window
         assert baseline is not None and window is not None
         hist = res["histogram"].histogram if "histogram" in res else None
@@ -508,7 +443,7 @@ class DriftMonitor(Sink):
         entry.score = window.score(baseline, entry.thresholds)
         self._export(entry)
 
-    def _export(self, entry: _Layer) -> None:
+    def _export(self, entry: LayerEntry) -> None:
         if self.store is not None:
             self.store.set_drift(entry.tap, entry.layer, entry.point, entry.score, entry.thresholds)
 

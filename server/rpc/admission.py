@@ -37,7 +37,7 @@ from layertap.server.errors import LimitExceeded, rich_status
 
 log = logging.getLogger("layertap.server.admission")
 
-__all__ = ["PrincipalAdmission", "StreamAdmission", "is_long_stream", "streaming_methods"]
+__all__ = ["PrincipalAdmission", "StreamAdmission", "is_long_stream", "rpc_limit", "streaming_methods"]
 
 
 def is_long_stream(handler: grpc.RpcMethodHandler) -> bool:
@@ -168,6 +168,18 @@ class StreamAdmission(grpc.ServerInterceptor):
         return make(behavior, request_deserializer=handler.request_deserializer,  # type: ignore[no-any-return]
                     response_serializer=handler.response_serializer)
 
+
+
+def rpc_limit(workers: int) -> int:
+    """``maximum_concurrent_rpcs``: every worker may have one call waiting.
+
+    Bounded, so a flood gets RESOURCE_EXHAUSTED instead of a queue without
+    end. Streams count too, but never hold more than ``--max-streams`` workers.
+    Calls that never finish sending their request hold a worker each, up to a
+    principal's share (:class:`PrincipalAdmission`); this counts them all
+    (docs/security.md, "Not protected against").
+    """
+    return 2 * workers
 
 
 class _Budget:

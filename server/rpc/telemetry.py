@@ -18,7 +18,7 @@ from layertap.server.taps.capture_limits import CaptureSlot
 from layertap.server.taps.capture_wire import encode_pass
 from layertap.server.errors import (AlreadyExists, InvalidSpec, NotFound, PermissionDenied, Unavailable, echo,
                                     grpc_errors)
-from layertap.server.drift.monitor import baseline_tap_id, check_not_baseline_name
+from layertap.server.drift.names import baseline_tap_id, check_not_baseline_name
 from layertap.server.rpc.auth import principal_of, require
 from layertap.server.rpc.baselines import BaselineMethods
 from layertap.server.rpc.explain import ExplainMethods

@@ -211,7 +211,7 @@ def test_baseline_of_another_principal_needs_admin(secured):
 def test_baseline_ids_and_reservoirs_are_not_anyone_s(secured):
     """SetBaseline's default ids cannot be taken first by another principal's tap, and a
     baseline's builders (samples of the layer's values) are exported to their owner or admin."""
-    from layertap.server.drift.monitor import baseline_tap_id
+    from layertap.server.drift.names import baseline_tap_id
 
     squat = baseline_tap_id(telemetry_pb2.SetBaselineRequest(selector="layer3"))
     with client(secured, "alice") as alice, client(secured, "bob") as bob, client(secured, "root") as root:

@@ -19,7 +19,7 @@ import pytest
 import layertap
 from support.e2e import wait_for
 from support.models import perturbable_loaded
-from layertap.server.drift.monitor import COLLECT_PROBABILITIES
+from layertap.server.drift.layer import COLLECT_PROBABILITIES
 from layertap.server.drift.scores import PSI_EPS
 from layertap.v1 import telemetry_pb2 as pb
 from layertap.v1 import telemetry_pb2_grpc

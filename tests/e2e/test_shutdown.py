@@ -253,8 +253,10 @@ def wait_for_hooks(srv, n: int) -> bool:  # type: ignore[no-untyped-def]
 
 WEDGED_SERVER = """
 import sys, threading
-from layertap.server.app import install_signal_handlers, start_server
+from layertap.server.app import start_server
 from layertap.server.config import ServerConfig
+
+from layertap.server.signals import install_signal_handlers
 
 srv = start_server(ServerConfig(port=0, metrics_port=None, compile_reducers=False, grace_seconds={grace}))
 install_signal_handlers(srv)
@@ -268,7 +270,7 @@ srv.wait()
 
 def test_a_wedged_shutdown_is_ended_by_the_watchdog_with_a_reason():
     """Whatever is stuck, SIGTERM ends the process after --grace + the margin: exit 1, the step named."""
-    from layertap.server.app import SHUTDOWN_MARGIN
+    from layertap.server.signals import SHUTDOWN_MARGIN
 
     proc = subprocess.Popen([sys.executable, "-c", WEDGED_SERVER.format(grace=GRACE)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=TESTS_DIR)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from layertap.server import app
+from layertap.server.rpc import health_listener
 from layertap.server.rpc import health
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
 from support.e2e import batch
@@ -44,9 +44,9 @@ FLOOD_SECONDS = 4.0
 #: Deadline of a legitimate probe: kubelet's default timeoutSeconds.
 PROBE_DEADLINE = 1.0
 #: Watches the --health-address listener admits at once: its stream pool and its servicer's total.
-LISTENER_WATCHES = min(app.HEALTH_MAX_STREAMS, app.HEALTH_MAX_WATCHES[0])
+LISTENER_WATCHES = min(health_listener.HEALTH_MAX_STREAMS, health_listener.HEALTH_MAX_WATCHES[0])
 #: Connections of a listener storm: enough that its per-connection cap never decides alone.
-LISTENER_CONNECTIONS = math.ceil(LISTENER_WATCHES / app.HEALTH_MAX_WATCHES[1]) + 2
+LISTENER_CONNECTIONS = math.ceil(LISTENER_WATCHES / health_listener.HEALTH_MAX_WATCHES[1]) + 2
 
 def admitted(rpc: Rpc) -> int:
     """Streams of ``rpc`` the server admits at once.
