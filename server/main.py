@@ -196,8 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return smoke(f"{config.host}:{server.port}", layer)
         finally:
             server.stop(0)
-    print(hint(server, layer), flush=True)
+    # Before the hint: a supervisor that reads it may signal at once.
     install_signal_handlers(server)
+    print(hint(server, layer), flush=True)
     server.wait()
     return 0
 
