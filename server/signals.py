@@ -16,8 +16,9 @@ __all__ = ["SHUTDOWN_MARGIN", "install_signal_handlers"]
 log = logging.getLogger("layertap.server")
 
 #: Seconds past ``--grace`` after which a signalled server exits whatever is
-#: stuck: room for the steps after the drain (each bounded by app.STOP_STEP_SECONDS).
-SHUTDOWN_MARGIN = 10.0
+#: stuck: room for the steps after the drain, each bounded by
+#: app.STOP_STEP_SECONDS (3 s; six of them today) and a little more.
+SHUTDOWN_MARGIN = 20.0
 
 
 def _watchdog(server: LayertapServer, deadline: float) -> None:

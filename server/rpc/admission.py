@@ -254,8 +254,10 @@ class PrincipalAdmission(grpc.ServerInterceptor):
       read; past it the call ends RESOURCE_EXHAUSTED having read nothing.
       Without auth every caller is one principal and this budget is off.
     - The open services (Health, no token needed) run on a small pool of
-      their own: strangers' slow calls can fill only that pool, and a burst
-      of probes queues there instead of being refused.
+      their own: strangers' slow calls can fill only that pool (and then
+      Health's own answers wait), never token holders' workers. A burst of
+      probes queues there, up to grpc's ``maximum_concurrent_rpcs``, which
+      counts every call in flight.
 
     Runs after :class:`~layertap.server.rpc.auth.Authenticator`, which names
     the principal; the callers it refuses never get here.

@@ -8,9 +8,11 @@ whole server, SIGTERM included (grpc/grpc#43403). Health needs no token, so
 anyone could do it.
 
 Here the lock guards dictionaries only and is never held across a send or a
-wait. Every response goes out from one notifier thread, in order, so
-``set`` and ``enter_graceful_shutdown`` never wait on the network either, and
-a close callback only takes the lock for a dictionary update. Watches are
+wait. One notifier thread hands each watch its latest status to a sender
+pool, with at most one send in flight per watch, so ``set`` and
+``enter_graceful_shutdown`` never wait on the network, a client that grants
+no flow-control window stalls only its own watch, and a close callback only
+takes the lock for a dictionary update. Watches are
 bounded in total and per connection (a Watch holds no worker, but each pins a
 little memory and a notifier send), and refusals are counted.
 
@@ -24,6 +26,7 @@ import logging
 import queue
 import threading
 from collections import Counter
+from concurrent import futures
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
@@ -59,7 +62,7 @@ def _check_name(request: health_pb2.HealthCheckRequest, context: grpc.ServicerCo
 class _Watch:
     """One open Watch: where to send, and the last status sent (read and written under the servicer's lock)."""
 
-    __slots__ = ("service", "peer", "send", "sent", "open")
+    __slots__ = ("service", "peer", "send", "sent", "open", "sending", "dirty")
 
     def __init__(self, service: str, peer: str, send: Callable[[Any], Any]) -> None:
         self.service = service
@@ -67,6 +70,9 @@ class _Watch:
         self.send = send
         self.sent: ServingStatus | None = None
         self.open = True
+        #: A send of this watch is in flight (on a sender thread); ``dirty``: check again after it.
+        self.sending = False
+        self.dirty = False
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):
@@ -91,6 +97,11 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         self.refused: Counter[str] = Counter()
         self._followers: list[HealthServicer] = []
         self._outbox: queue.SimpleQueue[_Watch | None] = queue.SimpleQueue()
+        # A send waits until grpc completes it, which a client that grants no
+        # flow-control window delays for as long as it likes: each watch has at
+        # most one send in flight, on a pool with a thread for every watch, so
+        # a stuck one never holds up another's.
+        self._senders = futures.ThreadPoolExecutor(max_workers=max_watches, thread_name_prefix="layertap-health-send")
         self._notifier = threading.Thread(target=self._notify, name="layertap-health-notify", daemon=True)
         self._notifier.start()
 
@@ -141,8 +152,9 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
             other.enter_graceful_shutdown()
 
     def close(self) -> None:
-        """Stop the notifier thread (the server's listeners are stopped first)."""
+        """Stop the notifier thread and the senders (the server's listeners are stopped first)."""
         self._outbox.put(None)
+        self._senders.shutdown(wait=False, cancel_futures=True)
 
     def Check(self, request: health_pb2.HealthCheckRequest,
               context: grpc.ServicerContext) -> health_pb2.HealthCheckResponse:
@@ -214,7 +226,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
                     del self._watches[watch.service]
 
     def _notify(self) -> None:
-        """Send each queued watch its current status, if it changed; never under the lock."""
+        """Hand each queued watch its current status, if it changed, to a sender; never under the lock."""
         while True:
             watch = self._outbox.get()
             if watch is None:
@@ -222,12 +234,28 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
             with self._lock:
                 if not watch.open:
                     continue
+                if watch.sending:  # the sender looks again when its send is done
+                    watch.dirty = True
+                    continue
                 status = self._status.get(watch.service, SERVICE_UNKNOWN)
                 if status == watch.sent:
                     continue
                 watch.sent = status
+                watch.sending = True
             try:
-                # Waits for grpc to complete the send; returns at once for a cancelled stream.
-                watch.send(health_pb2.HealthCheckResponse(status=status))
-            except Exception:  # noqa: BLE001 - one broken stream must not stop the others' updates
-                log.debug("health: a Watch send failed", exc_info=True)
+                self._senders.submit(self._send, watch, status)
+            except RuntimeError:  # closed: the server is stopping
+                return
+
+    def _send(self, watch: _Watch, status: ServingStatus) -> None:
+        try:
+            # Waits for grpc to complete the send; returns at once for a cancelled stream.
+            watch.send(health_pb2.HealthCheckResponse(status=status))
+        except Exception:  # noqa: BLE001 - one broken stream must not stop the others' updates
+            log.debug("health: a Watch send failed", exc_info=True)
+        finally:
+            with self._lock:
+                watch.sending = False
+                again, watch.dirty = watch.dirty, False
+            if again:
+                self._outbox.put(watch)

@@ -22,8 +22,8 @@ log = logging.getLogger("layertap.server")
 HEALTH_WORKERS = 4
 #: Health.Watch streams open at once on the health listener.
 HEALTH_MAX_STREAMS = 16
-#: Watches its servicer admits (in total, per connection): well under the
-#: listener's rpc_limit, so held watches always leave room for probes' Checks.
+#: Watches its servicer admits (in total, per connection): under the
+#: listener's rpc_limit (8), so held watches leave room for probes' Checks.
 HEALTH_MAX_WATCHES = (4, 2)
 #: Receive limit of the health listener: a HealthCheckRequest is one short name.
 HEALTH_MAX_MESSAGE_BYTES = 4096

@@ -240,7 +240,8 @@ def test_interceptors_still_guard_the_capture_handler(make_server, tmp_path):
     taker, taker_line = new_token("taker", ["infer", "read", "capture"])
     tokens = tmp_path / "tokens.txt"
     tokens.write_text(f"{reader_line}\n{taker_line}\n")
-    srv = make_server(auth_tokens=str(tokens), max_streams=1, workers=4)
+    # A principal may use every worker here: the stream slot, not the principal share, is under test.
+    srv = make_server(auth_tokens=str(tokens), max_streams=1, workers=4, principal_share=1.0)
     x = batch(1)
     with layertap.Client(addr(srv), token=reader) as client, pytest.raises(layertap.LayertapError) as info:
         client.capture("fc", input=x)

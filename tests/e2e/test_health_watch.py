@@ -126,3 +126,51 @@ def test_watches_are_bounded_per_connection_and_in_total(make_server):
     shared.close()
     for ch in others:
         ch.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_watch_that_grants_no_window_stalls_only_itself(make_server):
+    """A raw HTTP/2 client opens a Watch with INITIAL_WINDOW_SIZE 0, so its sends never complete.
+
+    Every other watcher still gets its first status at once and NOT_SERVING at
+    shutdown (one notifier sending in turn was stuck behind it for good).
+    """
+    import threading
+    import time
+
+    from h2.settings import SettingCodes
+
+    from support.h2abuse import HEALTH_WATCH, H2Client, grpc_frame
+
+    srv = make_server()
+    stuck = H2Client(srv.port)
+    stuck.conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 0})
+    stuck.flush()
+    stuck.start(HEALTH_WATCH, grpc_frame(health_pb2.HealthCheckRequest().SerializeToString()))
+    stuck.flush()
+    stuck.pump(0.5)
+    assert wait_for(lambda: srv.health.open_watches == 1, 5)
+    ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}", options=OWN_CONNECTION)
+    got: list[object] = []
+
+    def watch() -> None:
+        try:
+            for r in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=20):
+                got.append(r.status)
+        except grpc.RpcError as exc:
+            got.append(exc.code())
+
+    reader = threading.Thread(target=watch)
+    reader.start()
+    end = time.monotonic() + 2
+    while time.monotonic() < end and not got:
+        stuck.pump(0.2)  # answers pings, never grants window
+    assert got == [SERVING]
+    srv.health.enter_graceful_shutdown()
+    end = time.monotonic() + 5
+    while time.monotonic() < end and len(got) < 2:
+        stuck.pump(0.2)
+    assert got[:2] == [SERVING, NOT_SERVING]
+    stuck.close()
+    ch.close()
+    reader.join(20)

@@ -256,8 +256,10 @@ import sys, threading
 from layertap.server.app import start_server
 from layertap.server.config import ServerConfig
 
+from layertap.server import signals
 from layertap.server.signals import install_signal_handlers
 
+signals.SHUTDOWN_MARGIN = {margin}  # read when the signal comes: a short one keeps the test quick
 srv = start_server(ServerConfig(port=0, metrics_port=None, compile_reducers=False, grace_seconds={grace}))
 install_signal_handlers(srv)
 # Wedged on purpose: the health lock is held for good, as grpc_health's was by
@@ -270,9 +272,8 @@ srv.wait()
 
 def test_a_wedged_shutdown_is_ended_by_the_watchdog_with_a_reason():
     """Whatever is stuck, SIGTERM ends the process after --grace + the margin: exit 1, the step named."""
-    from layertap.server.signals import SHUTDOWN_MARGIN
-
-    proc = subprocess.Popen([sys.executable, "-c", WEDGED_SERVER.format(grace=GRACE)], stdout=subprocess.PIPE,
+    SHUTDOWN_MARGIN = 4.0
+    proc = subprocess.Popen([sys.executable, "-c", WEDGED_SERVER.format(grace=GRACE, margin=SHUTDOWN_MARGIN)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=TESTS_DIR)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", proc.stderr
