@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -181,8 +182,10 @@ class Broker:
         self.max_subscribers = max_subscribers
         self._lock = threading.Lock()
         self._subs: list[Subscription] = []
-        #: (subscription, batch) in publish order: the budget evicts from the left.
-        self._order: collections.deque[tuple[Subscription, Batch]] = collections.deque()
+        #: (subscription, batch) in publish order: the budget evicts from the left. Weak:
+        #: a batch that was read and sent is freed at once, not held here behind an
+        #: older one that a slow reader still queues (that memory is in no budget).
+        self._order: collections.deque[tuple[Subscription, weakref.ref[Batch]]] = collections.deque()
         self._seq = 0
         self.dropped_total = 0
         #: Set by ``close()``: open streams end UNAVAILABLE, new ones are refused.
@@ -247,7 +250,7 @@ class Broker:
             dropped = sub.put(batch)
             with self._lock:
                 self.dropped_total += dropped
-                self._order.append((sub, batch))
+                self._order.append((sub, weakref.ref(batch)))
             self.sinks.on_delivery(dropped)
         self._enforce_budget(seq)
 
@@ -260,14 +263,16 @@ class Broker:
         dropped = 0
         with self._lock:
             while self._order:
-                sub, batch = self._order[0]
-                if batch.gone:  # read or dropped by its own queue: nothing to evict
+                sub, ref = self._order[0]
+                batch = ref()
+                if batch is None or batch.gone:  # read or dropped by its own queue: nothing to evict
                     self._order.popleft()
                 elif batch.seq < seq and self.budget.over():
                     self._order.popleft()
                     dropped += sub.drop_if_oldest(batch)
                 else:
                     break
+            batch = None  # hold no batch past the loop
             self.budget.dropped += dropped
             self.dropped_total += dropped
         self.sinks.on_budget(dropped, self.budget.held)

@@ -170,3 +170,22 @@ def test_unsubscribing_gives_its_bytes_back_to_the_budget() -> None:
 def test_budget_must_be_positive() -> None:
     with pytest.raises(ValueError, match="--subscribers-budget-bytes"):
         Broker(budget_bytes=0)
+
+
+def test_a_batch_read_and_sent_is_freed_while_a_slow_reader_queues_older_ones() -> None:
+    """The budget's publish order must not keep read batches alive behind a slow reader's queue."""
+    import gc
+    import weakref
+
+    broker = Broker(budget_bytes=1 << 30)
+    slow, fast = broker.subscribe(), broker.subscribe()
+    refs = []
+    for i in range(20):
+        broker.publish([summary("t", 10, i)], {"t": True})
+        batch = fast.get(timeout=1)
+        assert batch is not None
+        refs.append(weakref.ref(batch))
+        del batch
+    gc.collect()
+    assert all(r() is None for r in refs)  # the fast reader's batches are gone
+    assert slow.pending() == 20  # the slow reader's are all still queued
