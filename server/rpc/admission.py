@@ -23,6 +23,7 @@ cancelled generator is never resumed, so ``finally`` alone would leak it).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from concurrent import futures
@@ -52,12 +53,16 @@ def streaming_methods(services: Iterable[ServiceDescriptor]) -> frozenset[str]:
 
 
 class _Slot:
-    """One admitted stream; :meth:`release` gives the slot back once, from any thread."""
+    """One admitted call's place; :meth:`release` gives it back once, from any thread.
 
-    __slots__ = ("_admission", "_done", "_lock")
+    Both ``finally`` and grpc's end-of-call callback release it: a cancelled
+    generator is never resumed, so either alone could leak or double-count.
+    """
 
-    def __init__(self, admission: StreamAdmission) -> None:
-        self._admission = admission
+    __slots__ = ("_give_back", "_done", "_lock")
+
+    def __init__(self, give_back: Callable[[], None]) -> None:
+        self._give_back = give_back
         self._done = False
         self._lock = threading.Lock()
 
@@ -66,7 +71,7 @@ class _Slot:
             if self._done:
                 return
             self._done = True
-        self._admission._release()
+        self._give_back()
 
 
 class StreamAdmission(grpc.ServerInterceptor):
@@ -109,7 +114,7 @@ class StreamAdmission(grpc.ServerInterceptor):
                     "close a stream or retry later",
                     metadata={"method": method, "max_streams": str(self.limit)})
             self._open += 1
-        return _Slot(self)
+        return _Slot(self._release)
 
     def _release(self) -> None:
         with self._lock:
@@ -215,24 +220,6 @@ class _Budget:
                 self._held.pop(key, None)
 
 
-class _Held:
-    """One call's place in a budget, given back once (``finally`` or grpc's end-of-call callback)."""
-
-    __slots__ = ("_budget", "_key", "_done", "_lock")
-
-    def __init__(self, budget: _Budget, key: str) -> None:
-        self._budget, self._key = budget, key
-        self._done = False
-        self._lock = threading.Lock()
-
-    def release(self) -> None:
-        with self._lock:
-            if self._done:
-                return
-            self._done = True
-        self._budget.give(self._key)
-
-
 def _first(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
     """The one request of a unary-request method, read only once the call holds its place."""
     for request in requests:
@@ -300,15 +287,14 @@ class PrincipalAdmission(grpc.ServerInterceptor):
 
         def behavior(*args: Any, **kwargs: Any) -> Any:
             return inner(*args, **kwargs)
-        for name in ("experimental_non_blocking",):
-            if hasattr(inner, name):
-                setattr(behavior, name, getattr(inner, name))
+        if hasattr(inner, "experimental_non_blocking"):  # Health.Watch answers through a callback
+            behavior.experimental_non_blocking = inner.experimental_non_blocking  # type: ignore[attr-defined]
         behavior.experimental_thread_pool = self.open_pool  # type: ignore[attr-defined]
         make = getattr(grpc, f"{kind}_rpc_method_handler")
         return make(behavior, request_deserializer=handler.request_deserializer,  # type: ignore[no-any-return]
                     response_serializer=handler.response_serializer)
 
-    def _take(self, method: str, budget: _Budget, context: grpc.ServicerContext) -> _Held:
+    def _take(self, method: str, budget: _Budget, context: grpc.ServicerContext) -> _Slot:
         """The call's place in its principal's budget, or the call ended RESOURCE_EXHAUSTED."""
         who = self._principal_of(context)
         if n := budget.take(who):
@@ -318,7 +304,7 @@ class PrincipalAdmission(grpc.ServerInterceptor):
                 metadata={"method": method, "principal": who, "principal_limit": str(budget.limit)})
             log.debug("refused %s for %s: %d calls in flight", method, who, n)
             context.abort_with_status(rpc_status.to_status(rich_status(exc)))
-        return _Held(budget, who)
+        return _Slot(functools.partial(budget.give, who))
 
     def _budgeted(self, handler: grpc.RpcMethodHandler, method: str, budget: _Budget) -> grpc.RpcMethodHandler:
         inner: Callable[..., Any] = (handler.unary_unary or handler.unary_stream  # type: ignore[assignment]
