@@ -19,7 +19,6 @@ import collections
 import hashlib
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the raw HTTP/2 client and serve's start-up reader live with the tests
+
+from support.serve import read_startup  # noqa: E402
 TOKEN = "bench-token-0123456789abcdef"
 
 
@@ -47,12 +49,7 @@ def serve(tmp: Path, log: Path, limits: bool) -> tuple[subprocess.Popen, int]:
                              "--no-metrics", "--grace", "1", "--auth-tokens", str(tokens)],
                             stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
     assert proc.stdout is not None
-    port = -1
-    for line in proc.stdout:
-        if m := re.search(r"serving on [^\s]+:(\d+)", line):
-            port = int(m.group(1))
-        if line.startswith("layertap: try"):
-            break
+    port, _ = read_startup(proc.stdout)
     threading.Thread(target=proc.stdout.read, daemon=True).start()
     return proc, port
 

@@ -19,12 +19,16 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from layertap.v1 import inference_pb2_grpc, telemetry_pb2 as pb, telemetry_pb2_grpc
+from layertap.v1 import telemetry_pb2 as pb, telemetry_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # serve's start-up reader lives with the tests
+from support.serve import read_startup  # noqa: E402
 
 WIDE = [pb.REDUCER_KIND_MOMENTS, pb.REDUCER_KIND_HISTOGRAM, pb.REDUCER_KIND_PER_CHANNEL]
 
@@ -42,15 +46,8 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen[str], int, int | No
     """``layertap serve --port 0``; returns the process, its gRPC and metrics ports."""
     proc = subprocess.Popen([sys.executable, "-m", "layertap.cli", "serve", "--port", "0", "--metrics-port", "0",
                              "--no-compile", *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    port, mport = -1, None
     assert proc.stdout is not None
-    for line in proc.stdout:
-        if m := re.search(r"metrics on https?://[^:]+:(\d+)/metrics", line):
-            mport = int(m.group(1))
-        if m := re.search(r"serving on [^\s]+:(\d+)", line):
-            port = int(m.group(1))
-        if line.startswith("layertap: try"):
-            break
+    port, mport = read_startup(proc.stdout)
     threading.Thread(target=proc.stdout.read, daemon=True).start()
     return proc, port, mport
 

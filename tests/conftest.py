@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -11,6 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from support.serve import read_startup
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent
@@ -64,17 +65,8 @@ class ServerProcess:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
         )
         self.lines: list[str] = []
-        self.port = -1
-        self.metrics_port: int | None = None
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if m := re.search(r"metrics on https?://[^:]+:(\d+)/metrics", line):
-                self.metrics_port = int(m.group(1))
-            if m := re.search(r"serving on [^\s]+:(\d+)", line):
-                self.port = int(m.group(1))
-            if line.startswith("layertap: try"):
-                break
+        self.port, self.metrics_port = read_startup(self.proc.stdout, self.lines)
         if self.port < 0:
             err = self.proc.stderr.read() if self.proc.stderr else ""
             raise RuntimeError(f"server did not start: {''.join(self.lines)}\n{err}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import signal
 import socket
 import ssl
@@ -31,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 
 from layertap.v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2
+from support.serve import read_startup
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -92,15 +92,9 @@ class Server:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "layertap.cli", "serve", "--port", "0", "--metrics-port", "0",
                  "--no-compile", *flags, *args], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-        self.port = self.metrics_port = -1
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if m := re.search(r"serving on [^\s]+:(\d+)", line):
-                self.port = int(m.group(1))
-            if m := re.search(r"metrics on https?://[^:]+:(\d+)/metrics", line):
-                self.metrics_port = int(m.group(1))
-            if line.startswith("layertap: try"):
-                break
+        self.port, metrics_port = read_startup(self.proc.stdout)
+        self.metrics_port = metrics_port if metrics_port is not None else -1
         if self.port < 0:
             self.proc.kill()
             raise RuntimeError(f"serve did not start:\n{self.log()}")
