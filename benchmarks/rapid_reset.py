@@ -38,7 +38,7 @@ TOKEN = "bench-token-0123456789abcdef"
 
 #: ``--without-limits``: the server as before session 9, none of server/rpc/transport.py's options.
 WITHOUT_LIMITS = ("import sys; from layertap.server.rpc import transport; transport.SERVER_OPTIONS.clear(); "
-                  "from layertap.server.main import main; sys.exit(main(sys.argv[1:]))")
+                  "from layertap.server.cli.serve import main; sys.exit(main(sys.argv[1:]))")
 
 
 def serve(tmp: Path, log: Path, limits: bool) -> tuple[subprocess.Popen, int]:

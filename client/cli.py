@@ -40,7 +40,7 @@ __all__ = ["SPARK_WIDTH", "build_parser", "main", "parse_args", "sparkline"]
 PROG = "layertap"
 #: Subcommands whose arguments belong to the server package.
 _PASSTHROUGH = ("serve", "demo")
-_DEMOS = {"drift": "layertap.server.drift_demo"}
+_DEMOS = {"drift": "layertap.server.cli.drift_demo"}
 
 
 # --------------------------------------------------------------------------- parsing
@@ -391,7 +391,7 @@ def _cmd_token_new(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    serve_main = _server_entry("layertap.server.main", "serve")
+    serve_main = _server_entry("layertap.server.cli.serve", "serve")
     if serve_main is None:
         return 1
     return int(serve_main(list(args.rest)) or 0)

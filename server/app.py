@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from layertap.server.stream.broker import Broker
+from layertap.server.stream.publisher import Publisher
 from layertap.server.stream.sinks import Sinks
 from layertap.server.export.sink import MetricsSink
 from layertap.server.config import MODEL_DTYPES, ServerConfig
@@ -230,7 +231,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
     sinks = Sinks()
     broker = Broker(default_queue_size=config.subscriber_queue, max_subscribers=config.max_subscribers, sinks=sinks,
                     queue_bytes=config.subscriber_queue_bytes, budget_bytes=config.subscribers_budget_bytes)
-    taps = TapEngine(host, broker, max_taps=config.max_taps, sinks=sinks, transfer_bytes=config.transfer_queue_bytes)
+    taps = TapEngine(host, publisher=Publisher(broker, sinks), max_taps=config.max_taps,
+                     transfer_bytes=config.transfer_queue_bytes)
     metrics = snapshots = None
     if config.metrics_port is None:
         registry = None
@@ -242,7 +244,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
         metrics.taps.set_function(lambda: len(taps.all_taps()))
         metrics.subscribers.set_function(lambda: broker.subscriber_count)
         sinks.add(MetricsSink(metrics, snapshots, taps.is_durable))
-    drift = sinks.add(DriftMonitor(taps, store=snapshots, baseline_dir=config.baseline_dir,
+    drift = sinks.add(DriftMonitor(taps, on_score=snapshots.set_drift if snapshots is not None else None, baseline_dir=config.baseline_dir,
                                    default_window=config.drift_window,
                                    on_load_error=(lambda _why: metrics.baseline_load_errors.inc()) if metrics else None,
                                    on_save_error=(lambda _why: metrics.baseline_save_errors.inc()) if metrics else None))

@@ -95,3 +95,26 @@ class ServerConfig:
     def max_message_bytes(self) -> int:
         """gRPC message limit: the tensor cap plus room for the envelope."""
         return self.max_request_bytes + (1 << 20)
+
+
+#: Hosts that keep the server on this machine: protected mode lets them start bare.
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def check_exposure(cfg: ServerConfig) -> str | None:
+    """Protected mode: why this config must not start (None: it may).
+
+    Here, not in a CLI, because every assembler that opens a port (``serve``,
+    the training agent) must refuse the same configs.
+    """
+    if (cfg.tls_cert is None) != (cfg.tls_key is None):
+        return "--tls-cert and --tls-key go together"
+    if cfg.tls_client_ca and not cfg.tls_cert:
+        return "--tls-client-ca needs --tls-cert and --tls-key"
+    if cfg.host in LOOPBACK or cfg.host.startswith("127.") or cfg.insecure:
+        return None
+    if cfg.auth_tokens and cfg.tls_cert:
+        return None
+    missing = " and ".join(m for m, ok in (("--auth-tokens", cfg.auth_tokens), ("--tls-cert/--tls-key", cfg.tls_cert)) if not ok)
+    return (f"--host {cfg.host} exposes the server beyond this machine without {missing}; "
+            "add them, or pass --insecure to accept the risk")

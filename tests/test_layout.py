@@ -1,7 +1,9 @@
 """The layout keeps its shape: no import cycles, no module that does everything.
 
-Both checks read the source with ``ast`` (nothing is imported), so they hold
-for imports under ``TYPE_CHECKING`` and inside functions too.
+The checks read the source with ``ast`` (nothing is imported), so they hold
+for imports under ``TYPE_CHECKING`` and inside functions too. Two graphs are
+checked: modules, and the server's stages (its folders and root modules),
+which ``docs/design.md`` draws and this file prints.
 """
 
 from __future__ import annotations
@@ -89,6 +91,62 @@ def test_no_import_cycles() -> None:
     graph = {m: _imports(m, p, known) for m, p in known.items()}
     assert graph["layertap.server.app"], "the resolver found no imports: the test is broken"
     assert _cycles(graph) == []
+
+
+SERVER = "layertap.server"
+DESIGN = REPO / "docs" / "design.md"
+#: The only stages that wire others together: they may import ``app``.
+ASSEMBLERS = {"app", "cli", "train"}
+
+
+def _stage(module: str) -> str | None:
+    """``layertap.server.taps.engine`` -> ``taps``; a root module is its own stage; None outside the server."""
+    if not module.startswith(SERVER + "."):
+        return None
+    return module[len(SERVER) + 1:].split(".")[0]
+
+
+def stage_graph() -> dict[str, set[str]]:
+    """Stage -> the stages it imports (``TYPE_CHECKING`` and function-level imports included)."""
+    known = _modules()
+    out: dict[str, set[str]] = {}
+    for module, path in known.items():
+        here = _stage(module)
+        if here is None:
+            continue
+        deps = out.setdefault(here, set())
+        deps.update(s for m in _imports(module, path, known) if (s := _stage(m)) not in (None, here))
+    return out
+
+
+def render_stage_graph(graph: dict[str, set[str]]) -> str:
+    return "\n".join(f"{stage:<14} -> {', '.join(sorted(deps)) or '(nothing)'}" for stage, deps in sorted(graph.items()))
+
+
+def _documented_graph() -> str:
+    text = DESIGN.read_text()
+    start = text.index("<!-- stage-graph -->")
+    block = text[start:].split("```", 2)[1]
+    return block.removeprefix("text").strip("\n")
+
+
+def test_stage_graph_has_no_cycle_and_matches_the_design_doc() -> None:
+    graph = stage_graph()
+    print(render_stage_graph(graph))
+    assert {"host", "taps", "reducers", "stream", "export", "drift", "rpc", "app"} <= graph.keys()
+    assert _cycles(graph) == []
+    assert render_stage_graph(graph) == _documented_graph(), (
+        "docs/design.md's stage graph is stale; paste this under <!-- stage-graph -->:\n" + render_stage_graph(graph))
+
+
+def test_only_assemblers_wire_stages() -> None:
+    graph = stage_graph()
+    assert {s for s, deps in graph.items() if "cli" in deps} == set(), "no stage imports the server's CLIs"
+    assert {s for s, deps in graph.items() if "app" in deps} <= ASSEMBLERS
+
+
+def test_stream_names_nothing_from_taps() -> None:
+    assert "taps" not in stage_graph()["stream"]
 
 
 def test_cycle_detector_sees_a_cycle() -> None:

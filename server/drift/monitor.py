@@ -35,17 +35,16 @@ from layertap.server.drift.exchange import (
     builder_state_from_proto, builder_state_to_proto, frozen_from_bytes, frozen_to_bytes, merge_states,
 )
 from layertap.server.drift.files import baseline_filename, load_baselines, save_baseline
+from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.drift.window import SlidingWindow
 from layertap.server.errors import AlreadyExists, InvalidSpec, NotFound, Unsupported
 from layertap.server.host.hooks import POINT_BY_NAME, POINT_NAMES
-from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.host.model_host import PassContext
 from layertap.server.taps.selectors import select_layers
 from layertap.server.limits import check_name
-from layertap.server.stream.sinks import Sink
+from layertap.server.stream.sinks import Sink, TapView
 from layertap.server.taps.engine import TapEngine
-from layertap.server.taps.tap import Tap
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")
@@ -57,11 +56,14 @@ MAX_PASSES = 100_000
 def _results(summary: pb.Summary) -> dict[str, pb.ReducerResult]:
     return {r.WhichOneof("value"): r for r in summary.results}
 
+#: ``(tap, layer, point name, score or None, thresholds)``: one layer's new drift.
+ScoreListener = Callable[[str, str, str, DriftScore | None, DriftThresholds], None]
+
 
 class DriftMonitor(Sink):
     """Owns baseline taps, their builders and windows; a sink of the tap engine."""
 
-    def __init__(self, engine: TapEngine, *, store: SnapshotStore | None = None,
+    def __init__(self, engine: TapEngine, *, on_score: ScoreListener | None = None,
                  baseline_dir: str | None = None, default_window: int = 50,
                  on_load_error: Callable[[str], None] | None = None,
                  on_save_error: Callable[[str], None] | None = None,
@@ -69,12 +71,15 @@ class DriftMonitor(Sink):
         """Create the monitor (a sink of ``engine``).
 
         Args:
+            on_score: Called with every new score of a layer (and None while its
+                baseline collects); the app points it at the metrics' store, so
+                drift knows nothing of export.
             on_load_error: Called with each message of a baseline file refused at start-up.
             on_save_error: Called with each failed write of a frozen baseline, retries included.
             clock: Monotonic seconds, for the save retries' backoff.
         """
         self.engine = engine
-        self.store = store
+        self._on_score = on_score
         self.baseline_dir = baseline_dir
         self.default_window = default_window
         self._on_load_error = on_load_error
@@ -444,11 +449,11 @@ class DriftMonitor(Sink):
         self._export(entry)
 
     def _export(self, entry: LayerEntry) -> None:
-        if self.store is not None:
-            self.store.set_drift(entry.tap, entry.layer, entry.point, entry.score, entry.thresholds)
+        if self._on_score is not None:
+            self._on_score(entry.tap, entry.layer, entry.point, entry.score, entry.thresholds)
 
-    def on_tap_removed(self, tap: Tap, reason: str) -> None:
-        if tap.kind != pb.TAP_KIND_DURABLE:
+    def on_tap_removed(self, tap: TapView, reason: str) -> None:
+        if not tap.durable:
             return
         with self._lock:
             self._own.discard(tap.id)

@@ -12,8 +12,7 @@ from collections.abc import Callable
 from layertap.server.export.health import ServerMetrics
 from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.host.model_host import PassContext
-from layertap.server.stream.sinks import Sink
-from layertap.server.taps.tap import Tap
+from layertap.server.stream.sinks import Sink, TapView
 from layertap.v1 import telemetry_pb2 as pb
 
 
@@ -30,14 +29,14 @@ class MetricsSink(Sink):
         durable = self._durable()
         self.store.update_from_summaries((s.tap, s) for s in summaries if durable.get(s.tap))
 
-    def on_tap_created(self, tap: Tap) -> None:
+    def on_tap_created(self, tap: TapView) -> None:
         self.store.add_tap(tap.id)
 
-    def on_tap_removed(self, tap: Tap, reason: str) -> None:
+    def on_tap_removed(self, tap: TapView, reason: str) -> None:
         if tap.durable:  # only durable taps are exported, so only they need forgetting
             self.store.remove_tap(tap.id)
 
-    def on_tap_error(self, tap: Tap) -> None:
+    def on_tap_error(self, tap: TapView) -> None:
         self.metrics.reducer_errors.inc()
 
     def on_hook_time(self, seconds: float) -> None:

@@ -38,10 +38,10 @@ from layertap.server.host.priority import telemetry_thread
 from layertap.server.record.replay import Share, anomalous_rows, replay
 from layertap.server.record.retention import InputRetention
 from layertap.server.record.store import IncidentStore, StoredTensor, new_id
-from layertap.server.record.triggers import Firing, RateLimit, enabled, evaluate, interval_of
-from layertap.server.stream.sinks import Sink
+from layertap.server.record.triggers import Firing, RateLimit, check_triggers, enabled, evaluate, interval_of
+from layertap.server.stream.sinks import Sink, TapView
+from layertap.server.stream.summary_wire import timestamp
 from layertap.server.taps.engine import TapEngine
-from layertap.server.taps.tap import Tap, timestamp
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class _Job:
 
     ctx: PassContext
     inputs: list[torch.Tensor] | None
-    firings: list[tuple[Tap, Firing]] = field(default_factory=list)
+    firings: list[tuple[TapView, Firing]] = field(default_factory=list)
 
 
 class Recorder(Sink):
@@ -80,7 +80,7 @@ class Recorder(Sink):
         self.drift = drift
         self.retention = InputRetention(record_bytes) if record_bytes > 0 else None
         self.limits = RateLimit(clock)
-        self._taps: dict[str, Tap] = {}
+        self._taps: dict[str, TapView] = {}
         self._lock = threading.Lock()
         self._input_hook: object | None = None
         self._jobs: queue.Queue[_Job | None] = queue.Queue(JOB_QUEUE)
@@ -93,13 +93,14 @@ class Recorder(Sink):
                                       ("model", "tap", "trigger"), registry=registry)
             self._model = model_name
             registry.register(_RecorderCollector(self, model_name))
-        engine.triggers_recorded = True
         self._thread = telemetry_thread(self._run, "layertap-recorder")  # see host.priority
         self._thread.start()
-        self.host.add_observer(self)  # after the engine: it has decided whether the pass publishes
 
     # -- taps (RPC threads) ----------------------------------------------------
-    def on_tap_created(self, tap: Tap) -> None:
+    def check_spec(self, spec: pb.TapSpec, *, durable: bool, field_prefix: str) -> None:
+        check_triggers(spec, durable=durable, field_prefix=field_prefix)
+
+    def on_tap_created(self, tap: TapView) -> None:
         if not tap.durable or not enabled(tap.spec.triggers):
             return
         with self._lock:
@@ -109,7 +110,7 @@ class Recorder(Sink):
                 with self.host.pass_lock():
                     self._input_hook = self.host.hooks.add("", pb.POINT_INPUT, self._keep_input)
 
-    def on_tap_removed(self, tap: Tap, reason: str) -> None:
+    def on_tap_removed(self, tap: TapView, reason: str) -> None:
         with self._lock:
             current = self._taps.get(tap.id)
             if current is None or current is not tap:
@@ -132,9 +133,9 @@ class Recorder(Sink):
             tensors = [t.detach().to("cpu", non_blocking=True, copy=True) for t in tensors]
         self.retention.keep(ctx.index, tensors)
 
-    def pass_finished(self, ctx: PassContext) -> None:
+    def on_pass_skipped(self, ctx: PassContext) -> None:
         """A pass that publishes no summaries is never evaluated: let its input go."""
-        if self.retention is not None and getattr(self.engine, "last_submitted", None) != ctx.index:
+        if self.retention is not None:
             self.retention.forget(ctx.index)
 
     # -- host-transfer thread ------------------------------------------------------
@@ -154,13 +155,13 @@ class Recorder(Sink):
             if not queued and self.retention is not None:
                 self.retention.release(inputs)
 
-    def _fired(self, ctx: PassContext, summaries: list[pb.Summary]) -> list[tuple[Tap, Firing]]:
+    def _fired(self, ctx: PassContext, summaries: list[pb.Summary]) -> list[tuple[TapView, Firing]]:
         """The taps whose triggers fired on this pass and passed the rate limit."""
         with self._lock:
             taps = dict(self._taps)
         if not taps or ctx.active:
             return []
-        fired: list[tuple[Tap, Firing]] = []
+        fired: list[tuple[TapView, Firing]] = []
         by_tap: dict[str, list[pb.Summary]] = {}
         for s in summaries:
             if s.tap in taps:
@@ -219,7 +220,7 @@ class Recorder(Sink):
         return [self._write(ctx, firing, share, job.inputs if replayed else None, captured, note)
                 for (_tap, firing), share in zip(job.firings, shares)]
 
-    def _rows_finder(self, tap: Tap, firing: Firing) -> Callable[[str, torch.Tensor], list[int]]:
+    def _rows_finder(self, tap: TapView, firing: Firing) -> Callable[[str, torch.Tensor], list[int]]:
         point = tap.spec.point or pb.POINT_OUTPUT
         return lambda layer, t: anomalous_rows(t, tap.spec.triggers, firing.layers[layer], self._baseline(layer, point))
 
@@ -244,7 +245,7 @@ class Recorder(Sink):
         if self._incidents is not None:
             for name in rec.triggers:
                 self._incidents.labels(self._model, tap.id, name).inc()
-        self.engine.broker.publish([], {tap.id: True}, [pb.TapEvent(tap=tap.id, kind="incident", message=rec.id)])
+        self.engine.publisher.event(tap, "incident", rec.id)
         log.warning("incident %s: tap %s, triggers %s, layers %s, rows %s, replay %s", rec.id, tap.id,
                     ",".join(rec.triggers), ",".join(firing.layers), list(rec.rows),
                     "matches" if rec.replay_matches else f"differs/absent ({rec.replay_note[:200]})")
@@ -258,7 +259,6 @@ class Recorder(Sink):
         return not self._jobs.unfinished_tasks
 
     def close(self) -> None:
-        self.host.remove_observer(self)
         self._jobs.put(None)
         self._thread.join(5.0)
 

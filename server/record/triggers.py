@@ -13,7 +13,8 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from layertap.server.errors import InvalidSpec
+from layertap.server.errors import InvalidSpec, Unsupported
+from layertap.server.stream.sinks import Sink
 from layertap.v1 import telemetry_pb2 as pb
 
 NONFINITE = "nonfinite"
@@ -80,6 +81,21 @@ def check_triggers(spec: pb.TapSpec, *, durable: bool, field_prefix: str = "spec
         if NEEDS[name] not in kinds:
             reducer = pb.ReducerKind.Name(NEEDS[name]).removeprefix("REDUCER_KIND_").lower()
             raise InvalidSpec(f"{where}.{name}", f"needs the {reducer} reducer in {field_prefix}.reducers")
+
+
+class TriggerCheck(Sink):
+    """The sink that answers for ``spec.triggers`` when no recorder runs.
+
+    A spec that turns a trigger on is refused, naming the flag that would
+    record it, rather than accepted and never fired. (With ``--incident-dir``
+    the recorder answers instead, with :func:`check_triggers` alone.)
+    """
+
+    def check_spec(self, spec: pb.TapSpec, *, durable: bool, field_prefix: str) -> None:
+        check_triggers(spec, durable=durable, field_prefix=field_prefix)
+        if enabled(spec.triggers):
+            raise Unsupported(f"{field_prefix}.triggers: start the server with --incident-dir to record incidents",
+                              field=f"{field_prefix}.triggers")
 
 
 def _results(summary: pb.Summary) -> dict[str, pb.ReducerResult]:

@@ -8,6 +8,7 @@ from layertap.server.config import ServerConfig
 from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.record.recorder import Recorder
 from layertap.server.record.store import IncidentStore, RingLimits
+from layertap.server.record.triggers import TriggerCheck
 from layertap.server.taps.engine import TapEngine
 
 MIB = 1 << 20
@@ -16,6 +17,9 @@ MIB = 1 << 20
 def start_recorder(config: ServerConfig, taps: TapEngine, drift: DriftMonitor,
                    registry: CollectorRegistry | None, model_name: str) -> Recorder | None:
     """The recorder as a sink of ``taps``, or None without ``--incident-dir``.
+
+    Either way a sink answers for a spec's triggers: the recorder validates
+    them, and without it :class:`TriggerCheck` refuses them.
 
     Raises:
         ValueError: A flag out of range, ``--incident-max-file-bytes`` above ``--incident-max-bytes``,
@@ -26,6 +30,7 @@ def start_recorder(config: ServerConfig, taps: TapEngine, drift: DriftMonitor,
     if not config.incident_dir:
         if config.record_inputs:
             raise ValueError("--record-inputs needs --incident-dir: retained inputs are only kept for incidents")
+        taps.sinks.add(TriggerCheck())
         return None
     if taps.host.training:
         raise ValueError("--incident-dir: a training agent cannot replay inputs (it only observes the loop's steps)")

@@ -251,7 +251,7 @@ class Compiler:
         ``noexcept`` frame, and the process aborts ("terminate called without
         an active exception"). So exit waits for a compile in flight (measured
         cold on 2 cores: up to 20 s; warm: under a second); a server that must
-        stop within its grace leaves with ``os._exit`` instead (``server.main``).
+        stop within its grace leaves with ``os._exit`` instead (``server.cli.serve``).
 
         Returns:
             True when no compile is running any more.

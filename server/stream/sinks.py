@@ -1,43 +1,72 @@
 """Sinks: everything downstream of the taps that is not a subscriber stream.
 
-The app assembles one :class:`Sinks` and hands it to the tap engine and the
-broker; each consumer (Prometheus export, drift, and later training, tools and
-the flight recorder) is a :class:`Sink` that overrides only the events it
-needs. This replaces ad-hoc callback lists, so the wiring is visible in one
-place (``layertap.server.app``) and a new consumer is one ``sinks.add(...)``.
+The app assembles one :class:`Sinks` and hands it to the publisher (which
+the tap engine talks to) and the broker; each consumer (Prometheus export,
+drift, the flight recorder) is a :class:`Sink` that overrides only the events
+it needs, so the wiring is visible in one place (``layertap.server.app``) and
+a new consumer is one ``sinks.add(...)``.
+
+Sinks also answer :meth:`Sink.check_spec` before a tap is created: a stage
+downstream (the recorder's triggers, drift's reserved names) refuses a spec it
+cannot serve without the tap engine importing that stage.
 
 Threads: ``on_summaries`` runs on the host-transfer thread, ``on_hook_time``
-on the model thread, the tap events on whichever thread changed the tap, and
-``on_delivery`` and ``on_budget`` on the publishing (or unsubscribing) thread. None may block; a sink that raises
-is logged and the others still run, so a broken consumer never stalls a pass.
+and ``on_pass_skipped`` on the model thread, ``check_spec`` and the tap events
+on whichever thread changed the tap, and ``on_delivery`` and ``on_budget`` on
+the publishing (or unsubscribing) thread. None may block; an event handler that
+raises is logged and the others still run, so a broken consumer never stalls
+a pass. ``check_spec`` is the exception: its error is the caller's answer.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from layertap.server.host.model_host import PassContext
-from layertap.server.taps.tap import Tap
 from layertap.v1 import telemetry_pb2 as pb
 
+__all__ = ["Sink", "Sinks", "TapView"]
+
 log = logging.getLogger(__name__)
+
+
+class TapView(Protocol):
+    """What a sink may read of a tap (``taps.tap.Tap`` is one); stream/ names no type from taps/."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def spec(self) -> pb.TapSpec: ...
+
+    @property
+    def owner(self) -> str: ...
+
+    @property
+    def durable(self) -> bool: ...
 
 
 class Sink:
     """A consumer of pipeline events; every method is a no-op by default."""
 
+    def check_spec(self, spec: pb.TapSpec, *, durable: bool, field_prefix: str) -> None:
+        """Refuse ``spec`` by raising (an ``errors.ServiceError`` naming the field); runs before the tap exists."""
+
     def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
         """All summaries of one finished pass (published to the broker already)."""
 
-    def on_tap_created(self, tap: Tap) -> None:
+    def on_pass_skipped(self, ctx: PassContext) -> None:
+        """A finished pass publishes nothing: no tap fired, or its forward raised."""
+
+    def on_tap_created(self, tap: TapView) -> None:
         """A tap was created (durable or stream)."""
 
-    def on_tap_removed(self, tap: Tap, reason: str) -> None:
+    def on_tap_removed(self, tap: TapView, reason: str) -> None:
         """A tap was deleted, expired or its stream ended."""
 
-    def on_tap_error(self, tap: Tap) -> None:
+    def on_tap_error(self, tap: TapView) -> None:
         """A reducer raised; ``tap`` is now disabled."""
 
     def on_hook_time(self, seconds: float) -> None:
@@ -74,16 +103,23 @@ class Sinks(Sink):
             except Exception:  # noqa: BLE001 - one broken consumer must not stop the others
                 log.exception("sink %s failed", type(sink).__name__)
 
+    def check_spec(self, spec: pb.TapSpec, *, durable: bool, field_prefix: str) -> None:
+        for sink in self._members:  # not _each: a refusal is the answer, not a failure
+            sink.check_spec(spec, durable=durable, field_prefix=field_prefix)
+
     def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
         self._each(lambda s: s.on_summaries(ctx, summaries))
 
-    def on_tap_created(self, tap: Tap) -> None:
+    def on_pass_skipped(self, ctx: PassContext) -> None:
+        self._each(lambda s: s.on_pass_skipped(ctx))
+
+    def on_tap_created(self, tap: TapView) -> None:
         self._each(lambda s: s.on_tap_created(tap))
 
-    def on_tap_removed(self, tap: Tap, reason: str) -> None:
+    def on_tap_removed(self, tap: TapView, reason: str) -> None:
         self._each(lambda s: s.on_tap_removed(tap, reason))
 
-    def on_tap_error(self, tap: Tap) -> None:
+    def on_tap_error(self, tap: TapView) -> None:
         self._each(lambda s: s.on_tap_error(tap))
 
     def on_hook_time(self, seconds: float) -> None:

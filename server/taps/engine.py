@@ -2,8 +2,10 @@
 
 The hot path (a hook) only launches reducer kernels and appends their result
 vector to the pass buffer: no host sync. When the pass ends the buffer goes
-to the host-transfer thread in one device-to-host copy, which turns
-it into ``Summary`` messages for the broker and the sinks (metrics, drift).
+to the host-transfer thread in one device-to-host copy, and its values to the
+publisher (``stream.publisher``), which turns them into ``Summary`` messages
+for the broker and the sinks (metrics, drift, recorder). The engine never
+sees a summary.
 """
 
 from __future__ import annotations
@@ -13,15 +15,12 @@ import random
 import secrets
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-from google.protobuf.timestamp_pb2 import Timestamp
-
 from layertap.server.stream.broker import Broker
+from layertap.server.stream.publisher import Piece, Publisher
 from layertap.server.stream.sinks import Sinks
-from layertap.server.taps.tap import Tap, timestamp
+from layertap.server.taps.tap import Tap
 from layertap.server.reducers.transfer import DEFAULT_TRANSFER_BYTES, HostTransfer, PassBuffer
 from layertap.server.errors import echo, AlreadyExists, InvalidSpec, LimitExceeded, NotFound, Unsupported
 from layertap.server.host.hooks import POINT_NAMES, ParamGrad
@@ -29,14 +28,12 @@ from layertap.server.limits import check_name, check_ttl
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
 from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.compiled_kernel import DENSE, Signature
-from layertap.server.reducers.latency import Lap, LayerTimer, fill_latency
+from layertap.server.reducers.latency import LayerTimer
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.spec import SpecError
-from layertap.server.record.triggers import check_triggers, enabled
 from layertap.server.taps.reuse import PassReuse, passthrough_parents
 from layertap.server.taps.sampling import Clock, Sampler
 from layertap.server.taps.selectors import MAX_SELECTOR_BYTES, select_layers
-from layertap.server.taps.summary_wire import SummaryWire, results_bytes
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")
@@ -44,27 +41,20 @@ log = logging.getLogger("layertap.server")
 DEFAULT_TTL_SECONDS = 600.0
 
 
-@dataclass
-class _Piece:
-    tap: Tap
-    layer: str
-    output_index: int
-    call_index: int
-    shape: tuple[int, ...]
-    plan: ReducerPlan
-    sampled: bool
-    lap: Lap | None = None
-
-
 class TapEngine:
-    """Owns every tap on a model host; is the host's pass observer."""
+    """Owns every tap on a model host; is the host's pass observer.
 
-    def __init__(self, host: ModelHost, broker: Broker, *, clock: Clock = time.monotonic,
+    Args:
+        publisher: Where pass values and tap events go; the app builds it. Without
+            one the engine makes its own from ``broker`` and ``sinks``.
+    """
+
+    def __init__(self, host: ModelHost, broker: Broker | None = None, *, clock: Clock = time.monotonic,
                  wall: Clock = time.time, max_taps: int = 64, rng: random.Random | None = None,
                  transfer_queue: int = 64, sinks: Sinks | None = None,
-                 transfer_bytes: int = DEFAULT_TRANSFER_BYTES) -> None:
+                 transfer_bytes: int = DEFAULT_TRANSFER_BYTES, publisher: Publisher | None = None) -> None:
         self.host = host
-        self.broker = broker
+        self.publisher = publisher if publisher is not None else Publisher(broker, sinks)
         self.clock = clock
         self.wall = wall
         self.max_taps = max_taps
@@ -72,21 +62,23 @@ class TapEngine:
         self._lock = threading.RLock()
         self._taps: dict[str, Tap] = {}
         self._buffer: PassBuffer | None = None
-        self._pieces: list[_Piece] = []
+        self._pieces: list[Piece] = []
         self._hook_seconds = 0.0
         self.reducer_errors = 0
-        #: Downstream consumers; the app assembles them (see stream.sinks).
-        self.sinks: Sinks = sinks if sinks is not None else Sinks()
         # Bounded in bytes too: one pass of wide taps holds megabytes of values.
         self.transfer = HostTransfer(maxsize=transfer_queue, max_bytes=transfer_bytes)
-        self._wire = SummaryWire()
         #: Model thread only: reductions of this pass a later firing may reuse.
         self._reuse = PassReuse(passthrough_parents(host.modules))
-        #: Set by the flight recorder; without it a spec with triggers is refused.
-        self.triggers_recorded = False
-        #: Index of the last pass handed to the host-transfer thread (the recorder's cue).
-        self.last_submitted = -1
         host.add_observer(self)
+
+    @property
+    def broker(self) -> Broker:
+        return self.publisher.broker
+
+    @property
+    def sinks(self) -> Sinks:
+        """Downstream consumers (see stream.sinks); they answer spec checks too."""
+        return self.publisher.sinks
 
     # -- registry ------------------------------------------------------------
     def create(self, spec: pb.TapSpec, *, kind: int = pb.TAP_KIND_DURABLE, ttl: float | None = None,
@@ -120,10 +112,7 @@ class TapEngine:
         if spec.name:
             check_name(spec.name, f"{field_prefix}.name")
         sampler = Sampler(spec.sampling, clock=self.clock, rng=self._rng, field=f"{field_prefix}.sampling")
-        check_triggers(spec, durable=kind == pb.TAP_KIND_DURABLE, field_prefix=field_prefix)
-        if enabled(spec.triggers) and not self.triggers_recorded:
-            raise Unsupported(f"{field_prefix}.triggers: start the server with --incident-dir to record incidents",
-                              field=f"{field_prefix}.triggers")
+        self.sinks.check_spec(spec, durable=kind == pb.TAP_KIND_DURABLE, field_prefix=field_prefix)
         plan = ReducerPlan(reducers)
         if plan.timed and point != pb.POINT_OUTPUT:
             raise InvalidSpec(f"{field_prefix}.point", "the latency reducer times a module's forward: "
@@ -159,7 +148,7 @@ class TapEngine:
                         layer, lambda ctx, _v, _l=layer: timer.start(_l, ctx.index),
                         lambda _ctx, _v, _l=layer: timer.stop(_l)))
             self._taps[tap_id] = tap
-        self.sinks.on_tap_created(tap)
+        self.publisher.tap_created(tap)
         if plan.needs_basic_stats:
             # Compile ahead for what the hooked layers produce in a server pass
             # (the model's dtype, dense, inference mode), so the first passes
@@ -175,15 +164,9 @@ class TapEngine:
         if tap is None:
             raise NotFound(f"no tap {echo(tap_id)}; list taps with ListTaps / client.taps()")
         self._unhook(tap)
-        self.sinks.on_tap_removed(tap, reason)
-        self._announce(tap, reason, f"tap {reason}")
-        self.broker.tap_gone(tap_id)
+        self.publisher.tap_removed(tap, reason)
         log.info("tap %s %s", tap_id, reason)
         return tap
-
-    def _announce(self, tap: Tap, kind: str, message: str) -> None:
-        """Tell the tap's subscribers now (the broker never blocks)."""
-        self.broker.publish([], {tap.id: tap.durable}, [pb.TapEvent(tap=tap.id, kind=kind, message=message)])
 
     def set_layer_reducers(self, tap_id: str, layer: str, reducers: list[pb.ReducerSpec], *,
                            tap: Tap | None = None) -> None:
@@ -270,7 +253,7 @@ class TapEngine:
                     if key is not None:
                         self._reuse.put(key, tensor, vec)
                 self._buffer.add(len(self._pieces), vec)
-                self._pieces.append(_Piece(tap, layer, offset + i, call, tuple(tensor.shape), plan, tap._sampled,
+                self._pieces.append(Piece(tap, layer, offset + i, call, tuple(tensor.shape), plan, tap._sampled,
                                            lap if plan.timed else None))
         except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
             self._fail(tap, layer, exc)
@@ -282,10 +265,9 @@ class TapEngine:
         tap.disabled = True
         tap.last_error = f"{layer}: {type(exc).__name__}: {exc}"
         self.reducer_errors += 1
-        self.sinks.on_tap_error(tap)
-        # Its pieces already in this pass are partial; _publish skips disabled taps.
+        # Its pieces already in this pass are partial; the publisher skips disabled taps.
         self._unhook(tap)
-        self._announce(tap, "disabled", tap.last_error)
+        self.publisher.tap_failed(tap, tap.last_error)
         log.warning("tap %s disabled after a reducer error: %s", tap.id, tap.last_error)
 
     def pass_finished(self, ctx: PassContext) -> None:
@@ -297,56 +279,18 @@ class TapEngine:
         if hook_seconds:
             self.sinks.on_hook_time(hook_seconds)
         if buffer is None or not pieces or ctx.failed:
-            return  # a pass whose forward raised publishes nothing
+            self.sinks.on_pass_skipped(ctx)  # a pass whose forward raised publishes nothing
+            return
         taps = list({id(p.tap): p.tap for p in pieces}.values())
 
         def dropped() -> None:
             for tap in taps:
                 tap.drops += 1
 
-        self.transfer.submit(buffer.finish(), lambda values: self._publish(ctx, pieces, values), dropped)
-        self.last_submitted = ctx.index
-
-    # -- host-transfer thread ----------------------------------------------------
-    def _publish(self, ctx: PassContext, pieces: list[_Piece], values: dict[int, np.ndarray]) -> None:
-        wall = timestamp(ctx.wall_time)
-        pass_part = SummaryWire.pass_part(ctx.index, ctx.step, wall.seconds, wall.nanos)
-        rank_part = SummaryWire.rank_part(self.host.rank[0] if self.host.rank is not None else None)
-        summaries = []
-        seen: set[str] = set()
-        for i, p in enumerate(pieces):
-            if p.tap.disabled:
-                continue
-            layout = p.plan.basic_layout
-            if layout is not None and p.lap is None:  # the common case: see summary_wire
-                results = results_bytes(layout, values[i].tolist(), p.shape)
-                summary = self._wire.summary(p.tap.id, p.layer, p.tap.spec.point, p.output_index, p.call_index,
-                                             not p.sampled, pass_part, results, rank_part)
-            else:
-                summary = self._summary(ctx, p, wall, values[i])
-            summaries.append(summary)
-            if p.sampled and p.tap.id not in seen:
-                seen.add(p.tap.id)
-                p.tap.hits += 1
-        self.broker.publish(summaries, self.is_durable())
-        self.sinks.on_summaries(ctx, summaries)
-
-    def _summary(self, ctx: PassContext, p: _Piece, wall: Timestamp, values: np.ndarray) -> pb.Summary:
-        """A summary built from messages: plans with distribution or latency reducers."""
-        results = p.plan.decode(values, p.shape)
-        if p.lap is not None:
-            fill_latency(results, p.lap)
-        summary = pb.Summary(
-            tap=p.tap.id, layer=p.layer, point=p.tap.spec.point, output_index=p.output_index,
-            pass_index=ctx.index, wall_time=wall, results=results,
-            unsampled=not p.sampled, call_index=p.call_index,
-        )
-        if ctx.step is not None:
-            summary.step = ctx.step
-            summary.has_step = True
-        if self.host.rank is not None:
-            summary.rank, summary.has_rank = self.host.rank[0], True
-        return summary
+        rank = self.host.rank[0] if self.host.rank is not None else None
+        self.transfer.submit(buffer.finish(),
+                             lambda values: self.publisher.publish(ctx, pieces, values, self.is_durable, rank),
+                             dropped)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every finished pass has been published."""

@@ -1,26 +1,20 @@
 """A registered tap: its spec, its layers' reducer plans, sampling and counters.
 
-Its own module so that sinks (downstream) can name the type without importing
-the engine that drives it.
+Its own module so that stages downstream (drift, the recorder) can name the
+type without importing the engine that drives it. Sinks in stream/ see it
+only as a ``stream.sinks.TapView``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from google.protobuf import timestamp_pb2
-
 from layertap.server.host.hooks import HookHandle
 from layertap.server.reducers.latency import LayerTimer
 from layertap.server.reducers.plan import ReducerPlan
+from layertap.server.stream.summary_wire import timestamp
 from layertap.server.taps.sampling import Sampler
 from layertap.v1 import telemetry_pb2 as pb
-
-
-def timestamp(seconds: float) -> timestamp_pb2.Timestamp:
-    ts = timestamp_pb2.Timestamp()
-    ts.FromNanoseconds(int(seconds * 1e9))
-    return ts
 
 
 @dataclass

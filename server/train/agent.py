@@ -20,10 +20,9 @@ import torch
 from torch import nn
 
 from layertap.server.app import LayertapServer, start_server
-from layertap.server.config import ServerConfig
+from layertap.server.config import ServerConfig, check_exposure
 from layertap.server.host.model_host import ModelHost, PassContext
 from layertap.server.host.sources import LoadedModel
-from layertap.server.main import check_exposure
 from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.compiled_kernel import DENSE, Signature
 from layertap.server.train.labels import LabelledRegistry

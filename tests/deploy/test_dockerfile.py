@@ -54,7 +54,7 @@ def healthcheck_code() -> str:
 
 def test_healthcheck_dials_the_plaintext_health_listener():
     """The main port may speak TLS; the probe must use --health-address, on the container's loopback."""
-    from layertap.server.main import build_parser
+    from layertap.server.cli.serve import build_parser
 
     entry = json.loads(dict(instructions())["ENTRYPOINT"])
     args = build_parser().parse_args(entry[2:])

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 import layertap
-from layertap.server.drift_demo import main as demo_main
+from layertap.server.cli.drift_demo import main as demo_main
 
 TINY = ["--duration", "6", "--shift-after", "3", "--baseline-passes", "5", "--rate", "20"]
 

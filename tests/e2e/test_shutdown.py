@@ -256,8 +256,8 @@ import sys, threading
 from layertap.server.app import start_server
 from layertap.server.config import ServerConfig
 
-from layertap.server import signals
-from layertap.server.signals import install_signal_handlers
+from layertap.server.cli import signals
+from layertap.server.cli.signals import install_signal_handlers
 
 signals.SHUTDOWN_MARGIN = {margin}  # read when the signal comes: a short one keeps the test quick
 srv = start_server(ServerConfig(port=0, metrics_port=None, compile_reducers=False, grace_seconds={grace}))

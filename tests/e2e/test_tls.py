@@ -200,7 +200,7 @@ def test_the_printed_first_command_runs_as_printed_on_a_tls_server_with_tokens(m
     import os
     import shlex
 
-    from layertap.server.main import hint
+    from layertap.server.cli.serve import hint
 
     srv = make_server(tls_cert=str(pki.cert), tls_key=str(pki.key), auth_tokens=str(tokens_file(tmp_path)))
     line = hint(srv, None)

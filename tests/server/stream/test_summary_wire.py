@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from layertap.server.reducers.basic import BASIC_REDUCERS
 from layertap.server.reducers.kernels import BASIC_WIDTH
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
-from layertap.server.taps.summary_wire import SummaryWire, results_bytes
+from layertap.server.stream.summary_wire import SummaryWire, results_bytes
 from layertap.server.taps.tap import timestamp
 from layertap.v1 import telemetry_pb2 as pb
 

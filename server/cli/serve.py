@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from layertap.server.config import MODEL_DTYPES, ServerConfig
+from layertap.server.config import MODEL_DTYPES, ServerConfig, check_exposure
 
 if TYPE_CHECKING:
     from layertap.server.app import LayertapServer
@@ -102,24 +102,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return cfg
 
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
-
-
-def check_exposure(cfg: ServerConfig) -> str | None:
-    """Protected mode: why this config must not start (None: it may)."""
-    if (cfg.tls_cert is None) != (cfg.tls_key is None):
-        return "--tls-cert and --tls-key go together"
-    if cfg.tls_client_ca and not cfg.tls_cert:
-        return "--tls-client-ca needs --tls-cert and --tls-key"
-    if cfg.host in LOOPBACK or cfg.host.startswith("127.") or cfg.insecure:
-        return None
-    if cfg.auth_tokens and cfg.tls_cert:
-        return None
-    missing = " and ".join(m for m, ok in (("--auth-tokens", cfg.auth_tokens), ("--tls-cert/--tls-key", cfg.tls_cert)) if not ok)
-    return (f"--host {cfg.host} exposes the server beyond this machine without {missing}; "
-            "add them, or pass --insecure to accept the risk")
-
-
 def suggested_layer(server: LayertapServer) -> str | None:
     """A layer the served model really has and runs, for hints and ``--smoke``."""
     from layertap.server.host.suggest import suggest_layer
@@ -166,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from layertap.server.app import start_server
-    from layertap.server.signals import install_signal_handlers
+    from layertap.server.cli.signals import install_signal_handlers
     from layertap.server.host.sources import ModelLoadError
 
     config = config_from_args(args)

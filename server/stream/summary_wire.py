@@ -17,9 +17,10 @@ import struct
 from collections.abc import Callable, Sequence
 
 from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from layertap.server.reducers.basic import BasicReducer
-from layertap.server.taps.capture_wire import varint
+from layertap.server.protowire import varint
 from layertap.v1 import telemetry_pb2 as pb
 
 __all__ = ["SummaryWire", "results_bytes"]
@@ -30,6 +31,13 @@ _RESULTS = pb.ReducerResult.DESCRIPTOR.fields_by_name
 _double = struct.Struct("<d").pack
 #: Header entries kept at most (one per tap, layer, output, call and sampling).
 MAX_HEADERS = 4096
+
+
+def timestamp(seconds: float) -> Timestamp:
+    """Unix seconds as a ``google.protobuf.Timestamp``."""
+    ts = Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
 
 
 def _unsigned(value: float) -> bytes:

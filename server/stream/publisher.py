@@ -1,0 +1,132 @@
+"""The one place a pass's host values become summaries for subscribers and sinks.
+
+The tap engine hands over what its hooks left in a pass buffer (the pieces
+and, on the host-transfer thread, their values) and tap events; it never gets
+summaries back. The publisher builds the ``Summary`` messages, gives them to
+the broker (subscribers) and then to every sink (metrics, drift, recorder),
+in that order, so a stream never lags the metrics it explains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from layertap.server.host.model_host import PassContext
+from layertap.server.reducers.latency import Lap, fill_latency
+from layertap.server.reducers.plan import ReducerPlan
+from layertap.server.stream.broker import Broker
+from layertap.server.stream.sinks import Sinks, TapView
+from layertap.server.stream.summary_wire import SummaryWire, results_bytes, timestamp
+from layertap.v1 import telemetry_pb2 as pb
+
+__all__ = ["Piece", "PublishedTap", "Publisher"]
+
+
+class PublishedTap(TapView, Protocol):
+    """A tap as the publisher sees it: read, plus its hit counter and disabled flag."""
+
+    hits: int
+
+    @property
+    def disabled(self) -> bool: ...
+
+
+@dataclass
+class Piece:
+    """One tensor a hook reduced in a pass: where it came from and how to read its values."""
+
+    tap: PublishedTap
+    layer: str
+    output_index: int
+    call_index: int
+    shape: tuple[int, ...]
+    plan: ReducerPlan
+    sampled: bool
+    lap: Lap | None = None
+
+
+class Publisher:
+    """Turns pass values into summaries; hands them and tap events to the broker and the sinks.
+
+    Args:
+        broker: The subscribers' fan-out.
+        sinks: Every other consumer; the app assembles them.
+    """
+
+    def __init__(self, broker: Broker | None = None, sinks: Sinks | None = None) -> None:
+        self.broker = broker if broker is not None else Broker()
+        self.sinks = sinks if sinks is not None else Sinks()
+        self._wire = SummaryWire()
+
+    # -- host-transfer thread ----------------------------------------------------
+    def publish(self, ctx: PassContext, pieces: list[Piece], values: dict[int, np.ndarray],
+                durable: Callable[[], Mapping[str, bool]], rank: int | None) -> None:
+        """Publish one pass: ``values[i]`` is the host copy of ``pieces[i]``'s reducer vector.
+
+        Args:
+            durable: The live taps' durability, read now: a tap deleted since the
+                pass is no longer "durable" to all-durable subscribers.
+            rank: The training rank stamped on every summary, or None.
+        """
+        wall = timestamp(ctx.wall_time)
+        pass_part = SummaryWire.pass_part(ctx.index, ctx.step, wall.seconds, wall.nanos)
+        rank_part = SummaryWire.rank_part(rank)
+        summaries = []
+        seen: set[str] = set()
+        for i, p in enumerate(pieces):
+            if p.tap.disabled:
+                continue  # its pieces in this pass are partial
+            layout = p.plan.basic_layout
+            if layout is not None and p.lap is None:  # the common case: see summary_wire
+                results = results_bytes(layout, values[i].tolist(), p.shape)
+                summary = self._wire.summary(p.tap.id, p.layer, p.tap.spec.point, p.output_index, p.call_index,
+                                             not p.sampled, pass_part, results, rank_part)
+            else:
+                summary = self._summary(ctx, p, wall, values[i], rank)
+            summaries.append(summary)
+            if p.sampled and p.tap.id not in seen:
+                seen.add(p.tap.id)
+                p.tap.hits += 1
+        self.broker.publish(summaries, dict(durable()))
+        self.sinks.on_summaries(ctx, summaries)
+
+    @staticmethod
+    def _summary(ctx: PassContext, p: Piece, wall: Timestamp, values: np.ndarray, rank: int | None) -> pb.Summary:
+        """A summary built from messages: plans with distribution or latency reducers."""
+        results = p.plan.decode(values, p.shape)
+        if p.lap is not None:
+            fill_latency(results, p.lap)
+        summary = pb.Summary(
+            tap=p.tap.id, layer=p.layer, point=p.tap.spec.point, output_index=p.output_index,
+            pass_index=ctx.index, wall_time=wall, results=results,
+            unsampled=not p.sampled, call_index=p.call_index,
+        )
+        if ctx.step is not None:
+            summary.step = ctx.step
+            summary.has_step = True
+        if rank is not None:
+            summary.rank, summary.has_rank = rank, True
+        return summary
+
+    # -- tap events (any thread) ---------------------------------------------------
+    def event(self, tap: TapView, kind: str, message: str) -> None:
+        """Tell the tap's subscribers now (the broker never blocks)."""
+        self.broker.publish([], {tap.id: tap.durable}, [pb.TapEvent(tap=tap.id, kind=kind, message=message)])
+
+    def tap_created(self, tap: TapView) -> None:
+        self.sinks.on_tap_created(tap)
+
+    def tap_removed(self, tap: TapView, reason: str) -> None:
+        """Sinks first, then the subscribers' event, then their streams of it end."""
+        self.sinks.on_tap_removed(tap, reason)
+        self.event(tap, reason, f"tap {reason}")
+        self.broker.tap_gone(tap.id)
+
+    def tap_failed(self, tap: TapView, message: str) -> None:
+        self.sinks.on_tap_error(tap)
+        self.event(tap, "disabled", message)
