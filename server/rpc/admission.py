@@ -35,6 +35,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from grpc_status import rpc_status
 
 from layertap.server.errors import LimitExceeded, rich_status
+from layertap.server.rpc.method_handlers import behavior_of, make_handler, rebuild
 
 log = logging.getLogger("layertap.server.admission")
 
@@ -138,7 +139,7 @@ class StreamAdmission(grpc.ServerInterceptor):
         return self._guarded(handler, handler_call_details.method)
 
     def _guarded(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        inner: Callable[..., Any] = (handler.unary_stream or handler.stream_stream or handler.stream_unary)  # type: ignore[assignment]
+        inner = behavior_of(handler)
         behavior: Callable[..., Any]
         if not handler.response_streaming:
             def unary_reply(request: Any, context: grpc.ServicerContext) -> Any:
@@ -168,10 +169,7 @@ class StreamAdmission(grpc.ServerInterceptor):
                 finally:
                     slot.release()
             behavior = stream
-        kind = ("stream" if handler.request_streaming else "unary") + "_" + ("stream" if handler.response_streaming else "unary")
-        make = getattr(grpc, f"{kind}_rpc_method_handler")
-        return make(behavior, request_deserializer=handler.request_deserializer,  # type: ignore[no-any-return]
-                    response_serializer=handler.response_serializer)
+        return rebuild(handler, behavior)
 
 
 
@@ -282,17 +280,14 @@ class PrincipalAdmission(grpc.ServerInterceptor):
 
     def _on_open_pool(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """The same handler, run on the open services' pool."""
-        kind = ("stream" if handler.request_streaming else "unary") + "_" + ("stream" if handler.response_streaming else "unary")
-        inner: Callable[..., Any] = getattr(handler, kind)
+        inner = behavior_of(handler)
 
         def behavior(*args: Any, **kwargs: Any) -> Any:
             return inner(*args, **kwargs)
         if hasattr(inner, "experimental_non_blocking"):  # Health.Watch answers through a callback
             behavior.experimental_non_blocking = inner.experimental_non_blocking  # type: ignore[attr-defined]
         behavior.experimental_thread_pool = self.open_pool  # type: ignore[attr-defined]
-        make = getattr(grpc, f"{kind}_rpc_method_handler")
-        return make(behavior, request_deserializer=handler.request_deserializer,  # type: ignore[no-any-return]
-                    response_serializer=handler.response_serializer)
+        return rebuild(handler, behavior)
 
     def _take(self, method: str, budget: _Budget, context: grpc.ServicerContext) -> _Slot:
         """The call's place in its principal's budget, or the call ended RESOURCE_EXHAUSTED."""
@@ -307,8 +302,7 @@ class PrincipalAdmission(grpc.ServerInterceptor):
         return _Slot(functools.partial(budget.give, who))
 
     def _budgeted(self, handler: grpc.RpcMethodHandler, method: str, budget: _Budget) -> grpc.RpcMethodHandler:
-        inner: Callable[..., Any] = (handler.unary_unary or handler.unary_stream  # type: ignore[assignment]
-                                     or handler.stream_unary or handler.stream_stream)
+        inner = behavior_of(handler)
         streaming_in = handler.request_streaming
 
         def request(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
@@ -333,6 +327,6 @@ class PrincipalAdmission(grpc.ServerInterceptor):
                 finally:
                     held.release()
             behavior = stream
-        make = grpc.stream_stream_rpc_method_handler if handler.response_streaming else grpc.stream_unary_rpc_method_handler
-        return make(behavior, request_deserializer=handler.request_deserializer,  # type: ignore[no-any-return]
-                    response_serializer=handler.response_serializer)
+        # Served as a request stream whatever the method's shape: see the class docstring.
+        return make_handler((True, handler.response_streaming), behavior, handler.request_deserializer,
+                            handler.response_serializer)

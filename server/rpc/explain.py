@@ -1,4 +1,4 @@
-"""``TelemetryService.Explain``: Grad-CAM maps, mixed into the telemetry service."""
+"""Explain: Grad-CAM maps of the caller's input at one layer."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from layertap.server.codec import tensor_to_proto
 from layertap.server.errors import InvalidSpec, grpc_errors, unknown_layer
 from layertap.server.explain.gradcam import GradCamOptions, grad_cam, require_hooks
 from layertap.server.rpc.inference import decode_inputs
-from layertap.server.rpc.state import ServerState
+from layertap.server.rpc.state import ServerState, StateBacked
 from layertap.server.taps.capture_options import MAX_LAYER_NAME
 from layertap.v1 import telemetry_pb2 as pb
 
-__all__ = ["ExplainMethods", "explain_options"]
+__all__ = ["ExplainServicer", "explain_options"]
 
 
 def explain_options(request: pb.ExplainRequest, state: ServerState) -> GradCamOptions:
@@ -31,10 +31,8 @@ def explain_options(request: pb.ExplainRequest, state: ServerState) -> GradCamOp
     return GradCamOptions(name, tuple(request.targets), request.normalize, request.upsample)
 
 
-class ExplainMethods:
-    """Explain, mixed into TelemetryService."""
-
-    state: ServerState
+class ExplainServicer(StateBacked):
+    """Which parts of an input a layer's activations answer to, for the chosen targets."""
 
     @grpc_errors
     def Explain(self, request: pb.ExplainRequest, context: grpc.ServicerContext) -> pb.ExplainResponse:

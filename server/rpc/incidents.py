@@ -1,7 +1,7 @@
 """ListIncidents, GetIncident and DeleteIncident: the flight recorder's ring over gRPC.
 
-Mixed into ``TelemetryService``. All three need the ``capture`` scope: an
-incident holds a request's input and the activations it produced.
+All three need the ``capture`` scope: an incident holds a request's input
+and the activations it produced.
 
 An incident belongs to the owner of the tap whose trigger recorded it, as the
 tap does (``""``, the server's, for ``--taps`` and for files written before
@@ -26,18 +26,19 @@ import grpc
 from layertap.server.errors import Unsupported, grpc_errors
 from layertap.server.record.recorder import Recorder
 from layertap.server.record.store import check_id
-from layertap.server.rpc.auth import principal_of, require
-from layertap.server.rpc.state import ServerState
+from layertap.server.rpc.auth import principal_of
+from layertap.server.rpc.ownership import require_owner
+from layertap.server.rpc.state import StateBacked
 from layertap.v1 import telemetry_pb2 as pb
+
+__all__ = ["IncidentsServicer"]
 
 #: Tensor bytes per GetIncident chunk, as in Capture.
 CHUNK_BYTES = 1 << 20
 
 
-class IncidentMethods:
-    """The incident RPCs, mixed into TelemetryService."""
-
-    state: ServerState
+class IncidentsServicer(StateBacked):
+    """The flight recorder's incidents: list, read and delete them."""
 
     def _recorder(self) -> Recorder:
         recorder = self.state.recorder
@@ -55,8 +56,7 @@ class IncidentMethods:
         """
         check_id(incident_id)
         owner = self._recorder().store.owner_of(incident_id)
-        if owner != principal_of(context).id:
-            require(context, "admin", f"{doing} incident {incident_id} of {owner or 'the server'!r}")
+        require_owner(context, owner, f"{doing} incident {incident_id}")
 
     @grpc_errors
     def ListIncidents(self, request: pb.ListIncidentsRequest, context: grpc.ServicerContext) -> pb.ListIncidentsResponse:

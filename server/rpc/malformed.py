@@ -21,6 +21,7 @@ import grpc
 from grpc_status import rpc_status
 
 from layertap.server.errors import InvalidSpec, rich_status
+from layertap.server.rpc.method_handlers import behavior_of, rebuild
 
 __all__ = ["MalformedRequests"]
 
@@ -51,15 +52,6 @@ def _refuse(request: _Unparsed, context: grpc.ServicerContext) -> None:
     context.abort_with_status(rpc_status.to_status(rich_status(InvalidSpec("request", request.why))))
 
 
-#: (request streaming, response streaming) -> the handler's behaviour attribute, and grpc's maker of one.
-_KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodHandler]]] = {
-    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
-    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
-    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
-    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
-}
-
-
 def _checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
     """A request stream that ends the call at its first unparseable message."""
     for request in requests:
@@ -76,7 +68,7 @@ def _parsed(request: Any, context: grpc.ServicerContext) -> Any:
 def _wrap(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
     """The handler's behaviour, refusing unparsed requests first; grpc's attributes kept."""
     streaming_in, streaming_out = handler.request_streaming, handler.response_streaming
-    inner: Callable[..., Any] = getattr(handler, _KINDS[(streaming_in, streaming_out)][0])
+    inner = behavior_of(handler)
     admit = _checked if streaming_in else _parsed
     behavior: Callable[..., Any]
     # grpc hands a callback only to response-streaming behaviours marked non-blocking.
@@ -103,6 +95,4 @@ class MalformedRequests(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        make = _KINDS[(handler.request_streaming, handler.response_streaming)][1]
-        return make(_wrap(handler), request_deserializer=_safe(handler.request_deserializer),
-                    response_serializer=handler.response_serializer)
+        return rebuild(handler, _wrap(handler), request_deserializer=_safe(handler.request_deserializer))

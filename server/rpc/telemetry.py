@@ -1,318 +1,55 @@
-"""``layertap.v1.TelemetryService``: layers, captures, taps, streams and drift."""
+"""``layertap.v1.TelemetryService``: one proto service, served by one servicer per resource.
+
+- ``layers.py``: ListLayers, GetServerStats
+- ``taps.py``: CreateTap, DeleteTap, ListTaps, Subscribe, Capture
+- ``baselines.py``: SetBaseline, GetDrift, ExportBaseline, InstallBaseline
+- ``incidents.py``: ListIncidents, GetIncident, DeleteIncident
+- ``explain.py``: Explain
+
+The wire sees one service: :func:`add_to_server` registers a single handler
+table built from the proto's descriptor (see
+:func:`~layertap.server.rpc.method_handlers.service_handlers`), so reflection
+lists one ``TelemetryService`` and the interceptors key on the proto's method
+paths and kinds, whichever servicer answers. A method the proto gains is
+served by defining it on one servicer (and giving it a scope in
+``auth.METHOD_SCOPES``); until a servicer defines it the server does not start.
+"""
 
 from __future__ import annotations
 
-import itertools
-import logging
-import threading
-import time
-from collections.abc import Iterator, Sequence
-from typing import Any
-
 import grpc
-import torch
 
-from layertap.server.taps.capture import CapturedPass, CaptureSession, check_all_ran
-from layertap.server.taps.capture_options import describe, parse_options
-from layertap.server.taps.capture_limits import CaptureSlot
-from layertap.server.taps.capture_wire import encode_pass
-from layertap.server.errors import (AlreadyExists, InvalidSpec, NotFound, PermissionDenied, Unavailable, echo,
-                                    grpc_errors)
-from layertap.server.drift.names import baseline_tap_id, check_not_baseline_name
-from layertap.server.rpc.auth import principal_of, require
-from layertap.server.rpc.baselines import BaselineMethods
-from layertap.server.rpc.explain import ExplainMethods
-from layertap.server.rpc.incidents import IncidentMethods
-from layertap.server.rpc.inference import decode_inputs
-from layertap.server.rpc.state import ServerState, StateBacked
-from layertap.server.taps.engine import TapEngine
-from layertap.server.taps.tap import Tap
-from layertap.v1 import tensor_pb2
+from layertap.server.rpc.baselines import BaselinesServicer
+from layertap.server.rpc.explain import ExplainServicer
+from layertap.server.rpc.incidents import IncidentsServicer
+from layertap.server.rpc.layers import LayersServicer
+from layertap.server.rpc.method_handlers import add_service, service_handlers
+from layertap.server.rpc.state import StateBacked, StateCell
+# Re-exported until tests/e2e/test_capture_budget.py imports it from taps.
+from layertap.server.rpc.taps import CaptureCall, TapsServicer
 from layertap.v1 import telemetry_pb2 as pb
-from layertap.v1 import telemetry_pb2_grpc
 
-log = logging.getLogger("layertap.server")
+__all__ = ["CaptureCall", "SERVICE", "SERVICERS", "TelemetryService", "add_to_server"]
 
-#: How often a waiting stream re-checks that its client is still there.
-POLL_SECONDS = 0.1
-#: Largest per-subscriber queue a client may ask for.
-MAX_QUEUE = 65536
+SERVICE = pb.DESCRIPTOR.services_by_name["TelemetryService"]
+#: The resources' servicers, each built from the server's state cell.
+SERVICERS: tuple[type[StateBacked], ...] = (LayersServicer, TapsServicer, BaselinesServicer, IncidentsServicer,
+                                            ExplainServicer)
 
 
-def create_owned(engine: TapEngine, spec: pb.TapSpec, context: grpc.ServicerContext, **kwargs: Any) -> Tap:
-    """``engine.create`` of a tap owned by the caller.
-
-    A name that another principal's tap (or the server's) holds is
-    PERMISSION_DENIED: it is not the caller's to reuse, and only its owner or
-    ``admin`` may delete it, as DeleteTap says. The caller's own name, or any
-    name for ``admin``, stays ALREADY_EXISTS: delete it, then create.
+class TelemetryService:
+    """The servicers of ``TelemetryService`` and their handler table.
 
     Raises:
-        PermissionDenied: Another principal's tap has this name (ErrorInfo ``field``, ``owner``).
-        AlreadyExists: The caller's own tap has it (or the caller has ``admin``).
-    """
-    me = principal_of(context)
-    try:
-        return engine.create(spec, owner=me.id, **kwargs)
-    except AlreadyExists as exc:
-        holder = exc.metadata.get("owner", me.id)
-        if holder == me.id or me.has("admin"):
-            raise
-        raise PermissionDenied(f"{exc.field}: the name {echo(spec.name)} is taken by a tap of {holder or 'the server'!r};"
-                               " pick another name", field=exc.field,
-                               metadata={"owner": holder, "principal": me.id}) from None
-
-
-class TapMethods:
-    """CreateTap/DeleteTap/ListTaps/Subscribe, mixed into TelemetryService."""
-
-    state: ServerState
-
-    @grpc_errors
-    def CreateTap(self, request: pb.CreateTapRequest, context: grpc.ServicerContext) -> pb.CreateTapResponse:
-        # Not ToTimedelta(): seconds beyond timedelta's range raise OverflowError;
-        # check_ttl refuses what is out of range, naming the field.
-        ttl = request.ttl.seconds + request.ttl.nanos / 1e9 if request.HasField("ttl") else None
-        check_not_baseline_name(request.spec.name, "spec.name")
-        tap = create_owned(self.state.taps, request.spec, context, kind=pb.TAP_KIND_DURABLE, ttl=ttl,
-                           forever=request.forever)
-        return pb.CreateTapResponse(tap=tap.info())
-
-    @grpc_errors
-    def DeleteTap(self, request: pb.DeleteTapRequest, context: grpc.ServicerContext) -> pb.DeleteTapResponse:
-        tap = self.state.taps.get(request.id)
-        if not tap.durable:
-            raise InvalidSpec("id", f"{request.id!r} is a stream tap; it ends with its Subscribe stream")
-        if tap.owner != principal_of(context).id:
-            require(context, "admin", f"deleting tap {request.id!r} of {tap.owner or 'the server'!r}")
-        self.state.taps.delete(request.id)
-        return pb.DeleteTapResponse()
-
-    @grpc_errors
-    def ListTaps(self, request: pb.ListTapsRequest, context: grpc.ServicerContext) -> pb.ListTapsResponse:
-        return pb.ListTapsResponse(taps=[t.info() for t in self.state.taps.all_taps()])
-
-    @grpc_errors
-    def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext) -> Iterator[pb.SubscribeResponse]:
-        state = self.state
-        engine, broker = state.taps, state.broker
-        if request.queue_size > MAX_QUEUE:
-            raise InvalidSpec("queue_size", f"at most {MAX_QUEUE}, got {request.queue_size}")
-        for i, tap_id in enumerate(request.tap_ids):
-            try:
-                engine.get(tap_id)
-            except NotFound as exc:
-                raise NotFound(f"tap_ids[{i}]: {exc}", field=f"tap_ids[{i}]") from None
-        if request.stream_taps:
-            require(context, "tap", "Subscribe with stream_taps")
-        stream_taps = []
-        try:
-            for i, spec in enumerate(request.stream_taps):
-                check_not_baseline_name(spec.name, f"stream_taps[{i}].name")
-                stream_taps.append(create_owned(engine, spec, context, kind=pb.TAP_KIND_STREAM,
-                                                field_prefix=f"stream_taps[{i}]"))
-            ids = [*request.tap_ids, *(t.id for t in stream_taps)]
-            sub = broker.subscribe(ids or None, request.queue_size)
-        except Exception:
-            for t in stream_taps:
-                engine.delete(t.id, reason="ended")
-            raise
-        done = threading.Event()
-
-        def cleanup() -> None:
-            if done.is_set():
-                return
-            done.set()
-            broker.unsubscribe(sub)
-            for t in stream_taps:
-                try:
-                    engine.delete(t.id, reason="ended")
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
-
-        # Stream taps and the queue go when the client does, even on SIGKILL.
-        context.add_callback(cleanup)
-        try:
-            yield pb.SubscribeResponse(stream_tap_ids=[t.id for t in stream_taps])
-            while context.is_active():
-                batch = sub.get(timeout=POLL_SECONDS)
-                if batch is None:
-                    if sub.closed:
-                        if broker.shutting_down:
-                            raise Unavailable("the server is shutting down; reconnect to another replica or retry")
-                        return
-                    continue
-                yield pb.SubscribeResponse(summaries=batch.summaries, events=batch.events, dropped=sub.dropped)
-        finally:
-            cleanup()
-
-
-
-class TelemetryService(StateBacked, TapMethods, ExplainMethods, IncidentMethods, BaselineMethods,
-                       telemetry_pb2_grpc.TelemetryServiceServicer):
-    """Looks inside the hosted model."""
-
-    @grpc_errors
-    def ListLayers(self, request: pb.ListLayersRequest, context: grpc.ServicerContext) -> pb.ListLayersResponse:
-        host = self.state.host
-        host.arm_shape_probe()
-        layers = []
-        for name in host.layer_names:
-            module = host.modules[name]
-            shapes = host.layer_shapes.get(name)
-            layers.append(pb.LayerInfo(
-                name=name,
-                type=type(module).__name__,
-                parameter_count=sum(p.numel() for p in module.parameters()),
-                input_shapes=[tensor_pb2.Shape(dims=list(s)) for s in (shapes.inputs if shapes else [])],
-                output_shapes=[tensor_pb2.Shape(dims=list(s)) for s in (shapes.outputs if shapes else [])],
-            ))
-        return pb.ListLayersResponse(layers=layers, active_hooks=host.hooks.active)
-
-    @grpc_errors
-    def SetBaseline(self, request: pb.SetBaselineRequest, context: grpc.ServicerContext) -> pb.SetBaselineResponse:
-        me = principal_of(context).id
-        check_not_baseline_name(request.name, "name")  # the derived ids' namespace: no one names into it
-        self._own(baseline_tap_id(request), context, "replacing")
-        tap, layers = self.state.drift.set_baseline(request)
-        try:
-            self.state.taps.get(tap).owner = me
-        except NotFound:  # deleted meanwhile
-            pass
-        return pb.SetBaselineResponse(tap=tap, layers=layers)
-
-    @grpc_errors
-    def GetDrift(self, request: pb.GetDriftRequest, context: grpc.ServicerContext) -> pb.GetDriftResponse:
-        return pb.GetDriftResponse(layers=self.state.drift.drift(request.selector))
-
-    @grpc_errors
-    def GetServerStats(self, request: pb.GetServerStatsRequest, context: grpc.ServicerContext) -> pb.GetServerStatsResponse:
-        return self.state.stats()
-
-    @grpc_errors
-    def Capture(self, request: pb.CaptureRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        """Serialized CaptureResponse messages (see ``capture_wire``); registered by :func:`add_to_server`."""
-        state = self.state
-        try:
-            opts = parse_options(request, state.host, state.capture_limits)
-            inputs = decode_inputs(list(request.inputs), state) if request.inputs else None
-            slot = state.captures.acquire()
-        except Exception as exc:
-            state.count_capture(_code_of(exc), 0)
-            raise
-        session = CaptureSession(state.host, opts, max_bytes=state.capture_limits.max_bytes,
-                                 active=inputs is not None, budget=state.capture_budget)
-        call = CaptureCall(state, session, slot)
-        log.info("capture start: %s active=%s", describe(opts), inputs is not None)
-        # A cancelled streaming generator is never resumed, so `finally` alone
-        # would leak the hooks, the slot and the budget when the client vanishes.
-        if not context.add_callback(call.finish):
-            call.finish()  # the client left before the callback could be registered: run nothing
-            return
-        try:
-            yield from call.stream(context, inputs)
-        except Exception as exc:
-            call.code = _code_of(exc)
-            raise
-        finally:
-            call.finish()
-
-
-class CaptureCall:
-    """One Capture call's resources: its session (hooks, clones, budget) and its slot.
-
-    :meth:`finish` runs from whichever comes first, the generator's
-    ``finally`` or gRPC's callback thread when the client vanishes, and does
-    its work exactly once.
+        ValueError: A method of the proto that no servicer, or two, define.
     """
 
-    def __init__(self, state: ServerState, session: CaptureSession, slot: CaptureSlot) -> None:
-        self.state = state
-        self.session = session
-        self.slot = slot
-        #: The final status code name, for the log and the metrics.
-        self.code = "CANCELLED"
-        self.sent = 0
-        # Acquired without blocking and never released: an atomic test-and-set.
-        self._once = threading.Lock()
-
-    def finish(self) -> None:
-        """End the call: close the session, free the slot, count it; later calls do nothing."""
-        if not self._once.acquire(blocking=False):
-            return
-        try:
-            self.session.close()
-        finally:
-            self.slot.release()
-            self.state.count_capture(self.code, self.sent)
-            log.info("capture end: code=%s bytes=%d", self.code, self.sent)
-
-    def stream(self, context: grpc.ServicerContext, inputs: Sequence[torch.Tensor] | None) -> Iterator[bytes]:
-        """Run the capture and yield its serialized messages; sets ``code`` to OK when every pass was sent."""
-        session, opts = self.session, self.session.opts
-        if not session.open():
-            return  # ended (the client left) before it began
-        if inputs is not None:
-            self.state.host.run(inputs, active_owner=session)
-        ids = itertools.count()
-        for _ in range(opts.passes):
-            rec = self._wait_for_pass(context)
-            if rec is None:
-                return  # the client is gone
-            try:
-                if rec.error is not None:
-                    raise rec.error
-                check_all_ran(rec, opts)
-                if rec.ordinal == opts.passes - 1:
-                    session.remove_hooks()  # the last pass is in hand: free the hooks now
-                for wire, payload in encode_pass(rec, opts, ids):
-                    self.sent += payload
-                    yield wire
-            finally:
-                session.release(rec)  # sent, failed or abandoned: its clones and budget go now
-        self.code = "OK"
-
-    def _wait_for_pass(self, context: grpc.ServicerContext) -> CapturedPass | None:
-        """The next captured pass; None if the client left. A passive capture
-        gives up after ``--max-capture-wait`` seconds without one."""
-        session = self.session
-        max_wait = self.state.capture_limits.max_wait
-        start, skipped = time.monotonic(), session.skipped
-        while context.is_active():
-            rec = session.next_pass(max(0.0, min(POLL_SECONDS, max_wait)))
-            if rec is not None:
-                return rec
-            waited = time.monotonic() - start
-            if not session.active and waited >= max_wait:
-                raise session.wait_exceeded(waited, max_wait, session.skipped - skipped)
-            if self.state.broker.shutting_down:
-                # Like Subscribe: end now rather than hold the drain for its whole grace period.
-                raise Unavailable("the server is shutting down; retry the capture on another replica")
-        return None
+    def __init__(self, cell: StateCell) -> None:
+        self.servicers = tuple(make(cell) for make in SERVICERS)
+        #: Method name -> handler, in the proto's order.
+        self.handlers: dict[str, grpc.RpcMethodHandler] = service_handlers(SERVICE, self.servicers)
 
 
-def add_to_server(servicer: TelemetryService, server: grpc.Server) -> None:
-    """Register the service, its Capture method yielding ready wire bytes.
-
-    The generated registration serializes each response message; Capture's
-    handler replaces it with one that has no serializer, so the bytes that
-    ``capture_wire`` framed go out as they are. gRPC routes every call to a
-    registered method by its path, whichever client made it; the generic
-    handler, consulted in the order added, is only a fallback, and answers
-    the same. The interceptors (auth scopes, stream admission) wrap this
-    handler as any other, keeping its (absent) serializer.
-    """
-    service = pb.DESCRIPTOR.services_by_name["TelemetryService"].full_name
-    capture: dict[str, grpc.RpcMethodHandler] = {"Capture": grpc.unary_stream_rpc_method_handler(
-        servicer.Capture, request_deserializer=pb.CaptureRequest.FromString, response_serializer=None)}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, capture),))
-    telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(servicer, server)
-    server.add_registered_method_handlers(service, capture)  # replaces the generated Capture entry
-
-
-def _code_of(exc: BaseException) -> str:
-    from layertap.server.errors import status_for
-
-    return status_for(exc)[0].name
-
-
+def add_to_server(service: TelemetryService, server: grpc.Server) -> None:
+    """Register the service's one handler table, generic and by path, as the generated code does."""
+    add_service(server, SERVICE, service.handlers)

@@ -1,0 +1,249 @@
+"""CreateTap, DeleteTap, ListTaps, Subscribe and Capture: the taps, their streams and captures."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+import torch
+
+from layertap.server.drift.names import check_not_baseline_name
+from layertap.server.errors import (AlreadyExists, InvalidSpec, NotFound, PermissionDenied, Unavailable, echo,
+                                    grpc_errors, status_for)
+from layertap.server.rpc.auth import principal_of, require
+from layertap.server.rpc.inference import decode_inputs
+from layertap.server.rpc.method_handlers import sends_wire_bytes
+from layertap.server.rpc.ownership import require_owner
+from layertap.server.rpc.state import ServerState, StateBacked
+from layertap.server.taps.capture import CapturedPass, CaptureSession, check_all_ran
+from layertap.server.taps.capture_limits import CaptureSlot
+from layertap.server.taps.capture_options import describe, parse_options
+from layertap.server.taps.capture_wire import encode_pass
+from layertap.server.taps.engine import TapEngine
+from layertap.server.taps.tap import Tap
+from layertap.v1 import telemetry_pb2 as pb
+
+__all__ = ["CaptureCall", "TapsServicer", "create_owned"]
+
+log = logging.getLogger("layertap.server")
+
+#: How often a waiting stream re-checks that its client is still there.
+POLL_SECONDS = 0.1
+#: Largest per-subscriber queue a client may ask for.
+MAX_QUEUE = 65536
+
+
+def create_owned(engine: TapEngine, spec: pb.TapSpec, context: grpc.ServicerContext, **kwargs: Any) -> Tap:
+    """``engine.create`` of a tap owned by the caller.
+
+    A name that another principal's tap (or the server's) holds is
+    PERMISSION_DENIED: it is not the caller's to reuse, and only its owner or
+    ``admin`` may delete it, as DeleteTap says. The caller's own name, or any
+    name for ``admin``, stays ALREADY_EXISTS: delete it, then create.
+
+    Raises:
+        PermissionDenied: Another principal's tap has this name (ErrorInfo ``field``, ``owner``).
+        AlreadyExists: The caller's own tap has it (or the caller has ``admin``).
+    """
+    me = principal_of(context)
+    try:
+        return engine.create(spec, owner=me.id, **kwargs)
+    except AlreadyExists as exc:
+        holder = exc.metadata.get("owner", me.id)
+        if holder == me.id or me.has("admin"):
+            raise
+        raise PermissionDenied(f"{exc.field}: the name {echo(spec.name)} is taken by a tap of {holder or 'the server'!r};"
+                               " pick another name", field=exc.field,
+                               metadata={"owner": holder, "principal": me.id}) from None
+
+
+class TapsServicer(StateBacked):
+    """The taps: create, delete and list them, stream their summaries, capture a pass's tensors."""
+
+    @grpc_errors
+    def CreateTap(self, request: pb.CreateTapRequest, context: grpc.ServicerContext) -> pb.CreateTapResponse:
+        # Not ToTimedelta(): seconds beyond timedelta's range raise OverflowError;
+        # check_ttl refuses what is out of range, naming the field.
+        ttl = request.ttl.seconds + request.ttl.nanos / 1e9 if request.HasField("ttl") else None
+        check_not_baseline_name(request.spec.name, "spec.name")
+        tap = create_owned(self.state.taps, request.spec, context, kind=pb.TAP_KIND_DURABLE, ttl=ttl,
+                           forever=request.forever)
+        return pb.CreateTapResponse(tap=tap.info())
+
+    @grpc_errors
+    def DeleteTap(self, request: pb.DeleteTapRequest, context: grpc.ServicerContext) -> pb.DeleteTapResponse:
+        tap = self.state.taps.get(request.id)
+        if not tap.durable:
+            raise InvalidSpec("id", f"{request.id!r} is a stream tap; it ends with its Subscribe stream")
+        require_owner(context, tap.owner, f"deleting tap {request.id!r}")
+        self.state.taps.delete(request.id)
+        return pb.DeleteTapResponse()
+
+    @grpc_errors
+    def ListTaps(self, request: pb.ListTapsRequest, context: grpc.ServicerContext) -> pb.ListTapsResponse:
+        return pb.ListTapsResponse(taps=[t.info() for t in self.state.taps.all_taps()])
+
+    @grpc_errors
+    def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext) -> Iterator[pb.SubscribeResponse]:
+        state = self.state
+        engine, broker = state.taps, state.broker
+        if request.queue_size > MAX_QUEUE:
+            raise InvalidSpec("queue_size", f"at most {MAX_QUEUE}, got {request.queue_size}")
+        for i, tap_id in enumerate(request.tap_ids):
+            try:
+                engine.get(tap_id)
+            except NotFound as exc:
+                raise NotFound(f"tap_ids[{i}]: {exc}", field=f"tap_ids[{i}]") from None
+        if request.stream_taps:
+            require(context, "tap", "Subscribe with stream_taps")
+        stream_taps = []
+        try:
+            for i, spec in enumerate(request.stream_taps):
+                check_not_baseline_name(spec.name, f"stream_taps[{i}].name")
+                stream_taps.append(create_owned(engine, spec, context, kind=pb.TAP_KIND_STREAM,
+                                                field_prefix=f"stream_taps[{i}]"))
+            ids = [*request.tap_ids, *(t.id for t in stream_taps)]
+            sub = broker.subscribe(ids or None, request.queue_size)
+        except Exception:
+            for t in stream_taps:
+                engine.delete(t.id, reason="ended")
+            raise
+        done = threading.Event()
+
+        def cleanup() -> None:
+            if done.is_set():
+                return
+            done.set()
+            broker.unsubscribe(sub)
+            for t in stream_taps:
+                try:
+                    engine.delete(t.id, reason="ended")
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+
+        # Stream taps and the queue go when the client does, even on SIGKILL.
+        context.add_callback(cleanup)
+        try:
+            yield pb.SubscribeResponse(stream_tap_ids=[t.id for t in stream_taps])
+            while context.is_active():
+                batch = sub.get(timeout=POLL_SECONDS)
+                if batch is None:
+                    if sub.closed:
+                        if broker.shutting_down:
+                            raise Unavailable("the server is shutting down; reconnect to another replica or retry")
+                        return
+                    continue
+                yield pb.SubscribeResponse(summaries=batch.summaries, events=batch.events, dropped=sub.dropped)
+        finally:
+            cleanup()
+
+    @sends_wire_bytes
+    @grpc_errors
+    def Capture(self, request: pb.CaptureRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Serialized CaptureResponse messages, framed by ``capture_wire``; its handler has no serializer."""
+        state = self.state
+        try:
+            opts = parse_options(request, state.host, state.capture_limits)
+            inputs = decode_inputs(list(request.inputs), state) if request.inputs else None
+            slot = state.captures.acquire()
+        except Exception as exc:
+            state.count_capture(_code_of(exc), 0)
+            raise
+        session = CaptureSession(state.host, opts, max_bytes=state.capture_limits.max_bytes,
+                                 active=inputs is not None, budget=state.capture_budget)
+        call = CaptureCall(state, session, slot)
+        log.info("capture start: %s active=%s", describe(opts), inputs is not None)
+        # A cancelled streaming generator is never resumed, so `finally` alone
+        # would leak the hooks, the slot and the budget when the client vanishes.
+        if not context.add_callback(call.finish):
+            call.finish()  # the client left before the callback could be registered: run nothing
+            return
+        try:
+            yield from call.stream(context, inputs)
+        except Exception as exc:
+            call.code = _code_of(exc)
+            raise
+        finally:
+            call.finish()
+
+
+class CaptureCall:
+    """One Capture call's resources: its session (hooks, clones, budget) and its slot.
+
+    :meth:`finish` runs from whichever comes first, the generator's
+    ``finally`` or gRPC's callback thread when the client vanishes, and does
+    its work exactly once.
+    """
+
+    def __init__(self, state: ServerState, session: CaptureSession, slot: CaptureSlot) -> None:
+        self.state = state
+        self.session = session
+        self.slot = slot
+        #: The final status code name, for the log and the metrics.
+        self.code = "CANCELLED"
+        self.sent = 0
+        # Acquired without blocking and never released: an atomic test-and-set.
+        self._once = threading.Lock()
+
+    def finish(self) -> None:
+        """End the call: close the session, free the slot, count it; later calls do nothing."""
+        if not self._once.acquire(blocking=False):
+            return
+        try:
+            self.session.close()
+        finally:
+            self.slot.release()
+            self.state.count_capture(self.code, self.sent)
+            log.info("capture end: code=%s bytes=%d", self.code, self.sent)
+
+    def stream(self, context: grpc.ServicerContext, inputs: Sequence[torch.Tensor] | None) -> Iterator[bytes]:
+        """Run the capture and yield its serialized messages; sets ``code`` to OK when every pass was sent."""
+        session, opts = self.session, self.session.opts
+        if not session.open():
+            return  # ended (the client left) before it began
+        if inputs is not None:
+            self.state.host.run(inputs, active_owner=session)
+        ids = itertools.count()
+        for _ in range(opts.passes):
+            rec = self._wait_for_pass(context)
+            if rec is None:
+                return  # the client is gone
+            try:
+                if rec.error is not None:
+                    raise rec.error
+                check_all_ran(rec, opts)
+                if rec.ordinal == opts.passes - 1:
+                    session.remove_hooks()  # the last pass is in hand: free the hooks now
+                for wire, payload in encode_pass(rec, opts, ids):
+                    self.sent += payload
+                    yield wire
+            finally:
+                session.release(rec)  # sent, failed or abandoned: its clones and budget go now
+        self.code = "OK"
+
+    def _wait_for_pass(self, context: grpc.ServicerContext) -> CapturedPass | None:
+        """The next captured pass; None if the client left. A passive capture
+        gives up after ``--max-capture-wait`` seconds without one."""
+        session = self.session
+        max_wait = self.state.capture_limits.max_wait
+        start, skipped = time.monotonic(), session.skipped
+        while context.is_active():
+            rec = session.next_pass(max(0.0, min(POLL_SECONDS, max_wait)))
+            if rec is not None:
+                return rec
+            waited = time.monotonic() - start
+            if not session.active and waited >= max_wait:
+                raise session.wait_exceeded(waited, max_wait, session.skipped - skipped)
+            if self.state.broker.shutting_down:
+                # Like Subscribe: end now rather than hold the drain for its whole grace period.
+                raise Unavailable("the server is shutting down; retry the capture on another replica")
+        return None
+
+
+def _code_of(exc: BaseException) -> str:
+    return status_for(exc)[0].name
