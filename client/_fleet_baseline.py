@@ -5,9 +5,10 @@
 calls go through the client's transport.
 
 Fleet-wide baselines collect on every member, merge once and install one
-reference everywhere. Per-member baselines freeze their histogram edges at their own quantiles, so
-two ranks fed different data get different edges and their drift scores are
-not comparable. :func:`set_fleet_baseline` drives instead:
+reference everywhere. Per-member baselines freeze their histogram edges at
+their own quantiles, so two ranks fed different data get different edges and
+their drift scores are not comparable. :func:`set_fleet_baseline` drives
+instead, through each member's ``baselines``:
 
 1. ``SetBaseline(hold=True)`` on every member: each collects ``passes`` live
    passes and holds its builder instead of freezing it;
