@@ -1,27 +1,36 @@
-"""The layertap client: one gRPC channel, blocking calls, numpy (or torch) out."""
+"""The layertap client: blocking calls, numpy (or torch) out.
+
+Its calls go through one :class:`~layertap._transport.Transport` (channel,
+deadlines, token, error translation), shared with its sub-clients
+``client.incidents`` and ``client.baselines``.
+"""
 
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
 from typing import Any, Literal, overload
 
-import grpc
-
 from . import _capture, _convert, _explain
 from ._capture import CaptureOptions, ProgressCallback
-from ._capture_wire import capture_method
-from ._channel import TlsOption, normalize_target, open_channel
+from ._capture_wire import CaptureMessage
+from ._channel import TlsOption, normalize_target
 from ._codec import Array
-from ._errors import ClientClosed, DeadlineExceeded, InvalidArgument, NotFound, from_rpc_error
+from ._errors import DeadlineExceeded, InvalidArgument, NotFound
+from ._explain import Explanation
+from ._fleet_baseline import Baselines
+from ._incidents import Incidents
 from ._taps import DurableTapOptions, SummaryStream, TapHandle, TapOptions, Unpack, tap_spec
+from ._transport import (
+    CAPTURE, CREATE_TAP, DELETE_TAP, GET_MODEL_METADATA, GET_SERVER_STATS, INFER, LIST_LAYERS, LIST_TAPS, SUBSCRIBE,
+    ServerStream, Transport,
+)
 from ._types import (
     BaselineInfo, DriftThresholds, LayerDrift, LayerInfo, ModelMetadata, ServerStats, Structured, TapInfo, TapSpec,
 )
-from .v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
+from .v1 import inference_pb2, telemetry_pb2
 
 __all__ = ["Client"]
 
@@ -31,7 +40,6 @@ DEFAULT_TIMEOUT = 30.0
 #: The server accepts requests of up to 256 MiB of tensor data by default; the
 #: slack covers the protobuf envelope around the raw bytes.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * MiB + 1 * MiB
-_LAYER_NAMES_TIMEOUT = 5.0
 
 
 class Client:
@@ -53,6 +61,10 @@ class Client:
         token: Bearer token sent on every call; default ``$LAYERTAP_TOKEN``.
         tls: True (system roots), a CA bundle path, or ``grpc.ChannelCredentials``.
 
+    Attributes:
+        incidents: The server's flight-recorder incidents (:class:`~layertap.Incidents`).
+        baselines: Drift baselines and scores (``set``, ``drift``).
+
     Example:
         >>> with layertap.Client("localhost:50051") as client:
         ...     x = client.capture("layer4")
@@ -70,20 +82,16 @@ class Client:
         if not timeout > 0:
             raise InvalidArgument(f"timeout must be > 0 seconds, got {timeout}")
         self.target = normalize_target(target)
-        self.timeout = timeout
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
-        self._channel, calls = open_channel(self.target, options, token, tls)
-        self._inference = inference_pb2_grpc.InferenceServiceStub(calls)
-        self._telemetry = telemetry_pb2_grpc.TelemetryServiceStub(calls)
-        self._capture_rpc = capture_method(calls)  # chunks read in place, not through protobuf
-        self._closed = False
-        self._lock = threading.Lock()
+        self._transport = Transport(self.target, timeout=timeout, options=options, token=token, tls=tls)
+        self.incidents = Incidents(self._transport)
+        self.baselines = Baselines(self._transport)
 
     # ------------------------------------------------------------------ lifecycle
 
     def __enter__(self) -> Client:
-        self._check_open()
+        self._transport.check_open()
         return self
 
     def __exit__(
@@ -95,53 +103,39 @@ class Client:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
+        state = "closed" if self.closed else "open"
         return f"<layertap.Client {self.target} {state}>"
+
+    @property
+    def timeout(self) -> float:
+        """Default deadline of a call, in seconds."""
+        return self._transport.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._transport.timeout = value
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
-        return self._closed
+        return self._transport.closed
 
     def close(self) -> None:
         """Closes the channel and cancels its in-flight calls. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._channel.close()
+        self._transport.close()
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClientClosed(f"this layertap.Client for {self.target} is closed; create a new one")
+    # Older private spellings, kept for layertap._tensorboard and tests that
+    # still use them; new code calls the transport.
+
+    def _translating(self, *, layer_hint: bool = False) -> AbstractContextManager[None]:
+        return self._transport.translating(layer_hint=layer_hint)
 
     def _deadline(self, timeout: float | None) -> float | None:
-        t = self.timeout if timeout is None else timeout
-        if math.isinf(t):
-            return None
-        if not t > 0:
-            raise InvalidArgument(f"timeout must be > 0 seconds, got {t}")
-        return t
+        return self._transport.deadline(timeout)
 
-    def _layer_names(self) -> list[str]:
-        resp = self._telemetry.ListLayers(
-            telemetry_pb2.ListLayersRequest(), timeout=min(self.timeout, _LAYER_NAMES_TIMEOUT)
-        )
-        return [layer.name for layer in resp.layers]
-
-    @contextmanager
-    def _translating(self, *, layer_hint: bool = False) -> Iterator[None]:
-        """The one place where gRPC errors become layertap errors."""
-        self._check_open()
-        try:
-            yield
-        except grpc.RpcError as exc:
-            mapped = (
-                ClientClosed(f"this layertap.Client for {self.target} was closed during the call")
-                if self._closed
-                else from_rpc_error(exc, layer_names=self._layer_names if layer_hint else None)
-            )
-            raise mapped from exc
+    def _capture_rpc(self, req: telemetry_pb2.CaptureRequest, *, timeout: float | None) -> ServerStream[CaptureMessage]:
+        """Opens a Capture stream; ``timeout`` is a deadline from :meth:`_deadline` (None: none)."""
+        return self._transport.stream(CAPTURE, req, timeout=math.inf if timeout is None else timeout)
 
     # ------------------------------------------------------------------ inference
 
@@ -151,10 +145,7 @@ class Client:
         Raises:
             LayertapError: Any server error, translated (see ``layertap._errors``).
         """
-        with self._translating():
-            resp = self._inference.GetModelMetadata(
-                inference_pb2.GetModelMetadataRequest(), timeout=self._deadline(timeout)
-            )
+        resp = self._transport.unary(GET_MODEL_METADATA, inference_pb2.GetModelMetadataRequest(), timeout=timeout)
         return _convert.metadata_from_proto(resp)
 
     @overload
@@ -182,8 +173,7 @@ class Client:
             InvalidArgument: Wrong dtype, shape or byte count for the model.
         """
         req = _convert.infer_request((x, *more))
-        with self._translating():
-            resp = self._inference.Infer(req, timeout=self._deadline(timeout))
+        resp = self._transport.unary(INFER, req, timeout=timeout)
         outputs = _convert.infer_outputs(resp, as_torch=as_torch)
         return outputs[0] if len(outputs) == 1 else outputs
 
@@ -191,18 +181,12 @@ class Client:
 
     def layers(self, *, timeout: float | None = None) -> list[LayerInfo]:
         """Lists every module with its type, parameter count and last-seen shapes."""
-        with self._translating():
-            resp = self._telemetry.ListLayers(
-                telemetry_pb2.ListLayersRequest(), timeout=self._deadline(timeout)
-            )
+        resp = self._transport.unary(LIST_LAYERS, telemetry_pb2.ListLayersRequest(), timeout=timeout)
         return _convert.layers_from_proto(resp)
 
     def stats(self, *, timeout: float | None = None) -> ServerStats:
         """Returns the server-wide counters (active hooks, passes, captures, ...)."""
-        with self._translating():
-            resp = self._telemetry.GetServerStats(
-                telemetry_pb2.GetServerStatsRequest(), timeout=self._deadline(timeout)
-            )
+        resp = self._transport.unary(GET_SERVER_STATS, telemetry_pb2.GetServerStatsRequest(), timeout=timeout)
         return _convert.stats_from_proto(resp)
 
     # n=1 gives one pass, n>1 a list of passes. Literal[1] overlaps int (mypy's
@@ -299,8 +283,8 @@ class Client:
         # Checks for torch when as_torch is set: before the server does any work.
         assembler = _capture.CaptureAssembler(as_torch=as_torch, progress=progress)
         try:
-            with self._translating(layer_hint=True):
-                _capture.receive(self._capture_rpc(req, timeout=self._deadline(timeout)), assembler)
+            with self._transport.translating(layer_hint=True):
+                _capture.receive(self._transport.stream(CAPTURE, req, timeout=timeout, layer_hint=True), assembler)
         except DeadlineExceeded as exc:
             if input is None:
                 exc.hint = _capture.no_traffic_hint(names, n)
@@ -308,16 +292,53 @@ class Client:
         single = isinstance(layers, str) and not _capture.is_pattern(layers)
         return _capture.shape_capture(assembler.finish(), names, single=single, n=n)
 
-    explain = _explain.explain  # Grad-CAM; documented in layertap._explain
+    def explain(
+        self,
+        x: Any,
+        layer: str,
+        target: int | Sequence[int] | None = None,
+        *,
+        normalize: bool = False,
+        upsample: bool = False,
+        timeout: float | None = None,
+    ) -> Explanation:
+        """Grad-CAM: which parts of ``x`` the layer's features for a class come from.
+
+        The server runs ``x`` once with gradients (an active pass: taps skip it)
+        in eval mode and leaves the model as it was.
+
+        Args:
+            x: Model input: an array, or a tuple or list of arrays for a
+                multi-argument model.
+            layer: Exact module name whose output, ``(N, channels, *spatial)``,
+                is explained; usually the last convolutional block.
+            target: Output index to explain: None for each sample's top class,
+                an int for every sample, or one per sample. A model whose output
+                is not ``(N, classes)`` needs it: an index into each sample's
+                flattened output.
+            normalize: Min-max each map to ``[0, 1]``.
+            upsample: Resize the maps bilinearly to the input's spatial size.
+            timeout: Deadline override in seconds.
+
+        Returns:
+            An :class:`Explanation`.
+
+        Raises:
+            LayerNotFound: No module has this name; the error suggests close names.
+            FailedPrecondition: TorchScript, a training agent, a layer that does
+                not run once or has no channel dimension, or an output that is not
+                ``(N, classes)`` without ``target``.
+            InvalidArgument: Bad input or target, or ``upsample`` for a layer
+                whose map has no spatial dims to resize (e.g. a Linear head).
+        """
+        return _explain.explain(self._transport, x, layer, target, normalize=normalize, upsample=upsample,
+                                timeout=timeout)
 
     # ------------------------------------------------------------------ taps
 
     def taps(self, *, timeout: float | None = None) -> list[TapInfo]:
         """Lists durable and stream taps with their kind, counters and expiry."""
-        with self._translating():
-            resp = self._telemetry.ListTaps(
-                telemetry_pb2.ListTapsRequest(), timeout=self._deadline(timeout)
-            )
+        resp = self._transport.unary(LIST_TAPS, telemetry_pb2.ListTapsRequest(), timeout=timeout)
         return [_convert.tap_info_from_proto(t) for t in resp.taps]
 
     def create_tap(self, selector: str | TapSpec, **options: Unpack[DurableTapOptions]) -> TapInfo:
@@ -348,8 +369,7 @@ class Client:
         ttl, forever = options.pop("ttl", None), options.pop("forever", False)
         timeout = options.pop("timeout", None)
         req = _convert.create_tap_request(tap_spec(selector, options), ttl=ttl, forever=forever)
-        with self._translating(layer_hint=True):
-            resp = self._telemetry.CreateTap(req, timeout=self._deadline(timeout))
+        resp = self._transport.unary(CREATE_TAP, req, timeout=timeout, layer_hint=True)
         return _convert.tap_info_from_proto(resp.tap)
 
     def delete_tap(self, tap: str | TapInfo | TapHandle, *, timeout: float | None = None) -> None:
@@ -359,10 +379,7 @@ class Client:
             NotFound: No tap has this id (it may have expired).
         """
         tap_id = tap if isinstance(tap, str) else tap.id
-        with self._translating():
-            self._telemetry.DeleteTap(
-                telemetry_pb2.DeleteTapRequest(id=tap_id), timeout=self._deadline(timeout)
-            )
+        self._transport.unary(DELETE_TAP, telemetry_pb2.DeleteTapRequest(id=tap_id), timeout=timeout)
 
     @contextmanager
     def tap(self, selector: str | TapSpec, **options: Unpack[DurableTapOptions]) -> Iterator[TapHandle]:
@@ -384,7 +401,7 @@ class Client:
             yield handle
         finally:
             handle.close()
-            if not self._closed:
+            if not self.closed:
                 try:
                     self.delete_tap(info.id, timeout=timeout)
                 except NotFound:
@@ -437,13 +454,11 @@ class Client:
         return self._subscribe(req, timeout)
 
     def _subscribe(self, req: telemetry_pb2.SubscribeRequest, timeout: float | None) -> SummaryStream:
-        self._check_open()
-        deadline = None if timeout is None or math.isinf(timeout) else self._deadline(timeout)
-        with self._translating():
-            call = self._telemetry.Subscribe(req, timeout=deadline)
-        return SummaryStream(call, lambda: self._translating(layer_hint=True))
+        t = self._transport
+        return SummaryStream(t.stream(SUBSCRIBE, req, timeout=timeout, open_ended=True),
+                             lambda: t.translating(layer_hint=True))
 
-    # ------------------------------------------------------------------ drift
+    # ------------------------------------------------------------------ drift (older spellings)
 
     def set_baseline(
         self,
@@ -456,34 +471,10 @@ class Client:
         name: str = "",
         timeout: float | None = None,
     ) -> BaselineInfo:
-        """Freezes a drift baseline from the next ``passes`` live passes.
-
-        Args:
-            selector: Layers to baseline (tap selector syntax).
-            passes: Live passes that make up the baseline.
-            window: Sliding window of current passes compared with it.
-            point: Where to read the tensor.
-            thresholds: Drift thresholds, as a :class:`DriftThresholds` or a
-                mapping with keys psi, js, wasserstein, mean_shift (missing keys
-                take the server defaults 0.2, 0.1, 0.1, 1.0).
-            name: The baseline tap's id (default: ``baseline-<hash>`` of the
-                selector and point). Calling again with the same name resets it.
-            timeout: Deadline override in seconds.
-
-        Returns:
-            The durable tap collecting the baseline and the layers it covers.
-        """
-        req = _convert.set_baseline_request(
-            selector, passes=passes, window=window, point=point, thresholds=thresholds, name=name
-        )
-        with self._translating(layer_hint=True):
-            resp = self._telemetry.SetBaseline(req, timeout=self._deadline(timeout))
-        return _convert.baseline_from_proto(resp)
+        """Freezes a drift baseline from the next ``passes`` live passes: ``client.baselines.set``, which see."""
+        return self.baselines.set(selector, passes=passes, window=window, point=point, thresholds=thresholds,
+                                  name=name, timeout=timeout)
 
     def drift(self, selector: str = "", *, timeout: float | None = None) -> list[LayerDrift]:
-        """Returns the current drift scores, optionally filtered by a layer selector."""
-        with self._translating(layer_hint=True):
-            resp = self._telemetry.GetDrift(
-                telemetry_pb2.GetDriftRequest(selector=selector), timeout=self._deadline(timeout)
-            )
-        return _convert.drift_from_proto(resp)
+        """Returns the current drift scores, optionally filtered by a layer selector: ``client.baselines.drift``."""
+        return self.baselines.drift(selector, timeout=timeout)

@@ -1,22 +1,21 @@
-"""Grad-CAM explanations: the request and result of ``Client.explain``.
+"""Grad-CAM explanations: the request, the call and the result of ``Client.explain``.
 
-:func:`explain` is bound as the method ``Client.explain``; it lives here so
-that the client module keeps to its size, and it reaches the client through
-:class:`_ExplainCalls`, the three members it uses.
+``Client.explain`` calls :func:`explain` with its transport; the call lives
+here so that the client module keeps to its size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from ._codec import Array, decode_tensor, encode_tensor
 from ._errors import InvalidArgument
-from .v1 import telemetry_pb2, telemetry_pb2_grpc
+from ._transport import EXPLAIN, Transport
+from .v1 import telemetry_pb2
 
 __all__ = ["Explanation", "explain", "explain_request"]
 
@@ -40,16 +39,6 @@ class Explanation:
     scores: list[float]
 
 
-class _ExplainCalls(Protocol):
-    """What :func:`explain` needs of ``Client``."""
-
-    _telemetry: telemetry_pb2_grpc.TelemetryServiceStub
-
-    def _translating(self, *, layer_hint: bool = ...) -> AbstractContextManager[None]: ...
-
-    def _deadline(self, timeout: float | None) -> float | None: ...
-
-
 def explain_request(
     x: Any, layer: str, target: int | Sequence[int] | None = None, *, normalize: bool = False, upsample: bool = False
 ) -> telemetry_pb2.ExplainRequest:
@@ -68,7 +57,7 @@ def explain_request(
 
 
 def explain(
-    self: _ExplainCalls,
+    transport: Transport,
     x: Any,
     layer: str,
     target: int | Sequence[int] | None = None,
@@ -77,37 +66,8 @@ def explain(
     upsample: bool = False,
     timeout: float | None = None,
 ) -> Explanation:
-    """Grad-CAM: which parts of ``x`` the layer's features for a class come from.
-
-    The server runs ``x`` once with gradients (an active pass: taps skip it)
-    in eval mode and leaves the model as it was.
-
-    Args:
-        x: Model input: an array, or a tuple or list of arrays for a
-            multi-argument model.
-        layer: Exact module name whose output, ``(N, channels, *spatial)``,
-            is explained; usually the last convolutional block.
-        target: Output index to explain: None for each sample's top class,
-            an int for every sample, or one per sample. A model whose output
-            is not ``(N, classes)`` needs it: an index into each sample's
-            flattened output.
-        normalize: Min-max each map to ``[0, 1]``.
-        upsample: Resize the maps bilinearly to the input's spatial size.
-        timeout: Deadline override in seconds.
-
-    Returns:
-        An :class:`Explanation`.
-
-    Raises:
-        LayerNotFound: No module has this name; the error suggests close names.
-        FailedPrecondition: TorchScript, a training agent, a layer that does
-            not run once or has no channel dimension, or an output that is not
-            ``(N, classes)`` without ``target``.
-        InvalidArgument: Bad input or target, or ``upsample`` for a layer
-            whose map has no spatial dims to resize (e.g. a Linear head).
-    """
+    """Makes the Explain call of ``Client.explain`` (see there) on ``transport``."""
     req = explain_request(x, layer, target, normalize=normalize, upsample=upsample)
-    with self._translating(layer_hint=True):
-        resp = self._telemetry.Explain(req, timeout=self._deadline(timeout))
+    resp = transport.unary(EXPLAIN, req, timeout=timeout, layer_hint=True)
     maps = np.asarray(decode_tensor(resp.maps), dtype=np.float32)
     return Explanation(layer, maps, list(resp.targets), list(resp.scores))

@@ -1,8 +1,14 @@
-"""Fleet-wide baselines: collect on every member, merge once, install one reference everywhere.
+"""Drift baselines: one server's (``client.baselines``), and one for a whole fleet.
 
-Per-member baselines freeze their histogram edges at their own quantiles, so
-two ranks fed different data get different edges and their drift scores are
-not comparable. :func:`set_fleet_baseline` drives instead:
+:class:`Baselines` is the sub-client behind ``client.baselines``
+(``Client.set_baseline`` and ``Client.drift`` are its older spellings); its
+calls go through the client's transport.
+
+Fleet-wide baselines collect on every member, merge once and install one
+reference everywhere. Per-member baselines freeze their histogram edges at
+their own quantiles, so two ranks fed different data get different edges and
+their drift scores are not comparable. :func:`set_fleet_baseline` drives
+instead, through each member's ``baselines``:
 
 1. ``SetBaseline(hold=True)`` on every member: each collects ``passes`` live
    passes and holds its builder instead of freezing it;
@@ -21,33 +27,107 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from . import _convert
-from ._client import Client
 from ._errors import DeadlineExceeded, InvalidArgument, LayertapError
-from ._types import BaselineInfo, DriftThresholds
+from ._transport import EXPORT_BASELINE, GET_DRIFT, INSTALL_BASELINE, SET_BASELINE, Transport
+from ._types import BaselineInfo, DriftThresholds, LayerDrift
 from .v1 import telemetry_pb2
-
-T = TypeVar("T")
 
 #: Seconds between GetDrift polls while the members collect.
 POLL_SECONDS = 0.2
 
-#: Runs a call on each client concurrently; keeps the answers, records the failures.
-Each = Callable[[Sequence[Client], Callable[[Client], Any]], list[tuple[Client, Any]]]
+
+class Baselines:
+    """Drift baselines and drift scores of the server a :class:`~layertap.Client` talks to.
+
+    Reached as ``client.baselines``.
+
+    Example:
+        >>> client.baselines.set("layer*", passes=100)  # freeze a reference from live passes
+        >>> for d in client.baselines.drift():
+        ...     print(d.layer, d.psi)
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+
+    def set(
+        self,
+        selector: str,
+        *,
+        passes: int = 100,
+        window: int = 50,
+        point: str = "output",
+        thresholds: DriftThresholds | Mapping[str, float] | None = None,
+        name: str = "",
+        timeout: float | None = None,
+    ) -> BaselineInfo:
+        """Freezes a drift baseline from the next ``passes`` live passes.
+
+        Args:
+            selector: Layers to baseline (tap selector syntax).
+            passes: Live passes that make up the baseline.
+            window: Sliding window of current passes compared with it.
+            point: Where to read the tensor.
+            thresholds: Drift thresholds, as a :class:`DriftThresholds` or a
+                mapping with keys psi, js, wasserstein, mean_shift (missing keys
+                take the server defaults 0.2, 0.1, 0.1, 1.0).
+            name: The baseline tap's id (default: ``baseline-<hash>`` of the
+                selector and point). Calling again with the same name resets it.
+            timeout: Deadline override in seconds.
+
+        Returns:
+            The durable tap collecting the baseline and the layers it covers.
+        """
+        req = _convert.set_baseline_request(
+            selector, passes=passes, window=window, point=point, thresholds=thresholds, name=name
+        )
+        return _convert.baseline_from_proto(self._transport.unary(SET_BASELINE, req, timeout=timeout, layer_hint=True))
+
+    def drift(self, selector: str = "", *, timeout: float | None = None) -> list[LayerDrift]:
+        """Returns the current drift scores, optionally filtered by a layer selector."""
+        req = telemetry_pb2.GetDriftRequest(selector=selector)
+        return _convert.drift_from_proto(self._transport.unary(GET_DRIFT, req, timeout=timeout, layer_hint=True))
+
+    # The steps of Fleet.set_baseline (below): protobuf in and out, for this module only.
+
+    def hold(self, req: telemetry_pb2.SetBaselineRequest, *, timeout: float | None) -> str:
+        """SetBaseline with ``hold`` set: collects and holds its builders; returns the tap."""
+        return self._transport.unary(SET_BASELINE, req, timeout=timeout, layer_hint=True).tap
+
+    def export(self, req: telemetry_pb2.ExportBaselineRequest, *,
+               timeout: float | None) -> telemetry_pb2.ExportBaselineResponse:
+        """ExportBaseline: each layer's builder state (or frozen reference)."""
+        return self._transport.unary(EXPORT_BASELINE, req, timeout=timeout, layer_hint=True)
+
+    def install(self, req: telemetry_pb2.InstallBaselineRequest, *,
+                timeout: float | None) -> telemetry_pb2.InstallBaselineResponse:
+        """InstallBaseline: merges builders and freezes, or installs frozen references."""
+        return self._transport.unary(INSTALL_BASELINE, req, timeout=timeout, layer_hint=True)
 
 
-def _call(c: Client, timeout: float | None, fn: Callable[[Any, float | None], T]) -> T:
-    """One TelemetryService call on ``c``, its errors translated as the client's own."""
-    with c._translating(layer_hint=True):
-        return fn(c._telemetry, c._deadline(timeout))
+class Member(Protocol):
+    """What a fleet baseline needs of each :class:`~layertap.Client`."""
+
+    @property
+    def target(self) -> str: ...
+
+    @property
+    def baselines(self) -> Baselines: ...
+
+
+M = TypeVar("M", bound=Member)
+
+#: Runs a call on each member concurrently; keeps the answers, records the failures.
+Each = Callable[[Sequence[M], Callable[[M], Any]], list[tuple[M, Any]]]
 
 
 def set_fleet_baseline(
-    clients: Sequence[Client],
-    each: Each,
-    fail: Callable[[Client, LayertapError], None],
+    clients: Sequence[M],
+    each: Each[M],
+    fail: Callable[[M, LayertapError], None],
     selector: str,
     *,
     passes: int,
@@ -57,7 +137,7 @@ def set_fleet_baseline(
     name: str | None,
     wait: float,
     timeout: float | None,
-) -> list[tuple[Client, BaselineInfo]]:
+) -> list[tuple[M, BaselineInfo]]:
     """See :meth:`Fleet.set_baseline`; returns the members that installed the reference."""
     if not wait > 0:
         raise InvalidArgument(f"wait must be > 0 seconds, got {wait}")
@@ -65,11 +145,10 @@ def set_fleet_baseline(
     req.hold = True
     if name:
         req.name = name
-    started: list[tuple[Client, telemetry_pb2.SetBaselineResponse]] = each(
-        clients, lambda c: _call(c, timeout, lambda stub, t: stub.SetBaseline(req, timeout=t)))
+    started: list[tuple[M, str]] = each(clients, lambda c: c.baselines.hold(req, timeout=timeout))
     if not started:
         return []
-    taps = {resp.tap for _, resp in started}
+    taps = {started_tap for _, started_tap in started}
     if len(taps) > 1:  # the same request everywhere: a member answering otherwise is broken
         raise InvalidArgument(f"members named the baseline tap differently: {sorted(taps)}")
     tap = taps.pop()
@@ -77,7 +156,7 @@ def set_fleet_baseline(
 
     deadline = time.monotonic() + wait
     while True:
-        polled = each(members, lambda c: [d for d in c.drift(timeout=timeout) if d.tap == tap])
+        polled = each(members, lambda c: [d for d in c.baselines.drift(timeout=timeout) if d.tap == tap])
         members = [c for c, _ in polled]
         waiting = [c.target for c, layers in polled if not layers or any(d.baseline_passes < passes for d in layers)]
         if not waiting:
@@ -88,8 +167,8 @@ def set_fleet_baseline(
         time.sleep(POLL_SECONDS)
 
     export = telemetry_pb2.ExportBaselineRequest(tap=tap)
-    exported: list[tuple[Client, telemetry_pb2.ExportBaselineResponse]] = each(
-        members, lambda c: _call(c, timeout, lambda stub, t: stub.ExportBaseline(export, timeout=t)))
+    exported: list[tuple[M, telemetry_pb2.ExportBaselineResponse]] = each(
+        members, lambda c: c.baselines.export(export, timeout=timeout))
     builders = [layer.builder for _, resp in exported for layer in resp.layers
                 if layer.WhichOneof("value") == "builder"]
     members = [c for c, _ in exported]
@@ -97,13 +176,13 @@ def set_fleet_baseline(
     while members:  # the first member that answers freezes the reference for all
         first = members.pop(0)
         try:
-            resp = _call(first, timeout, lambda stub, t: stub.InstallBaseline(merge, timeout=t))
+            resp = first.baselines.install(merge, timeout=timeout)
         except LayertapError as exc:
             fail(first, exc)
             continue
         installed = [(first, BaselineInfo(tap=tap, layers=list(resp.layers)))]
         same = telemetry_pb2.InstallBaselineRequest(tap=tap, frozen=resp.frozen)
-        rest: list[tuple[Client, telemetry_pb2.InstallBaselineResponse]] = each(
-            members, lambda c: _call(c, timeout, lambda stub, t: stub.InstallBaseline(same, timeout=t)))
+        rest: list[tuple[M, telemetry_pb2.InstallBaselineResponse]] = each(
+            members, lambda c: c.baselines.install(same, timeout=timeout))
         return installed + [(c, BaselineInfo(tap=tap, layers=list(r.layers))) for c, r in rest]
     return []

@@ -1,7 +1,8 @@
 """The flight recorder's incidents: list, fetch (reassembling chunks) and delete.
 
-A separate public class, :class:`Incidents`, so the client's core stays small;
-it borrows the :class:`~layertap.Client`'s channel, deadlines and error mapping.
+:class:`Incidents` is a sub-client, reached as ``client.incidents``: it makes
+its calls through the client's transport (deadlines, token, error mapping).
+``Incidents(client)``, the older spelling, returns that same sub-client.
 Reading incidents needs the ``capture`` scope.
 """
 
@@ -11,12 +12,13 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
-from ._client import Client
 from ._capture import CaptureAssembler
 from ._errors import ProtocolError
+from ._transport import DELETE_INCIDENT, GET_INCIDENT, LIST_INCIDENTS, Transport
 from .v1 import telemetry_pb2
 
 
@@ -86,32 +88,43 @@ def info_from_proto(m: telemetry_pb2.Incident) -> IncidentInfo:
     )
 
 
+class _HasIncidents(Protocol):
+    """A :class:`~layertap.Client`, as ``Incidents(client)`` sees it."""
+
+    @property
+    def incidents(self) -> Incidents: ...
+
+
 class Incidents:
     """The incident ring of the server a :class:`~layertap.Client` talks to.
 
+    Reached as ``client.incidents``; ``Incidents(client)`` is the same object.
+
     Example:
         >>> with layertap.Client("localhost:50051") as client:
-        ...     for info in layertap.Incidents(client).list():
+        ...     for info in client.incidents.list():
         ...         print(info.id, info.tap, info.rows)
     """
 
-    def __init__(self, client: Client) -> None:
-        self._client = client
+    _transport: Transport
+
+    def __new__(cls, client: _HasIncidents | Transport) -> Incidents:
+        if not isinstance(client, Transport):
+            return client.incidents  # the spelling Incidents(client): the client's own sub-client
+        self = super().__new__(cls)
+        self._transport = client
+        return self
 
     def list(self, tap: str = "", *, timeout: float | None = None) -> list[IncidentInfo]:
         """Incidents, newest first (only ``tap``'s when given)."""
-        c = self._client
-        with c._translating():
-            resp = c._telemetry.ListIncidents(telemetry_pb2.ListIncidentsRequest(tap=tap),
-                                              timeout=c._deadline(timeout))
+        resp = self._transport.unary(LIST_INCIDENTS, telemetry_pb2.ListIncidentsRequest(tap=tap), timeout=timeout)
         return [info_from_proto(m) for m in resp.incidents]
 
     def get(self, incident_id: str, *, timeout: float | None = None) -> Incident:
         """One incident with its input and captured tensors."""
-        c = self._client
-        with c._translating():
-            call = c._telemetry.GetIncident(telemetry_pb2.GetIncidentRequest(id=incident_id),
-                                            timeout=c._deadline(timeout))
+        t = self._transport
+        call = t.stream(GET_INCIDENT, telemetry_pb2.GetIncidentRequest(id=incident_id), timeout=timeout)
+        with t.translating():
             try:
                 return assemble(call)
             except BaseException:
@@ -119,10 +132,8 @@ class Incidents:
                 raise
 
     def delete(self, incident_id: str, *, timeout: float | None = None) -> None:
-        c = self._client
-        with c._translating():
-            c._telemetry.DeleteIncident(telemetry_pb2.DeleteIncidentRequest(id=incident_id),
-                                        timeout=c._deadline(timeout))
+        """Removes one incident from the server's ring."""
+        self._transport.unary(DELETE_INCIDENT, telemetry_pb2.DeleteIncidentRequest(id=incident_id), timeout=timeout)
 
 
 def assemble(messages: Iterable[telemetry_pb2.GetIncidentResponse]) -> Incident:
