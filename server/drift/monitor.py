@@ -14,12 +14,13 @@ the sliding window that drift is scored on. Everything arrives as ordinary
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from layertap.server.drift.builder import BaselineBuilder, BuilderState
 from layertap.server.drift.layer import (
     SAVE_RETRY_FIRST_SECONDS, SAVE_RETRY_MAX_SECONDS, LayerEntry, layer_reducers,
 )
-from layertap.server.drift.names import baseline_tap_id
+from layertap.server.drift.names import BASELINE_PREFIX, baseline_tap_id, check_not_baseline_name
 from layertap.server.drift.exchange import (
     builder_state_from_proto, builder_state_to_proto, frozen_from_bytes, frozen_to_bytes, merge_states,
 )
@@ -80,6 +81,7 @@ class DriftMonitor(Sink):
         """
         self.engine = engine
         self._on_score = on_score
+        self._creating = threading.local()
         self.baseline_dir = baseline_dir
         self.default_window = default_window
         self._on_load_error = on_load_error
@@ -103,6 +105,22 @@ class DriftMonitor(Sink):
                 if e.layer == layer and e.point == point and e.baseline is not None:
                     return e.baseline
         return None
+
+    # -- spec checks (any thread creating a tap) ---------------------------------
+    def check_spec(self, spec: pb.TapSpec, *, durable: bool, field_prefix: str) -> None:
+        """Baseline ids are this monitor's: no other tap may take one, or a principal
+        could squat the id another's SetBaseline will use."""
+        if spec.name.startswith(BASELINE_PREFIX) and not getattr(self._creating, "own", False):
+            check_not_baseline_name(spec.name, f"{field_prefix}.name")
+
+    @contextlib.contextmanager
+    def _own_creation(self) -> Iterator[None]:
+        """Marks this thread's ``engine.create`` as the monitor's own, for :meth:`check_spec`."""
+        self._creating.own = True
+        try:
+            yield
+        finally:
+            self._creating.own = False
 
     # -- requests ------------------------------------------------------------
     def set_baseline(self, req: pb.SetBaselineRequest) -> tuple[str, list[str]]:
@@ -141,7 +159,8 @@ class DriftMonitor(Sink):
         with self._lock:
             self._layers.update({(tap_id, layer): e for layer, e in entries.items()})
         try:
-            tap = self.engine.create(spec, forever=True)
+            with self._own_creation():
+                tap = self.engine.create(spec, forever=True)
         except Exception:
             with self._lock:
                 for layer in layers:
@@ -286,7 +305,8 @@ class DriftMonitor(Sink):
                 for b in group:
                     self._layers[(tap_id, b.layer)] = LayerEntry(tap_id, b.layer, point, b.passes, b.window, b.thresholds)
             try:
-                tap = self.engine.create(spec, forever=True, trusted_selector=True)
+                with self._own_creation():
+                    tap = self.engine.create(spec, forever=True, trusted_selector=True)
                 self._own.add(tap_id)
             except Exception as exc:  # noqa: BLE001 - one bad group must not stop start-up
                 msg = f"{tap_id}: cannot recreate its tap: {exc}"

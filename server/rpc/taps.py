@@ -12,7 +12,6 @@ from typing import Any
 import grpc
 import torch
 
-from layertap.server.drift.names import check_not_baseline_name
 from layertap.server.errors import (AlreadyExists, InvalidSpec, NotFound, PermissionDenied, Unavailable, echo,
                                     grpc_errors, status_for)
 from layertap.server.rpc.auth import principal_of, require
@@ -70,7 +69,6 @@ class TapsServicer(StateBacked):
         # Not ToTimedelta(): seconds beyond timedelta's range raise OverflowError;
         # check_ttl refuses what is out of range, naming the field.
         ttl = request.ttl.seconds + request.ttl.nanos / 1e9 if request.HasField("ttl") else None
-        check_not_baseline_name(request.spec.name, "spec.name")
         tap = create_owned(self.state.taps, request.spec, context, kind=pb.TAP_KIND_DURABLE, ttl=ttl,
                            forever=request.forever)
         return pb.CreateTapResponse(tap=tap.info())
@@ -104,7 +102,6 @@ class TapsServicer(StateBacked):
         stream_taps = []
         try:
             for i, spec in enumerate(request.stream_taps):
-                check_not_baseline_name(spec.name, f"stream_taps[{i}].name")
                 stream_taps.append(create_owned(engine, spec, context, kind=pb.TAP_KIND_STREAM,
                                                 field_prefix=f"stream_taps[{i}]"))
             ids = [*request.tap_ids, *(t.id for t in stream_taps)]

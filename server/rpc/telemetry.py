@@ -26,10 +26,10 @@ from layertap.server.rpc.layers import LayersServicer
 from layertap.server.rpc.method_handlers import add_service, service_handlers
 from layertap.server.rpc.state import StateBacked, StateCell
 # Re-exported until tests/e2e/test_capture_budget.py imports it from taps.
-from layertap.server.rpc.taps import CaptureCall, TapsServicer
+from layertap.server.rpc.taps import TapsServicer
 from layertap.v1 import telemetry_pb2 as pb
 
-__all__ = ["CaptureCall", "SERVICE", "SERVICERS", "TelemetryService", "add_to_server"]
+__all__ = ["SERVICE", "SERVICERS", "TelemetryService", "add_to_server"]
 
 SERVICE = pb.DESCRIPTOR.services_by_name["TelemetryService"]
 #: The resources' servicers, each built from the server's state cell.

@@ -19,7 +19,7 @@ import layertap
 from layertap.server.errors import LimitExceeded
 from layertap.server.host.demo_model import build_demo_model
 from layertap.server.host.sources import InputSpec, LoadedModel
-from layertap.server.rpc.telemetry import CaptureCall
+from layertap.server.rpc.taps import CaptureCall
 from layertap.server.taps import capture as capture_mod
 from layertap.server.taps.capture import CaptureOptions, CaptureSession
 from layertap.server.taps.capture_limits import CaptureBudget, CaptureSlots
@@ -240,7 +240,7 @@ def test_passive_capture_that_only_skips_ends_naming_the_budget(make_server):
 
 
 def test_budget_returns_when_a_pass_is_too_large_or_encoding_fails(make_server, monkeypatch):
-    from layertap.server.rpc import telemetry
+    from layertap.server.rpc import taps as telemetry
 
     srv = make_server(max_capture_bytes=10_000)
     x = batch()
