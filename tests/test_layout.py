@@ -9,6 +9,7 @@ which ``docs/design.md`` draws and this file prints.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 from pathlib import Path
 
@@ -177,3 +178,35 @@ def test_hand_written_modules_stay_small() -> None:
     }
     assert "server/app.py" in sizes
     assert {path: n for path, n in sizes.items() if n > MAX_LINES} == {}
+
+
+_LAYOUT_TOKEN = re.compile(r"(?<![\w./-])((?:server|client)/(?:[\w]+/)*|(?:(?:server|client)/(?:[\w]+/)*)?\w+\.py)(?![\w])")
+
+
+def documented_modules() -> set[str]:
+    """Repo-relative paths of the modules ``docs/design.md``'s layout block names.
+
+    A ``server/x/`` token sets the folder that bare ``name.py`` tokens after it
+    belong to; a token with a slash (``server/app.py``) names its own folder.
+    """
+    text = DESIGN.read_text()
+    block = text[text.index("## Layout"):].split("```", 2)[1]
+    named: set[str] = set()
+    folder = ""
+    for token in _LAYOUT_TOKEN.findall(block):
+        if token.endswith("/"):
+            folder = token
+        elif "/" in token:
+            named.add(token)
+            folder = token.rpartition("/")[0] + "/"
+        else:
+            named.add(folder + token)
+    return named
+
+
+def test_the_design_doc_names_every_module_and_only_real_ones() -> None:
+    real = {str(p.relative_to(REPO)) for p in _modules().values() if p.name != "__init__.py"}
+    named = documented_modules()
+    assert "server/taps/engine.py" in named and "client/_client.py" in named, "the layout parser is broken"
+    assert sorted(real - named) == [], "modules docs/design.md's layout leaves out"
+    assert sorted(named - real) == [], "modules docs/design.md's layout names that do not exist"
