@@ -62,6 +62,30 @@ PINNED_DTYPES = [
 # --------------------------------------------------------------------------- scopes
 
 
+def _proto_methods() -> dict[str, object]:
+    """``/pkg.Service/Method`` -> MethodDescriptor, for every service of every generated layertap.v1 file."""
+    import importlib
+
+    out: dict[str, object] = {}
+    for path in sorted((REPO / "client" / "v1").glob("*_pb2.py")):
+        module = importlib.import_module(f"layertap.v1.{path.stem}")
+        for service in module.DESCRIPTOR.services_by_name.values():
+            out.update({f"/{service.full_name}/{m.name}": m for m in service.methods})
+    return out
+
+
+def test_every_rpc_declares_its_scope():
+    from layertap.v1 import options_pb2
+
+    methods = _proto_methods()
+    assert set(methods) == set(PINNED_SCOPES)
+    missing = [name for name, m in methods.items() if not m.GetOptions().Extensions[options_pb2.required_scope]]
+    assert not missing, f"add `option (required_scope) = SCOPE_...;` to {missing}"
+    declared = {name: options_pb2.Scope.Name(m.GetOptions().Extensions[options_pb2.required_scope])
+                for name, m in methods.items()}
+    assert declared == {name: f"SCOPE_{scope.upper()}" for name, scope in PINNED_SCOPES.items()}
+
+
 def test_method_scopes_are_unchanged():
     from layertap.server.rpc import auth
 
