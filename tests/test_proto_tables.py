@@ -150,8 +150,19 @@ def _class_reasons() -> set[str]:
     return out
 
 
-def test_every_reason_the_server_writes_is_pinned():
-    assert _reason_literals() | _class_reasons() <= PINNED_REASONS
+def test_wire_reasons_are_unchanged():
+    """ErrorReason's values travel as they did before the enum: no ERROR_REASON_ prefix."""
+    from layertap._errors import REASONS, wire_reason
+    from layertap.v1 import errors_pb2
+
+    assert REASONS == PINNED_REASONS
+    assert wire_reason(errors_pb2.ERROR_REASON_LAYER_NOT_FOUND) == "LAYER_NOT_FOUND"
+
+
+def test_every_reason_the_server_writes_is_an_error_reason():
+    from layertap._errors import REASONS
+
+    assert _reason_literals() | _class_reasons() <= REASONS
     assert {"RECORDER_OFF", "OUTPUT_NOT_CLASSES", "TRAINING_AGENT", "CAPTURE_COPY_FAILED"} <= _reason_literals()
 
 
