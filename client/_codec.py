@@ -27,20 +27,25 @@ TensorValue = Any
 _DT = tensor_pb2.DataType
 DType: TypeAlias = "tensor_pb2.DataType.ValueType"
 
-#: Wire dtype -> (numpy-style name, numpy storage dtype of its bytes).
-_DTYPES: dict[DType, tuple[str, np.dtype[Any]]] = {
-    _DT.DATA_TYPE_FLOAT32: ("float32", np.dtype("<f4")),
-    _DT.DATA_TYPE_FLOAT16: ("float16", np.dtype("<f2")),
-    # bf16 has no numpy dtype: its bits are carried as uint16.
-    _DT.DATA_TYPE_BFLOAT16: ("bfloat16", np.dtype("<u2")),
-    _DT.DATA_TYPE_FLOAT64: ("float64", np.dtype("<f8")),
-    _DT.DATA_TYPE_INT8: ("int8", np.dtype("i1")),
-    _DT.DATA_TYPE_INT16: ("int16", np.dtype("<i2")),
-    _DT.DATA_TYPE_INT32: ("int32", np.dtype("<i4")),
-    _DT.DATA_TYPE_INT64: ("int64", np.dtype("<i8")),
-    _DT.DATA_TYPE_UINT8: ("uint8", np.dtype("u1")),
-    _DT.DATA_TYPE_BOOL: ("bool", np.dtype("?")),
-}
+
+def _dtype_table() -> dict[DType, tuple[str, np.dtype[Any]]]:
+    """tensor.proto's DataType -> (numpy-style name, numpy storage of its little-endian bytes).
+
+    DATA_TYPE_FLOAT32 is "float32". A DataType added to the proto whose name
+    numpy does not know fails here, at import, until it gets a storage below.
+    """
+    table: dict[DType, tuple[str, np.dtype[Any]]] = {}
+    for wire, code in _DT.items():
+        if code == _DT.DATA_TYPE_UNSPECIFIED:
+            continue
+        name = wire.removeprefix("DATA_TYPE_").lower()
+        # bf16 has no numpy dtype: its bits are carried as uint16.
+        table[code] = (name, np.dtype("<u2") if name == "bfloat16" else np.dtype(name).newbyteorder("<"))
+    return table
+
+
+#: The client's one dtype table (see :func:`_dtype_table`).
+_DTYPES = _dtype_table()
 _BY_NAME: dict[str, DType] = {name: code for code, (name, _) in _DTYPES.items()}
 _ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32",
             "fp32": "float32", "double": "float64"}

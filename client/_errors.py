@@ -21,8 +21,9 @@ Every server error is a gRPC status; the client translates it, in one place
 The class comes from data, never from message text: the server attaches a
 ``google.rpc.Status`` whose ``ErrorInfo`` (domain ``layertap.dev``) carries a
 ``reason`` and metadata, plus a ``BadRequest`` field violation for invalid
-arguments. A reason with a class of its own (LAYER_NOT_FOUND,
-CAPTURE_TOO_LARGE) picks it; otherwise the status code does, which also covers
+arguments. The reasons are ``layertap.v1.ErrorReason`` (``errors.proto``), sent
+as :func:`wire_reason` names them. A reason with a class of its own
+(LAYER_NOT_FOUND, CAPTURE_TOO_LARGE) picks it; otherwise the status code does, which also covers
 statuses that carry no details (a deadline, an unreachable server). Codes with
 no class of their own (INTERNAL, UNIMPLEMENTED, ...) raise ``LayertapError``
 itself, with ``.code`` set.
@@ -37,6 +38,8 @@ from typing import Any
 import grpc
 from google.rpc import error_details_pb2  # type: ignore[import-untyped, unused-ignore]
 from grpc_status import rpc_status  # type: ignore[import-untyped, unused-ignore]
+
+from .v1 import errors_pb2
 
 __all__ = [
     "AlreadyExists",
@@ -60,6 +63,22 @@ __all__ = [
 ERROR_DOMAIN = "layertap.dev"
 
 _LAYERS_HINT = "Hint: list layers with client.layers()"
+_REASON_PREFIX = "ERROR_REASON_"
+
+
+def wire_reason(reason: errors_pb2.ErrorReason.ValueType) -> str:
+    """The ``ErrorInfo.reason`` string of an ErrorReason, the one place that spells it.
+
+    It is the value's name without the prefix that buf's lint asks of enum
+    values: ``ERROR_REASON_LAYER_NOT_FOUND`` travels as ``"LAYER_NOT_FOUND"``.
+    """
+    return errors_pb2.ErrorReason.Name(reason).removeprefix(_REASON_PREFIX)
+
+
+#: Every reason the server may send, as on the wire.
+REASONS = frozenset(
+    wire_reason(v) for v in errors_pb2.ErrorReason.values() if v != errors_pb2.ERROR_REASON_UNSPECIFIED
+)
 
 
 class LayertapError(Exception):
@@ -220,8 +239,8 @@ _BY_CODE: dict[grpc.StatusCode, type[LayertapError]] = {
 }
 #: ErrorInfo reasons that refine their status code into a class of their own.
 _BY_REASON: dict[str, type[LayertapError]] = {
-    "LAYER_NOT_FOUND": LayerNotFound,
-    "CAPTURE_TOO_LARGE": CaptureTooLarge,
+    wire_reason(errors_pb2.ERROR_REASON_LAYER_NOT_FOUND): LayerNotFound,
+    wire_reason(errors_pb2.ERROR_REASON_CAPTURE_TOO_LARGE): CaptureTooLarge,
 }
 
 

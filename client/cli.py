@@ -7,7 +7,6 @@ only then, so the base install (no torch) runs every other command.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib
 import logging
 import os
@@ -32,6 +31,7 @@ from ._cli_watch import WatchOptions, run_watch
 from ._channel import normalize_target
 from ._client import DEFAULT_TIMEOUT, Client
 from ._errors import InvalidArgument, LayertapError
+from ._tokens import SCOPES, digest, format_line
 from ._types import DEFAULT_REDUCERS
 from ._version import __version__
 
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     tok = p.add_subparsers(dest="token_command", metavar="ACTION", required=True)
     p = tok.add_parser("new", help="Print a new random token and the token-file line that admits it.")
     p.add_argument("--id", required=True, help="the token's id: the principal named in logs and tap owners")
-    p.add_argument("--scopes", required=True, help="comma-separated: infer,read,tap,capture,admin")
+    p.add_argument("--scopes", required=True, help=f"comma-separated: {','.join(SCOPES)}")
     p.add_argument("--expires", help="RFC 3339 expiry, e.g. 2027-01-01T00:00:00Z")
     p.set_defaults(func=_cmd_token_new)
 
@@ -371,20 +371,15 @@ def _server_entry(module: str, what: str) -> Callable[[list[str]], Any] | None:
     return entry
 
 
-_SCOPES = ("infer", "read", "tap", "capture", "admin")
-
-
 def _cmd_token_new(args: argparse.Namespace) -> int:
     """The token goes to stdout once; only its digest goes into the server's file."""
     scopes = [part.strip() for part in args.scopes.split(",") if part.strip()]
-    bad = [scope for scope in scopes if scope not in _SCOPES]
+    bad = [scope for scope in scopes if scope not in SCOPES]
     if bad or not scopes or not args.id or any(c.isspace() or c == "#" for c in args.id):
-        print(f"{PROG}: token new: --id must be one word; --scopes some of {','.join(_SCOPES)}", file=sys.stderr)
+        print(f"{PROG}: token new: --id must be one word; --scopes some of {','.join(SCOPES)}", file=sys.stderr)
         return 2
     token = secrets.token_urlsafe(32)
-    line = f"{args.id} sha256:{hashlib.sha256(token.encode()).hexdigest()} {','.join(scopes)}"
-    if args.expires:
-        line += f" {args.expires}"
+    line = format_line(args.id, digest(token), scopes, args.expires)
     print(f"token: {token}")
     print(f"add this line to the --auth-tokens file (then send SIGHUP to the server):\n{line}")
     return 0

@@ -29,32 +29,17 @@ from layertap.v1 import tensor_pb2
 
 DataType = tensor_pb2.DataType
 
+#: The server's one dtype table: tensor.proto's DataType -> torch dtype, by
+#: name (DATA_TYPE_FLOAT32 is torch.float32), in the enum's order. A DataType
+#: added to the proto without a torch dtype of its name fails here, at import.
 TORCH_BY_WIRE: dict[int, torch.dtype] = {
-    tensor_pb2.DATA_TYPE_FLOAT32: torch.float32,
-    tensor_pb2.DATA_TYPE_FLOAT16: torch.float16,
-    tensor_pb2.DATA_TYPE_BFLOAT16: torch.bfloat16,
-    tensor_pb2.DATA_TYPE_FLOAT64: torch.float64,
-    tensor_pb2.DATA_TYPE_INT8: torch.int8,
-    tensor_pb2.DATA_TYPE_INT16: torch.int16,
-    tensor_pb2.DATA_TYPE_INT32: torch.int32,
-    tensor_pb2.DATA_TYPE_INT64: torch.int64,
-    tensor_pb2.DATA_TYPE_UINT8: torch.uint8,
-    tensor_pb2.DATA_TYPE_BOOL: torch.bool,
+    value: getattr(torch, name.removeprefix("DATA_TYPE_").lower())
+    for name, value in DataType.items()
+    if value != tensor_pb2.DATA_TYPE_UNSPECIFIED
 }
 WIRE_BY_TORCH: dict[torch.dtype, int] = {v: k for k, v in TORCH_BY_WIRE.items()}
-
-DTYPE_BY_NAME: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
+#: ``"float32"`` -> ``torch.float32``: the names the server's flags and messages use.
+DTYPE_BY_NAME: dict[str, torch.dtype] = {str(t).removeprefix("torch."): t for t in TORCH_BY_WIRE.values()}
 
 #: Smallest tensor decoded as a view of the request's bytes rather than a copy.
 VIEW_MIN_BYTES = 4096

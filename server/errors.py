@@ -18,7 +18,9 @@ same way::
      └── Unavailable         UNAVAILABLE
     anything else            INTERNAL
 
-The reason is the status code's name unless shown otherwise.
+The reason is the status code's name unless shown otherwise. Reasons are
+declared once, as ``layertap.v1.ErrorReason`` (``errors.proto``), and spelled
+on the wire by ``layertap._errors.wire_reason``, which the client reads with.
 
 Besides the code and message, every error status carries a ``google.rpc.Status``
 (grpcio-status, the ``grpc-status-details-bin`` trailer) so clients in any
@@ -47,14 +49,17 @@ from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from layertap._errors import wire_reason
+from layertap.v1.errors_pb2 import ErrorReason
+
 #: The ErrorInfo domain of layertap's error details.
 DOMAIN = "layertap.dev"
 #: The reason of a capture over the server's byte cap (a LimitExceeded).
-CAPTURE_TOO_LARGE = "CAPTURE_TOO_LARGE"
+CAPTURE_TOO_LARGE = wire_reason(ErrorReason.ERROR_REASON_CAPTURE_TOO_LARGE)
 #: The reason of a capture refused because all captures' clones fill ``--capture-budget-bytes``.
-CAPTURE_BUDGET_EXHAUSTED = "CAPTURE_BUDGET_EXHAUSTED"
+CAPTURE_BUDGET_EXHAUSTED = wire_reason(ErrorReason.ERROR_REASON_CAPTURE_BUDGET_EXHAUSTED)
 #: The reason of a capture whose device copy ran out of memory (the model's pass was unaffected).
-CAPTURE_OUT_OF_MEMORY = "CAPTURE_OUT_OF_MEMORY"
+CAPTURE_OUT_OF_MEMORY = wire_reason(ErrorReason.ERROR_REASON_CAPTURE_OUT_OF_MEMORY)
 
 
 class LayertapServerError(Exception):
@@ -62,13 +67,14 @@ class LayertapServerError(Exception):
 
     Args:
         message: The status message.
-        reason: Overrides the class's ErrorInfo reason (e.g. CAPTURE_TOO_LARGE).
+        reason: Overrides the class's ErrorInfo reason (e.g. CAPTURE_TOO_LARGE): an
+            ErrorReason as :func:`~layertap._errors.wire_reason` spells it.
         field: The request field at fault, when known.
         metadata: More ErrorInfo metadata (string values).
     """
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
-    reason = "INTERNAL"
+    reason = wire_reason(ErrorReason.ERROR_REASON_INTERNAL)
 
     def __init__(
         self, message: str, *, reason: str | None = None, field: str = "", metadata: Mapping[str, str] | None = None
@@ -86,13 +92,13 @@ class LayertapServerError(Exception):
 
 class NotFound(LayertapServerError):
     code = grpc.StatusCode.NOT_FOUND
-    reason = "NOT_FOUND"
+    reason = wire_reason(ErrorReason.ERROR_REASON_NOT_FOUND)
 
 
 class LayerNotFound(NotFound):
     """No module has this name, or no module matches this selector."""
 
-    reason = "LAYER_NOT_FOUND"
+    reason = wire_reason(ErrorReason.ERROR_REASON_LAYER_NOT_FOUND)
 
     def __init__(self, message: str, *, layer: str, suggestions: Iterable[str] = (), field: str = "") -> None:
         metadata = {"layer": layer}
@@ -103,7 +109,7 @@ class LayerNotFound(NotFound):
 
 class InvalidSpec(LayertapServerError):
     code = grpc.StatusCode.INVALID_ARGUMENT
-    reason = "INVALID_ARGUMENT"
+    reason = wire_reason(ErrorReason.ERROR_REASON_INVALID_ARGUMENT)
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}", field=field)
@@ -114,41 +120,41 @@ class Unauthenticated(LayertapServerError):
     """No token, an unknown one, or an expired one."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
-    reason = "UNAUTHENTICATED"
+    reason = wire_reason(ErrorReason.ERROR_REASON_UNAUTHENTICATED)
 
 
 class PermissionDenied(LayertapServerError):
     """A valid token without the scope the method (or the tap's owner) needs."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
-    reason = "PERMISSION_DENIED"
+    reason = wire_reason(ErrorReason.ERROR_REASON_PERMISSION_DENIED)
 
 
 class AlreadyExists(LayertapServerError):
     code = grpc.StatusCode.ALREADY_EXISTS
-    reason = "ALREADY_EXISTS"
+    reason = wire_reason(ErrorReason.ERROR_REASON_ALREADY_EXISTS)
 
 
 class LimitExceeded(LayertapServerError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    reason = "RESOURCE_EXHAUSTED"
+    reason = wire_reason(ErrorReason.ERROR_REASON_RESOURCE_EXHAUSTED)
 
 
 class DeadlineExceeded(LayertapServerError):
     """The server stopped waiting (a passive capture that saw no traffic), not the client's deadline."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
-    reason = "DEADLINE_EXCEEDED"
+    reason = wire_reason(ErrorReason.ERROR_REASON_DEADLINE_EXCEEDED)
 
 
 class Unsupported(LayertapServerError):
     code = grpc.StatusCode.FAILED_PRECONDITION
-    reason = "FAILED_PRECONDITION"
+    reason = wire_reason(ErrorReason.ERROR_REASON_FAILED_PRECONDITION)
 
 
 class Unavailable(LayertapServerError):
     code = grpc.StatusCode.UNAVAILABLE
-    reason = "UNAVAILABLE"
+    reason = wire_reason(ErrorReason.ERROR_REASON_UNAVAILABLE)
 
 
 LAYER_HINT = "Hint: list layers with ListLayers / client.layers()"

@@ -138,7 +138,8 @@ class TelemetryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteTap(self, request, context):
-        """Removes a durable tap and its hooks.
+        """Removes a durable tap and its hooks. Another principal's tap also needs
+        SCOPE_ADMIN.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -152,14 +153,16 @@ class TelemetryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Subscribe(self, request, context):
-        """Streams batches of summaries, optionally from inline stream taps.
+        """Streams batches of summaries, optionally from inline stream taps (which
+        also need SCOPE_TAP).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SetBaseline(self, request, context):
-        """Freezes a drift baseline from the next N live passes.
+        """Freezes a drift baseline from the next N live passes. Replacing another
+        principal's baseline also needs SCOPE_ADMIN.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -180,28 +183,30 @@ class TelemetryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListIncidents(self, request, context):
-        """Lists the flight recorder's incidents, newest first (scope capture).
+        """Lists the flight recorder's incidents, newest first. SCOPE_CAPTURE: an
+        incident holds a request's input and its activations, as a capture does.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetIncident(self, request, context):
-        """Streams one incident: its record, then its tensors chunked like Capture (scope capture).
+        """Streams one incident: its record, then its tensors chunked like Capture.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeleteIncident(self, request, context):
-        """Removes one incident from the on-disk ring (scope capture).
+        """Removes one incident from the on-disk ring.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Explain(self, request, context):
-        """Grad-CAM: per sample, the class's gradient-weighted activation map at one layer.
+        """Grad-CAM: per sample, the class's gradient-weighted activation map at one
+        layer. SCOPE_CAPTURE: it runs the caller's input, as an active capture does.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -209,7 +214,8 @@ class TelemetryServiceServicer:
 
     def ExportBaseline(self, request, context):
         """A baseline tap's per-layer state: the builder while it collects, the frozen
-        reference once ready (scope tap). Fleet-wide baselines merge the builders.
+        reference once ready. Fleet-wide baselines merge the builders. SCOPE_TAP:
+        a builder's reservoir is a sample of activations, as a tap's quantiles are.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -217,7 +223,8 @@ class TelemetryServiceServicer:
 
     def InstallBaseline(self, request, context):
         """Installs one frozen reference on a baseline tap's layers: frozen here from
-        builders exported by every replica, or a frozen document as given (scope tap).
+        builders exported by every replica, or a frozen document as given. On
+        another principal's baseline it also needs SCOPE_ADMIN.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -40,32 +40,44 @@ class TelemetryServiceStub:
     CreateTap: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.CreateTapRequest, _telemetry_pb2.CreateTapResponse]
     """Registers a durable tap."""
     DeleteTap: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.DeleteTapRequest, _telemetry_pb2.DeleteTapResponse]
-    """Removes a durable tap and its hooks."""
+    """Removes a durable tap and its hooks. Another principal's tap also needs
+    SCOPE_ADMIN.
+    """
     ListTaps: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.ListTapsRequest, _telemetry_pb2.ListTapsResponse]
     """Lists durable and stream taps with their counters."""
     Subscribe: _grpc.UnaryStreamMultiCallable[_telemetry_pb2.SubscribeRequest, _telemetry_pb2.SubscribeResponse]
-    """Streams batches of summaries, optionally from inline stream taps."""
+    """Streams batches of summaries, optionally from inline stream taps (which
+    also need SCOPE_TAP).
+    """
     SetBaseline: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.SetBaselineRequest, _telemetry_pb2.SetBaselineResponse]
-    """Freezes a drift baseline from the next N live passes."""
+    """Freezes a drift baseline from the next N live passes. Replacing another
+    principal's baseline also needs SCOPE_ADMIN.
+    """
     GetDrift: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.GetDriftRequest, _telemetry_pb2.GetDriftResponse]
     """Returns the current drift scores."""
     GetServerStats: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.GetServerStatsRequest, _telemetry_pb2.GetServerStatsResponse]
     """Server-wide counters: hooks, passes, captures, subscribers."""
     ListIncidents: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.ListIncidentsRequest, _telemetry_pb2.ListIncidentsResponse]
-    """Lists the flight recorder's incidents, newest first (scope capture)."""
+    """Lists the flight recorder's incidents, newest first. SCOPE_CAPTURE: an
+    incident holds a request's input and its activations, as a capture does.
+    """
     GetIncident: _grpc.UnaryStreamMultiCallable[_telemetry_pb2.GetIncidentRequest, _telemetry_pb2.GetIncidentResponse]
-    """Streams one incident: its record, then its tensors chunked like Capture (scope capture)."""
+    """Streams one incident: its record, then its tensors chunked like Capture."""
     DeleteIncident: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.DeleteIncidentRequest, _telemetry_pb2.DeleteIncidentResponse]
-    """Removes one incident from the on-disk ring (scope capture)."""
+    """Removes one incident from the on-disk ring."""
     Explain: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.ExplainRequest, _telemetry_pb2.ExplainResponse]
-    """Grad-CAM: per sample, the class's gradient-weighted activation map at one layer."""
+    """Grad-CAM: per sample, the class's gradient-weighted activation map at one
+    layer. SCOPE_CAPTURE: it runs the caller's input, as an active capture does.
+    """
     ExportBaseline: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.ExportBaselineRequest, _telemetry_pb2.ExportBaselineResponse]
     """A baseline tap's per-layer state: the builder while it collects, the frozen
-    reference once ready (scope tap). Fleet-wide baselines merge the builders.
+    reference once ready. Fleet-wide baselines merge the builders. SCOPE_TAP:
+    a builder's reservoir is a sample of activations, as a tap's quantiles are.
     """
     InstallBaseline: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.InstallBaselineRequest, _telemetry_pb2.InstallBaselineResponse]
     """Installs one frozen reference on a baseline tap's layers: frozen here from
-    builders exported by every replica, or a frozen document as given (scope tap).
+    builders exported by every replica, or a frozen document as given. On
+    another principal's baseline it also needs SCOPE_ADMIN.
     """
 
 @_typing.type_check_only
@@ -80,32 +92,44 @@ class TelemetryServiceAsyncStub(TelemetryServiceStub):
     CreateTap: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.CreateTapRequest, _telemetry_pb2.CreateTapResponse]  # type: ignore[assignment]
     """Registers a durable tap."""
     DeleteTap: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.DeleteTapRequest, _telemetry_pb2.DeleteTapResponse]  # type: ignore[assignment]
-    """Removes a durable tap and its hooks."""
+    """Removes a durable tap and its hooks. Another principal's tap also needs
+    SCOPE_ADMIN.
+    """
     ListTaps: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.ListTapsRequest, _telemetry_pb2.ListTapsResponse]  # type: ignore[assignment]
     """Lists durable and stream taps with their counters."""
     Subscribe: _aio.UnaryStreamMultiCallable[_telemetry_pb2.SubscribeRequest, _telemetry_pb2.SubscribeResponse]  # type: ignore[assignment]
-    """Streams batches of summaries, optionally from inline stream taps."""
+    """Streams batches of summaries, optionally from inline stream taps (which
+    also need SCOPE_TAP).
+    """
     SetBaseline: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.SetBaselineRequest, _telemetry_pb2.SetBaselineResponse]  # type: ignore[assignment]
-    """Freezes a drift baseline from the next N live passes."""
+    """Freezes a drift baseline from the next N live passes. Replacing another
+    principal's baseline also needs SCOPE_ADMIN.
+    """
     GetDrift: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.GetDriftRequest, _telemetry_pb2.GetDriftResponse]  # type: ignore[assignment]
     """Returns the current drift scores."""
     GetServerStats: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.GetServerStatsRequest, _telemetry_pb2.GetServerStatsResponse]  # type: ignore[assignment]
     """Server-wide counters: hooks, passes, captures, subscribers."""
     ListIncidents: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.ListIncidentsRequest, _telemetry_pb2.ListIncidentsResponse]  # type: ignore[assignment]
-    """Lists the flight recorder's incidents, newest first (scope capture)."""
+    """Lists the flight recorder's incidents, newest first. SCOPE_CAPTURE: an
+    incident holds a request's input and its activations, as a capture does.
+    """
     GetIncident: _aio.UnaryStreamMultiCallable[_telemetry_pb2.GetIncidentRequest, _telemetry_pb2.GetIncidentResponse]  # type: ignore[assignment]
-    """Streams one incident: its record, then its tensors chunked like Capture (scope capture)."""
+    """Streams one incident: its record, then its tensors chunked like Capture."""
     DeleteIncident: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.DeleteIncidentRequest, _telemetry_pb2.DeleteIncidentResponse]  # type: ignore[assignment]
-    """Removes one incident from the on-disk ring (scope capture)."""
+    """Removes one incident from the on-disk ring."""
     Explain: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.ExplainRequest, _telemetry_pb2.ExplainResponse]  # type: ignore[assignment]
-    """Grad-CAM: per sample, the class's gradient-weighted activation map at one layer."""
+    """Grad-CAM: per sample, the class's gradient-weighted activation map at one
+    layer. SCOPE_CAPTURE: it runs the caller's input, as an active capture does.
+    """
     ExportBaseline: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.ExportBaselineRequest, _telemetry_pb2.ExportBaselineResponse]  # type: ignore[assignment]
     """A baseline tap's per-layer state: the builder while it collects, the frozen
-    reference once ready (scope tap). Fleet-wide baselines merge the builders.
+    reference once ready. Fleet-wide baselines merge the builders. SCOPE_TAP:
+    a builder's reservoir is a sample of activations, as a tap's quantiles are.
     """
     InstallBaseline: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.InstallBaselineRequest, _telemetry_pb2.InstallBaselineResponse]  # type: ignore[assignment]
     """Installs one frozen reference on a baseline tap's layers: frozen here from
-    builders exported by every replica, or a frozen document as given (scope tap).
+    builders exported by every replica, or a frozen document as given. On
+    another principal's baseline it also needs SCOPE_ADMIN.
     """
 
 class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -141,7 +165,9 @@ class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _telemetry_pb2.DeleteTapRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_telemetry_pb2.DeleteTapResponse, _abc.Awaitable[_telemetry_pb2.DeleteTapResponse]]:
-        """Removes a durable tap and its hooks."""
+        """Removes a durable tap and its hooks. Another principal's tap also needs
+        SCOPE_ADMIN.
+        """
 
     @_abc_1.abstractmethod
     def ListTaps(
@@ -157,7 +183,9 @@ class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _telemetry_pb2.SubscribeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_telemetry_pb2.SubscribeResponse], _abc.AsyncIterator[_telemetry_pb2.SubscribeResponse]]:
-        """Streams batches of summaries, optionally from inline stream taps."""
+        """Streams batches of summaries, optionally from inline stream taps (which
+        also need SCOPE_TAP).
+        """
 
     @_abc_1.abstractmethod
     def SetBaseline(
@@ -165,7 +193,9 @@ class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _telemetry_pb2.SetBaselineRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_telemetry_pb2.SetBaselineResponse, _abc.Awaitable[_telemetry_pb2.SetBaselineResponse]]:
-        """Freezes a drift baseline from the next N live passes."""
+        """Freezes a drift baseline from the next N live passes. Replacing another
+        principal's baseline also needs SCOPE_ADMIN.
+        """
 
     @_abc_1.abstractmethod
     def GetDrift(
@@ -189,7 +219,9 @@ class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _telemetry_pb2.ListIncidentsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_telemetry_pb2.ListIncidentsResponse, _abc.Awaitable[_telemetry_pb2.ListIncidentsResponse]]:
-        """Lists the flight recorder's incidents, newest first (scope capture)."""
+        """Lists the flight recorder's incidents, newest first. SCOPE_CAPTURE: an
+        incident holds a request's input and its activations, as a capture does.
+        """
 
     @_abc_1.abstractmethod
     def GetIncident(
@@ -197,7 +229,7 @@ class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _telemetry_pb2.GetIncidentRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_telemetry_pb2.GetIncidentResponse], _abc.AsyncIterator[_telemetry_pb2.GetIncidentResponse]]:
-        """Streams one incident: its record, then its tensors chunked like Capture (scope capture)."""
+        """Streams one incident: its record, then its tensors chunked like Capture."""
 
     @_abc_1.abstractmethod
     def DeleteIncident(
@@ -205,7 +237,7 @@ class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _telemetry_pb2.DeleteIncidentRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_telemetry_pb2.DeleteIncidentResponse, _abc.Awaitable[_telemetry_pb2.DeleteIncidentResponse]]:
-        """Removes one incident from the on-disk ring (scope capture)."""
+        """Removes one incident from the on-disk ring."""
 
     @_abc_1.abstractmethod
     def Explain(
@@ -213,7 +245,9 @@ class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _telemetry_pb2.ExplainRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_telemetry_pb2.ExplainResponse, _abc.Awaitable[_telemetry_pb2.ExplainResponse]]:
-        """Grad-CAM: per sample, the class's gradient-weighted activation map at one layer."""
+        """Grad-CAM: per sample, the class's gradient-weighted activation map at one
+        layer. SCOPE_CAPTURE: it runs the caller's input, as an active capture does.
+        """
 
     @_abc_1.abstractmethod
     def ExportBaseline(
@@ -222,7 +256,8 @@ class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_telemetry_pb2.ExportBaselineResponse, _abc.Awaitable[_telemetry_pb2.ExportBaselineResponse]]:
         """A baseline tap's per-layer state: the builder while it collects, the frozen
-        reference once ready (scope tap). Fleet-wide baselines merge the builders.
+        reference once ready. Fleet-wide baselines merge the builders. SCOPE_TAP:
+        a builder's reservoir is a sample of activations, as a tap's quantiles are.
         """
 
     @_abc_1.abstractmethod
@@ -232,7 +267,8 @@ class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_telemetry_pb2.InstallBaselineResponse, _abc.Awaitable[_telemetry_pb2.InstallBaselineResponse]]:
         """Installs one frozen reference on a baseline tap's layers: frozen here from
-        builders exported by every replica, or a frozen document as given (scope tap).
+        builders exported by every replica, or a frozen document as given. On
+        another principal's baseline it also needs SCOPE_ADMIN.
         """
 
 def add_TelemetryServiceServicer_to_server(servicer: TelemetryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

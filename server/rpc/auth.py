@@ -1,22 +1,23 @@
 """Bearer tokens, scopes and the one interceptor that enforces them.
 
-``--auth-tokens FILE`` holds one token per line::
+``--auth-tokens FILE`` holds one token per line, in the format of
+:mod:`layertap._tokens` (which ``layertap token new`` writes)::
 
     # id       digest of the token             scopes          expiry (optional, RFC 3339)
     alice      sha256:9f86d08...               infer,read,tap  2027-01-01T00:00:00Z
 
 The file holds digests, never tokens. A request sends ``authorization: Bearer
 <token>``; the server hashes it and compares the digest with every entry
-(``hmac.compare_digest``). :data:`METHOD_SCOPES` is the one method → scope
-table; a method of a served service with no scope in it is refused, so an RPC
-added later cannot slip through. Health stays open; reflection needs any valid
-token. Without ``--auth-tokens`` no interceptor is installed and every caller
-is :data:`ANONYMOUS`, with every scope.
+(``hmac.compare_digest``). Each method's scope is declared once, in the protos
+(``option (layertap.v1.required_scope)``, ``options.proto``), and read here
+from the descriptors; a method of a served service without one is refused,
+so an RPC added later cannot slip through. Health stays open; reflection
+needs any valid token. Without ``--auth-tokens`` no interceptor is installed
+and every caller is :data:`ANONYMOUS`, with every scope.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import secrets
@@ -25,48 +26,21 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import MethodDescriptor
 from grpc_status import rpc_status
 from prometheus_client import CollectorRegistry, Counter
 
 from layertap.server.throttled_log import ThrottledLog
 from layertap.server.errors import LayertapServerError, PermissionDenied, Unauthenticated, rich_status
-from layertap.v1 import inference_pb2, telemetry_pb2
+from layertap._tokens import SCOPES, digest, format_line, parse_line, scope_name
+from layertap.v1 import inference_pb2, options_pb2, telemetry_pb2
 
 log = logging.getLogger("layertap.server.auth")
 
-SCOPES = ("infer", "read", "tap", "capture", "admin")
-
-#: The one method → scope table, per service (full names, as in the protos).
-METHOD_SCOPES: dict[str, dict[str, str]] = {
-    "layertap.v1.InferenceService": {
-        "Infer": "infer",
-        "GetModelMetadata": "infer",
-    },
-    "layertap.v1.TelemetryService": {
-        "ListLayers": "read",
-        "ListTaps": "read",
-        "Subscribe": "read",  # stream taps also need "tap" (checked by the service)
-        "GetDrift": "read",
-        "GetServerStats": "read",
-        "CreateTap": "tap",
-        "DeleteTap": "tap",  # another principal's tap also needs "admin"
-        "SetBaseline": "tap",  # replacing another principal's baseline also needs "admin"
-        # A builder's reservoir is a sample of activations, as a tap's quantiles are.
-        "ExportBaseline": "tap",
-        "InstallBaseline": "tap",  # on another principal's baseline also needs "admin"
-        "Capture": "capture",
-        # Incidents hold a request's input and its activations, as a capture does.
-        "ListIncidents": "capture",
-        "GetIncident": "capture",
-        "DeleteIncident": "capture",
-        "Explain": "capture",  # runs the caller's input, as an active capture does
-    },
-}
 #: Services that stay open without a token.
 OPEN_SERVICES = frozenset({"grpc.health.v1.Health"})
 #: Services that need a valid token but no scope.
@@ -77,14 +51,22 @@ SERVED_SERVICES = (
 )
 
 
+def required_scope(method: MethodDescriptor) -> str | None:
+    """The scope a method's proto declares (``required_scope``), or None when it declares none."""
+    scope = method.GetOptions().Extensions[options_pb2.required_scope]
+    return scope_name(scope) if scope != options_pb2.SCOPE_UNSPECIFIED else None
+
+
 def method_scopes() -> dict[str, str | None]:
     """``/pkg.Service/Method`` → scope for every method of the served protos (None: unassigned)."""
-    out: dict[str, str | None] = {}
-    for service in SERVED_SERVICES:
-        table = METHOD_SCOPES.get(service.full_name, {})
-        for method in service.methods:
-            out[f"/{service.full_name}/{method.name}"] = table.get(method.name)
-    return out
+    return {f"/{service.full_name}/{m.name}": required_scope(m) for service in SERVED_SERVICES for m in service.methods}
+
+
+#: Method → scope per service (full names), as the protos declare them; a method without one is left out.
+METHOD_SCOPES: dict[str, dict[str, str]] = {
+    service.full_name: {m.name: scope for m in service.methods if (scope := required_scope(m)) is not None}
+    for service in SERVED_SERVICES
+}
 
 
 class TokenFileError(ValueError):
@@ -107,10 +89,6 @@ ANONYMOUS = Principal("anonymous", frozenset(SCOPES))
 SERVER_OWNER = ""
 
 
-def digest(token: str) -> str:
-    return "sha256:" + hashlib.sha256(token.encode()).hexdigest()
-
-
 def new_token(token_id: str, scopes: Iterable[str]) -> tuple[str, str]:
     """A new random token and the token-file line that admits it."""
     scopes = list(scopes)
@@ -118,14 +96,7 @@ def new_token(token_id: str, scopes: Iterable[str]) -> tuple[str, str]:
     if bad or not scopes:
         raise ValueError(f"scopes: expected some of {','.join(SCOPES)}, got {','.join(scopes) or 'none'}")
     token = secrets.token_urlsafe(32)
-    return token, f"{token_id} {digest(token)} {','.join(scopes)}"
-
-
-def _parse_expiry(text: str) -> float:
-    when = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
-    if when.tzinfo is None:
-        raise ValueError("expiry needs a time zone (e.g. Z)")
-    return when.astimezone(timezone.utc).timestamp()
+    return token, format_line(token_id, digest(token), scopes)
 
 
 def parse_token_file(path: str | Path) -> list[tuple[Principal, str]]:
@@ -137,30 +108,16 @@ def parse_token_file(path: str | Path) -> list[tuple[Principal, str]]:
     entries: list[tuple[Principal, str]] = []
     seen: set[str] = set()
     for n, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
+        try:
+            entry = parse_line(raw)
+        except ValueError as exc:
+            raise TokenFileError(f"{path}:{n}: {exc}") from None
+        if entry is None:
             continue
-        parts = line.split()
-        where = f"{path}:{n}"
-        if len(parts) not in (3, 4):
-            raise TokenFileError(f"{where}: expected 'id sha256:<hex> scope,scope [expiry]', got {len(parts)} fields")
-        tid, dig, scope_text = parts[:3]
-        algo, _, hexd = dig.partition(":")
-        if algo != "sha256" or len(hexd) != 64 or any(c not in "0123456789abcdef" for c in hexd.lower()):
-            raise TokenFileError(f"{where}: digest must be sha256:<64 hex digits> (the token's digest, not the token)")
-        scopes = [s for s in scope_text.split(",") if s]
-        if not scopes or any(s not in SCOPES for s in scopes):
-            raise TokenFileError(f"{where}: scopes must be some of {','.join(SCOPES)}, got {scope_text!r}")
-        if tid in seen:
-            raise TokenFileError(f"{where}: token id {tid!r} appears twice")
-        seen.add(tid)
-        expires = None
-        if len(parts) == 4:
-            try:
-                expires = _parse_expiry(parts[3])
-            except ValueError as exc:
-                raise TokenFileError(f"{where}: expiry {parts[3]!r} is not RFC 3339: {exc}") from None
-        entries.append((Principal(tid, frozenset(scopes), expires), f"sha256:{hexd.lower()}"))
+        if entry.id in seen:
+            raise TokenFileError(f"{path}:{n}: token id {entry.id!r} appears twice")
+        seen.add(entry.id)
+        entries.append((Principal(entry.id, entry.scopes, entry.expires), entry.digest))
     return entries
 
 
