@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from layertap.server.codec import host_bytes, wire_dtype
+from layertap.server.protowire import varint
 from layertap.v1 import telemetry_pb2 as pb
 
 if TYPE_CHECKING:
@@ -35,22 +36,6 @@ _VARINT, _LEN = 0, 2
 _RESPONSE_CHUNK = bytes([(2 << 3) | _LEN])  # CaptureResponse.chunk = 2
 _TENSOR_ID, _CHUNK_INDEX, _OFFSET = 1, 2, 3  # CaptureChunk varint fields
 _DATA = bytes([(4 << 3) | _LEN])  # CaptureChunk.data = 4
-
-
-_SMALL = [bytes((i,)) for i in range(128)]
-
-
-def varint(n: int) -> bytes:
-    """``n`` (-2**63 <= n < 2**64) as a protobuf base-128 varint; negatives (int64) as ten bytes."""
-    if 0 <= n < 128:
-        return _SMALL[n]
-    n &= (1 << 64) - 1
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def _varint_field(number: int, value: int) -> bytes:
