@@ -86,13 +86,14 @@ class LayerSnapshot:
         return (self.tap, self.layer, self.point)
 
 
-#: The LayerSnapshot fields the reducer results feed, in table order.
+_SNAPSHOT_FIELDS = tuple(f.name for f in fields(LayerSnapshot))
+#: A layer's own fields; every other field but the key is a reducer result's.
+_LAYER_FIELDS = ("last_update", "drift", "thresholds", "channel_drift_fraction")
 _RESULT_FIELDS = tuple(name for r in RESULTS for name, _ in r.snapshot)
-_result_values = itemgetter(*_RESULT_FIELDS)
-#: The order :meth:`SnapshotStore.snapshot` lists a snapshot's values in.
-_BUILD_ORDER = ("tap", "layer", "point", *_RESULT_FIELDS, "last_update", "drift", "thresholds", "channel_drift_fraction")
-if sorted(_BUILD_ORDER) != sorted(f.name for f in fields(LayerSnapshot)):
-    raise ImportError(f"LayerSnapshot's fields and the result table disagree: {sorted(_BUILD_ORDER)}")
+if sorted(_SNAPSHOT_FIELDS) != sorted(("tap", "layer", "point", *_LAYER_FIELDS, *_RESULT_FIELDS)):
+    raise ImportError(f"LayerSnapshot's fields and the result table (layertap._results) disagree: {_SNAPSHOT_FIELDS}")
+#: A layer's state values in LayerSnapshot field order (after the key): one C call per snapshot.
+_state_values = itemgetter(*_SNAPSHOT_FIELDS[3:])
 #: Oneof field -> how its result folds, and the (snapshot field, message field) pairs it writes.
 _FOLDS = {r.field: (r.fold, r.snapshot) for r in RESULTS if r.snapshot}
 #: What a sampled primary summary clears when it lacks the result: every
@@ -109,19 +110,15 @@ def _frozen_snapshot(values: tuple[Any, ...]) -> LayerSnapshot:
     """
     snap = object.__new__(LayerSnapshot)
     # strict: a field added to LayerSnapshot but not to the caller's tuple must fail, not go missing.
-    snap.__dict__.update(zip(_BUILD_ORDER, values, strict=True))
+    snap.__dict__.update(zip(_SNAPSHOT_FIELDS, values, strict=True))
     return snap
 
 
 @dataclass
 class _LayerState:
-    #: Every result-fed LayerSnapshot field (None: no series). Values are
+    #: Every LayerSnapshot field but the key (None: no series). Values are
     #: replaced on write, never mutated, so snapshots may share them.
-    values: dict[str, Any] = field(default_factory=lambda: dict.fromkeys(_RESULT_FIELDS))
-    last_update: float | None = None
-    drift: DriftScore | None = None
-    thresholds: DriftThresholds | None = None
-    channel_fraction: float | None = None
+    values: dict[str, Any] = field(default_factory=lambda: dict.fromkeys(_SNAPSHOT_FIELDS[3:]))
     #: (pass index, sum of squared L2 norms) of the first call's tensors in that pass.
     l2_pass: tuple[int, float] | None = None
 
@@ -177,8 +174,8 @@ class SnapshotStore:
         if st is None:
             st = self._layers[key] = _LayerState()
         self._dirty[key] = None
-        st.last_update = ts if st.last_update is None else max(st.last_update, ts)
         v = st.values
+        v["last_update"] = ts if v["last_update"] is None else max(v["last_update"], ts)
         if primary and sampled:
             # A sampled summary carries everything the tap computes now; a
             # result it no longer carries (reducers changed, e.g. when a
@@ -256,9 +253,8 @@ class SnapshotStore:
                 return
             st = self._layers.setdefault((tap, layer, point), _LayerState())
             self._dirty[(tap, layer, point)] = None
-            st.drift = score
-            st.thresholds = thresholds
-            st.channel_fraction = channel_fraction
+            v = st.values
+            v["drift"], v["thresholds"], v["channel_drift_fraction"] = score, thresholds, channel_fraction
 
     def remove_tap(self, tap_id: str) -> None:
         """Forget every layer of a deleted or expired tap (its series vanish)."""
@@ -284,10 +280,7 @@ class SnapshotStore:
         """An immutable copy of every layer's latest telemetry; a layer not written since the last call is the same object."""
         with self._lock:
             for key in self._dirty:
-                st = self._layers[key]
-                # values and drift are replaced on write, never mutated, so the copy may share them.
-                self._snaps[key] = _frozen_snapshot((
-                    *key, *_result_values(st.values), st.last_update, st.drift, st.thresholds, st.channel_fraction,
-                ))
+                # A layer's values are replaced on write, never mutated, so the copy may share them.
+                self._snaps[key] = _frozen_snapshot((*key, *_state_values(self._layers[key].values)))
             self._dirty.clear()
             return list(self._snaps.values())
