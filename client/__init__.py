@@ -28,22 +28,14 @@ from ._errors import (
     ServerUnavailable,
     Unauthenticated,
 )
+from . import _results
+from ._results import *  # the result dataclasses and ReducerResult: one per kind, listed in the table module
 from ._types import (
-    AbsMax,
     BaselineInfo,
     DriftThresholds,
-    Histogram,
-    Latency,
     LayerDrift,
     LayerInfo,
-    MinMax,
     ModelMetadata,
-    Moments,
-    Nonfinite,
-    Norm,
-    PerChannel,
-    Quantiles,
-    ReducerResult,
     ReducerSpec,
     ServerStats,
     Structured,
@@ -53,7 +45,6 @@ from ._types import (
     TapSpec,
     Triggers,
     TensorSpec,
-    ZeroFraction,
 )
 from ._explain import Explanation
 from ._fleet import Fleet, FleetError, FleetItem, FleetResult, FleetStream
@@ -117,23 +108,15 @@ __all__ = [
     "TapInfo",
     "TapEvent",
     "Summary",
-    "Moments",
-    "MinMax",
-    "AbsMax",
-    "ZeroFraction",
-    "Nonfinite",
-    "Norm",
-    "Histogram",
-    "Quantiles",
-    "PerChannel",
-    "Latency",
     "BaselineInfo",
     "DriftThresholds",
     "LayerDrift",
     "Explanation",
     # type aliases of public signatures
     "ReducerSpec",
-    "ReducerResult",
     "Structured",
     "__version__",
 ]
+# The reducer results (Moments, MinMax, ...) and their ReducerResult alias: adding a
+# result kind to the table (layertap._results) exports its dataclass here.
+__all__ += _results.__all__

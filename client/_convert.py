@@ -19,22 +19,13 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
 
 from ._codec import TensorValue, decode_tensor, dtype_name, encode_tensor
 from ._errors import InvalidArgument
+from ._results import RESULTS, ReducerResult
 from ._types import (
-    AbsMax,
     BaselineInfo,
     DriftThresholds,
-    Histogram,
-    Latency,
     LayerDrift,
     LayerInfo,
-    MinMax,
     ModelMetadata,
-    Moments,
-    Nonfinite,
-    Norm,
-    PerChannel,
-    Quantiles,
-    ReducerResult,
     ReducerSpec,
     ServerStats,
     Summary,
@@ -43,7 +34,6 @@ from ._types import (
     TapSpec,
     Triggers,
     TensorSpec,
-    ZeroFraction,
 )
 from .v1 import inference_pb2, telemetry_pb2
 
@@ -338,18 +328,7 @@ def subscribe_request(
 
 
 #: ReducerResult oneof field -> result dataclass; each dataclass has the fields of its message.
-_RESULT_TYPES: dict[str, type[ReducerResult]] = {
-    "moments": Moments,
-    "minmax": MinMax,
-    "abs_max": AbsMax,
-    "zero_fraction": ZeroFraction,
-    "nonfinite": Nonfinite,
-    "norm": Norm,
-    "histogram": Histogram,
-    "quantiles": Quantiles,
-    "per_channel": PerChannel,
-    "latency": Latency,
-}
+_RESULT_TYPES: dict[str, type[ReducerResult]] = {r.field: r.type for r in RESULTS}
 
 
 @functools.cache

@@ -1,6 +1,9 @@
 """Public types of the layertap client: small frozen dataclasses and type aliases.
 
-None of them holds a protobuf object; :mod:`layertap._convert` builds them.
+None of them holds a protobuf object; :mod:`layertap._convert` builds them. The
+reducer results (``Moments``...) are in :mod:`layertap._results`, with the
+table of result kinds.
+
 Point names are ``"output"``, ``"input"``, ``"grad_output"``, ``"grad_input"``
 and ``"param_grad"``; dtype names are numpy-style (``"float32"``,
 ``"bfloat16"``, ...).
@@ -15,21 +18,14 @@ from typing import Any, TypeAlias, Union
 
 import numpy.typing as npt
 
+from ._results import RESULTS, ReducerResult
+
 __all__ = [
-    "AbsMax",
     "BaselineInfo",
     "DriftThresholds",
-    "Histogram",
     "LayerDrift",
     "LayerInfo",
-    "MinMax",
     "ModelMetadata",
-    "Moments",
-    "Nonfinite",
-    "Norm",
-    "PerChannel",
-    "Quantiles",
-    "ReducerResult",
     "ReducerSpec",
     "ServerStats",
     "Structured",
@@ -39,7 +35,6 @@ __all__ = [
     "TapSpec",
     "TensorSpec",
     "Triggers",
-    "ZeroFraction",
 ]
 
 Shape = tuple[int, ...]
@@ -48,7 +43,7 @@ Shape = tuple[int, ...]
 #: one-key mapping of name to parameters such as ``{"histogram": {"bins": 32}}``.
 ReducerSpec: TypeAlias = Union[str, Mapping[str, Mapping[str, Any]]]
 #: Reducers of a tap or watch that names none: cheap, and enough for the CLI table.
-DEFAULT_REDUCERS: tuple[str, ...] = ("moments", "minmax", "nonfinite")
+DEFAULT_REDUCERS: tuple[str, ...] = tuple(r.field for r in RESULTS if r.default)
 
 #: A value that ``Client.capture`` (and ``Client.infer``) returns per layer: a
 #: numpy array; or, for a tuple/list output (or a multi-argument input) a list
@@ -183,102 +178,6 @@ class TapInfo:
     expires_at: _dt.datetime | None
     created_at: _dt.datetime | None
     owner: str = ""
-
-
-@dataclass(frozen=True)
-class Moments:
-    """Element count, mean and (population) standard deviation."""
-
-    count: int
-    mean: float
-    std: float
-
-
-@dataclass(frozen=True)
-class MinMax:
-    """Smallest and largest element."""
-
-    min: float
-    max: float
-
-
-@dataclass(frozen=True)
-class AbsMax:
-    """Largest absolute value."""
-
-    value: float
-
-
-@dataclass(frozen=True)
-class ZeroFraction:
-    """The fraction of elements equal to zero (``-0.0`` included), and ``count``, the
-    number of elements it is taken over (the tensor's size, not the zeros: those are
-    ``round(fraction * count)``)."""
-
-    fraction: float
-    count: int
-
-
-@dataclass(frozen=True)
-class Nonfinite:
-    """NaN and ±Inf counts."""
-
-    nan_count: int
-    inf_count: int
-
-
-@dataclass(frozen=True)
-class Norm:
-    """L2 norm of the whole tensor."""
-
-    l2: float
-
-
-@dataclass(frozen=True)
-class Histogram:
-    """Counts over inner ``edges``; ``counts`` has ``len(edges) + 1`` entries,
-    the first and last being the open bins ``(-inf, e0)`` and ``[e_last, +inf)``."""
-
-    edges: list[float]
-    counts: list[int]
-    sample_size: int
-    population: int
-
-
-@dataclass(frozen=True)
-class Quantiles:
-    """Estimated quantiles; ``rank_error`` bounds each value's rank error
-    as a fraction of ``population``."""
-
-    probabilities: list[float]
-    values: list[float]
-    sample_size: int
-    population: int
-    rank_error: float
-
-
-@dataclass(frozen=True)
-class PerChannel:
-    """Per-channel stats along ``dim``; ``channels`` may exceed ``len(mean)`` when capped."""
-
-    dim: int
-    mean: list[float]
-    std: list[float]
-    abs_max: list[float]
-    channels: int
-
-
-@dataclass(frozen=True)
-class Latency:
-    """Wall time of the tapped module's forward in one pass (device time on GPU)."""
-
-    seconds: float
-
-
-#: One reducer's result in ``Summary.results``.
-ReducerResult: TypeAlias = Union[
-    Moments, MinMax, AbsMax, ZeroFraction, Nonfinite, Norm, Histogram, Quantiles, PerChannel, Latency
-]
 
 
 @dataclass(frozen=True)

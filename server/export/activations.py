@@ -17,7 +17,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from itertools import accumulate, chain
+from itertools import accumulate, chain, product
 from operator import attrgetter
 
 import numpy as np
@@ -26,6 +26,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
+from layertap._results import RESULTS, Family
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.export.exposition import RenderedFamily, model_only_family
@@ -40,33 +41,35 @@ DEFAULT_MAX_LAYERS = 200
 #: Most ``le`` buckets of ``layertap_activation_value`` per layer (+Inf included).
 DEFAULT_MAX_BUCKETS = 24
 
-_GAUGES = (
-    ("mean", "layertap_activation_mean", "Mean of the activation."),
-    ("std", "layertap_activation_std", "Standard deviation of the activation."),
-    ("min", "layertap_activation_min", "Smallest activation value."),
-    ("max", "layertap_activation_max", "Largest activation value."),
-    ("abs_max", "layertap_activation_abs_max", "Largest absolute activation value."),
-    ("zero_fraction", "layertap_activation_zero_fraction", "Fraction of activation elements equal to zero."),
-    ("l2", "layertap_activation_l2",
-     "L2 norm of the finite elements of every tensor of the module's first call (param_grad: all its parameters)."),
-    ("latency", "layertap_layer_latency_seconds", "Seconds the module's forward took in the latest sampled pass."),
-)
+#: The result families (layertap._results) by how a layer's series are read: one
+#: value; one series per key of a mapping (e.g. quantiles); one per field (e.g.
+#: NaN and Inf counts); histogram buckets.
+_RESULT_FAMILIES = [f for r in RESULTS for f in r.families]
+_ONE = [f for f in _RESULT_FAMILIES if not f.label]
+_BY_KEY = [f for f in _RESULT_FAMILIES if f.label and not f.label_values and f.type != "histogram"]
+_PER_FIELD = [f for f in _RESULT_FAMILIES if f.label_values]
+_BUCKETS = [f for f in _RESULT_FAMILIES if f.type == "histogram"]
+_SUFFIX = {"gauge": "", "counter": "_total", "histogram": "_bucket"}
+
+
+def _row(f: Family) -> tuple[str, str, str, str, str]:
+    return f.name, f.help, f.type, _SUFFIX[f.type], f.label
+
+
 #: Every per-layer family in exposition order: (name, HELP, type, sample-name suffix, extra label).
+#: The layer's own families (not a reducer's) sit before the histograms, whose bucket lines are many.
 _FAMILIES: tuple[tuple[str, str, str, str, str], ...] = (
-    *((name, doc, "gauge", "", "") for _, name, doc in _GAUGES),
-    ("layertap_activation_quantile", "Activation quantiles of the latest sampled pass.", "gauge", "", "q"),
-    ("layertap_activation_nonfinite", "NaN and Inf activation elements seen.", "counter", "_total", "kind"),
+    *map(_row, _ONE + _BY_KEY + _PER_FIELD),
     ("layertap_activation_last_update_timestamp_seconds", "Unix time of the latest summary of the layer.", "gauge",
      "", ""),
     ("layertap_activation_drift", "Drift of the layer against its baseline.", "gauge", "", "metric"),
     ("layertap_activation_drift_threshold", "Drift threshold per metric.", "gauge", "", "metric"),
     ("layertap_activation_channel_drift_fraction", "Fraction of channels whose mean drifted.", "gauge", "", ""),
-    ("layertap_activation_value", "Sampled activation values (bins of the tap's histogram reducer).", "histogram",
-     "_bucket", "le"),
+    *map(_row, _BUCKETS),
 )
-_QUANTILE, _NONFINITE, _LAST_UPDATE, _DRIFT, _THRESHOLD, _CHANNEL, _VALUE = range(len(_GAUGES), len(_FAMILIES))
+#: Slots of the histogram families, whose values are counts.
+_COUNT_SLOTS = frozenset(range(len(_FAMILIES) - len(_BUCKETS), len(_FAMILIES)))
 _NO_EXTRA = ("",)
-_KINDS = {(True, True): ("nan", "inf"), (True, False): ("nan",), (False, True): ("inf",)}
 _METRICS = tuple(DRIFT_METRICS)
 _drift_values = attrgetter(*DRIFT_METRICS)
 
@@ -74,7 +77,19 @@ _drift_values = attrgetter(*DRIFT_METRICS)
 #: One family over the exported layers: each layer's extra label values
 #: (None: the layer has no series in it), and the values of all its samples in order.
 _Column = tuple[tuple[tuple[str, ...] | None, ...], list[float]]
-_gauge_getters = tuple(attrgetter(attr) for attr, _, _ in _GAUGES)
+_one_getters = [attrgetter(f.snapshot[0]) for f in _ONE]
+_key_getters = [attrgetter(f.snapshot[0]) for f in _BY_KEY]
+_bucket_getters = [attrgetter(f.snapshot[0]) for f in _BUCKETS]
+
+
+def _label_sets(f: Family) -> dict[tuple[bool, ...], tuple[str, ...] | None]:
+    """A per-field family's label values for each pattern of present fields (None: no series)."""
+    return {present: tuple([lv for lv, p in zip(f.label_values, present) if p]) or None
+            for present in product((True, False), repeat=len(f.label_values))}
+
+
+#: Per per-field family: its fields' getter, its label values, and those of each pattern of present fields.
+_per_field_readers = [(attrgetter(*f.snapshot), f.label_values, _label_sets(f)) for f in _PER_FIELD]
 _last_update = attrgetter("last_update")
 _drift = attrgetter("drift")
 
@@ -93,15 +108,20 @@ def _per_metric(scores: list[DriftScore | DriftThresholds | None]) -> _Column:
             list(chain.from_iterable(map(_drift_values, present))))
 
 
-def _nonfinite(snaps: list[LayerSnapshot]) -> _Column:
+def _per_field(snaps: list[LayerSnapshot], get: Callable[[LayerSnapshot], tuple[float | None, ...]],
+               every: tuple[str, ...], label_sets: dict[tuple[bool, ...], tuple[str, ...] | None]) -> _Column:
+    """A family with one series per snapshot field (e.g. ``kind="nan"``, ``kind="inf"``)."""
     extras: list[tuple[str, ...] | None] = []
     values: list[float] = []
-    for s in snaps:
-        nan, inf = s.nan_total, s.inf_total
-        kinds = _KINDS.get((nan is not None, inf is not None))
-        extras.append(kinds)
-        if kinds is not None:
-            values += [v for v in (nan, inf) if v is not None]
+    for row in map(get, snaps):
+        if None not in row:
+            extras.append(every)
+            values += row  # type: ignore[arg-type]  # no None in it
+            continue
+        labels = label_sets[tuple([v is not None for v in row])]
+        extras.append(labels)
+        if labels is not None:
+            values += [v for v in row if v is not None]
     return tuple(extras), values
 
 
@@ -266,11 +286,11 @@ class ActivationCollector(Collector):
                 hit = self._q_cache[probs] = (tuple([go_float(p) for p in order]), None if order == probs else order)
         return hit
 
-    def _quantiles(self, snaps: list[LayerSnapshot]) -> _Column:
+    def _by_key(self, snaps: list[LayerSnapshot], get: Callable[[LayerSnapshot], dict[float, float] | None]) -> _Column:
+        """A family with one series per probability of a layer's mapping (``q="0.5"``...)."""
         extras: list[tuple[str, ...] | None] = []
         values: list[float] = []
-        for s in snaps:
-            q = s.quantiles
+        for q in map(get, snaps):
             if not q:
                 extras.append(None)
                 continue
@@ -279,15 +299,15 @@ class ActivationCollector(Collector):
             values += q.values() if order is None else [q[p] for p in order]
         return tuple(extras), values
 
-    def _histograms(self, snaps: list[LayerSnapshot]) -> _Column:
+    def _histograms(self, snaps: list[LayerSnapshot], get: Callable[[LayerSnapshot], tuple[Sequence[float], Sequence[int]] | None]) -> _Column:
         extras: list[tuple[str, ...] | None] = []
         counts: list[Sequence[int] | npt.NDArray[np.int64]] = []
         picks: list[list[int]] = []
-        for s in snaps:
-            if s.histogram is None:
+        for h in map(get, snaps):
+            if h is None:
                 extras.append(None)
                 continue
-            edges, c = s.histogram
+            edges, c = h
             idx, les = self.buckets(tuple(edges))
             extras.append(les)
             counts.append(c)
@@ -301,16 +321,16 @@ class ActivationCollector(Collector):
         cache of rows when, under traffic, every layer changes between scrapes.
         """
         drifts = list(map(_drift, snaps))
-        cols = [_present(list(map(get, snaps))) for get in _gauge_getters]
+        cols = [_present(list(map(get, snaps))) for get in _one_getters]
+        cols += [self._by_key(snaps, get) for get in _key_getters]
+        cols += [_per_field(snaps, get, every, label_sets) for get, every, label_sets in _per_field_readers]
         cols += (
-            self._quantiles(snaps),
-            _nonfinite(snaps),
             _present(list(map(_last_update, snaps))),
             _per_metric(drifts),  # type: ignore[arg-type]
             _per_metric([s.thresholds or (d.thresholds if d is not None else None) for s, d in zip(snaps, drifts)]),
             _present([_channel(s, d) for s, d in zip(snaps, drifts)]),
-            self._histograms(snaps),
         )
+        cols += [self._histograms(snaps, get) for get in _bucket_getters]
         return cols
 
     def _lay_out(self, labels: tuple[LabelSet, ...], columns: list[_Column]) -> None:
@@ -330,7 +350,7 @@ class ActivationCollector(Collector):
                 self._layout = layout
             for slot, ((name, doc, typ, _, _), column, lines) in enumerate(zip(_FAMILIES, columns, self._lines)):
                 # The bucket counts are Python ints by construction (from an int64 array).
-                text = lines.fill_counts(column[1]) if slot == _VALUE else lines.fill(column[1])  # type: ignore[arg-type]
+                text = lines.fill_counts(column[1]) if slot in _COUNT_SLOTS else lines.fill(column[1])  # type: ignore[arg-type]
                 families.append(RenderedFamily(name, doc, typ, text, _samples(slot, labels, column)))
         families.append(model_only_family(
             "layertap_export_layers_dropped", "Tapped layers not exported because of the layer cap.", self.model, dropped

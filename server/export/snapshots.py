@@ -14,11 +14,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from layertap._results import RESULTS
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DriftThresholds
 from layertap.server.host.hooks import POINT_NAMES
@@ -85,6 +87,19 @@ class LayerSnapshot:
 
 
 _SNAPSHOT_FIELDS = tuple(f.name for f in fields(LayerSnapshot))
+#: A layer's own fields; every other field but the key is a reducer result's.
+_LAYER_FIELDS = ("last_update", "drift", "thresholds", "channel_drift_fraction")
+_RESULT_FIELDS = tuple(name for r in RESULTS for name, _ in r.snapshot)
+if sorted(_SNAPSHOT_FIELDS) != sorted(("tap", "layer", "point", *_LAYER_FIELDS, *_RESULT_FIELDS)):
+    raise ImportError(f"LayerSnapshot's fields and the result table (layertap._results) disagree: {_SNAPSHOT_FIELDS}")
+#: A layer's state values in LayerSnapshot field order (after the key): one C call per snapshot.
+_state_values = itemgetter(*_SNAPSHOT_FIELDS[3:])
+#: Oneof field -> how its result folds, and the (snapshot field, message field) pairs it writes.
+_FOLDS = {r.field: (r.fold, r.snapshot) for r in RESULTS if r.snapshot}
+#: What a sampled primary summary clears when it lacks the result: every
+#: exported result but the counters.
+_CLEARED = tuple((r.field, r.fold, tuple(name for name, _ in r.snapshot))
+                 for r in RESULTS if r.snapshot and r.fold != "total")
 
 
 def _frozen_snapshot(values: tuple[Any, ...]) -> LayerSnapshot:
@@ -101,16 +116,9 @@ def _frozen_snapshot(values: tuple[Any, ...]) -> LayerSnapshot:
 
 @dataclass
 class _LayerState:
-    values: dict[str, float] = field(default_factory=dict)
-    quantiles: dict[float, float] | None = None
-    nan_total: int | None = None
-    inf_total: int | None = None
-    last_update: float | None = None
-    hist_edges: tuple[float, ...] | None = None
-    hist_counts: npt.NDArray[np.int64] | None = None
-    drift: DriftScore | None = None
-    thresholds: DriftThresholds | None = None
-    channel_fraction: float | None = None
+    #: Every LayerSnapshot field but the key (None: no series). Values are
+    #: replaced on write, never mutated, so snapshots may share them.
+    values: dict[str, Any] = field(default_factory=lambda: dict.fromkeys(_SNAPSHOT_FIELDS[3:]))
     #: (pass index, sum of squared L2 norms) of the first call's tensors in that pass.
     l2_pass: tuple[int, float] | None = None
 
@@ -123,14 +131,6 @@ class SnapshotStore:
     latest value; non-finite counts and histogram counts accumulate, because
     they are exported as counters.
     """
-
-    _SCALARS = {
-        "moments": (("mean", "mean"), ("std", "std")),
-        "minmax": (("min", "min"), ("max", "max")),
-        "abs_max": (("abs_max", "value"),),
-        "zero_fraction": (("zero_fraction", "fraction"),),
-        "latency": (("latency", "seconds"),),
-    }
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._lock = threading.Lock()
@@ -174,57 +174,60 @@ class SnapshotStore:
         if st is None:
             st = self._layers[key] = _LayerState()
         self._dirty[key] = None
-        st.last_update = ts if st.last_update is None else max(st.last_update, ts)
+        v = st.values
+        v["last_update"] = ts if v["last_update"] is None else max(v["last_update"], ts)
         if primary and sampled:
             # A sampled summary carries everything the tap computes now; a
             # result it no longer carries (reducers changed, e.g. when a
             # baseline froze) must not linger as a stale series.
             kinds = {res.WhichOneof("value") for res in summary.results}
-            for kind, fields in self._SCALARS.items():
+            for kind, fold, names in _CLEARED:
                 if kind not in kinds:
-                    for name, _attr in fields:
-                        st.values.pop(name, None)
-            if "norm" not in kinds:
-                st.l2_pass = None
-            if "quantiles" not in kinds:
-                st.quantiles = None
-            if "histogram" not in kinds:
-                st.hist_edges = st.hist_counts = None
+                    for name in names:
+                        v[name] = None
+                    if fold == "pass_l2":
+                        st.l2_pass = None
+        # How each fold works: the Fold type in layertap._results.
         for res in summary.results:
             kind = res.WhichOneof("value")
-            if kind == "nonfinite":
-                nf = res.nonfinite
-                st.nan_total = (st.nan_total or 0) + nf.nan_count
-                st.inf_total = (st.inf_total or 0) + nf.inf_count
-            elif kind == "norm" and first_call and sampled:
-                # Every tensor of the module's first call adds up: a param_grad
-                # tap's series is the module's whole gradient norm (its
-                # parameters are the outputs), so sqrt(sum(l2^2)) over a
-                # partition of the model is clip_grad_norm_'s total.
-                sq = float(res.norm.l2) ** 2
-                prev = st.l2_pass[1] if st.l2_pass is not None and st.l2_pass[0] == summary.pass_index else 0.0
-                st.l2_pass = (summary.pass_index, prev + sq)
+            how = _FOLDS.get(kind)
+            if how is None:
+                continue
+            fold, pairs = how
+            msg = getattr(res, kind)
+            if fold == "total":
+                # Every output and call adds up: a NaN anywhere in the layer still raises the alert.
+                for name, attr in pairs:
+                    v[name] = (v[name] or 0) + getattr(msg, attr)
+            elif fold == "pass_l2":
+                if first_call and sampled:
+                    # Every tensor of the module's first call adds up: a param_grad
+                    # tap's series is the module's whole gradient norm (its
+                    # parameters are the outputs), so sqrt(sum(l2^2)) over a
+                    # partition of the model is clip_grad_norm_'s total.
+                    ((name, attr),) = pairs
+                    sq = float(getattr(msg, attr)) ** 2
+                    prev = st.l2_pass[1] if st.l2_pass is not None and st.l2_pass[0] == summary.pass_index else 0.0
+                    st.l2_pass = (summary.pass_index, prev + sq)
+                    v[name] = math.sqrt(st.l2_pass[1])
             elif not primary:
                 continue
-            elif kind in self._SCALARS:
-                msg = getattr(res, kind)
-                for name, attr in self._SCALARS[kind]:
-                    st.values[name] = float(getattr(msg, attr))
-            elif kind == "quantiles":
-                q = res.quantiles
-                st.quantiles = {float(p): float(v) for p, v in zip(q.probabilities, q.values)
-                                if round(float(p), 6) in EXPORTED_QUANTILES} or None
-            elif kind == "histogram":
-                h = res.histogram
-                edges = tuple(h.edges)
-                counts = np.asarray(h.counts, dtype=np.int64)
+            elif fold == "latest":
+                for name, attr in pairs:
+                    v[name] = float(getattr(msg, attr))
+            elif fold == "exported_quantiles":
+                v[pairs[0][0]] = {float(p): float(x) for p, x in zip(msg.probabilities, msg.values)
+                                  if round(float(p), 6) in EXPORTED_QUANTILES} or None
+            elif fold == "cumulative_histogram":
+                name = pairs[0][0]
+                edges = tuple(msg.edges)
+                counts = np.asarray(msg.counts, dtype=np.int64)
                 if counts.shape[0] != len(edges) + 1:
                     continue  # malformed; never let one summary break the scrape
-                if st.hist_edges != edges or st.hist_counts is None:
-                    # New edges (e.g. a baseline froze): a fresh counter.
-                    st.hist_edges, st.hist_counts = edges, counts
-                else:
-                    st.hist_counts = st.hist_counts + counts  # new array: snapshots stay immutable
+                old = v[name]
+                # New edges (e.g. a baseline froze): a fresh counter. Otherwise a
+                # new array: snapshots stay immutable.
+                v[name] = (edges, counts) if old is None or old[0] != edges else (edges, old[1] + counts)
 
     def set_drift(
         self,
@@ -250,9 +253,8 @@ class SnapshotStore:
                 return
             st = self._layers.setdefault((tap, layer, point), _LayerState())
             self._dirty[(tap, layer, point)] = None
-            st.drift = score
-            st.thresholds = thresholds
-            st.channel_fraction = channel_fraction
+            v = st.values
+            v["drift"], v["thresholds"], v["channel_drift_fraction"] = score, thresholds, channel_fraction
 
     def remove_tap(self, tap_id: str) -> None:
         """Forget every layer of a deleted or expired tap (its series vanish)."""
@@ -278,16 +280,7 @@ class SnapshotStore:
         """An immutable copy of every layer's latest telemetry; a layer not written since the last call is the same object."""
         with self._lock:
             for key in self._dirty:
-                st = self._layers[key]
-                v = st.values
-                # quantiles, hist_counts and drift are replaced on write, never
-                # mutated, so the copy may share them.
-                self._snaps[key] = _frozen_snapshot((
-                    *key,
-                    v.get("mean"), v.get("std"), v.get("min"), v.get("max"), v.get("abs_max"), v.get("zero_fraction"),
-                    None if st.l2_pass is None else math.sqrt(st.l2_pass[1]), st.quantiles, st.nan_total, st.inf_total, st.last_update,
-                    None if st.hist_edges is None or st.hist_counts is None else (st.hist_edges, st.hist_counts),
-                    st.drift, st.thresholds, st.channel_fraction, v.get("latency"),
-                ))
+                # A layer's values are replaced on write, never mutated, so the copy may share them.
+                self._snaps[key] = _frozen_snapshot((*key, *_state_values(self._layers[key].values)))
             self._dirty.clear()
             return list(self._snaps.values())

@@ -19,6 +19,7 @@ from google.protobuf.message import Message
 
 from layertap.server.reducers.base import Reducer, shape_numel
 from layertap.server.reducers.kernels import COUNT, MAX, MIN, NAN, SHIFT, ZEROS, StatNeeds
+from layertap.server.reducers.spec import KIND_NAMES
 from layertap.server.reducers.workspace import Workspace
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -34,6 +35,11 @@ __all__ = [
 ]
 
 
+#: Every basic reducer, by ``ReducerKind``: they take no parameters. Each
+#: subclass of :class:`BasicReducer` adds itself.
+BASIC_REDUCERS: dict[int, type[BasicReducer]] = {}
+
+
 class BasicReducer(Reducer):
     """A reducer whose slots are a slice of the basic-statistics vector.
 
@@ -44,8 +50,14 @@ class BasicReducer(Reducer):
     """
 
     slots: ClassVar[tuple[int, int]]
-    #: The ``ReducerResult`` oneof field this reducer fills.
+    #: The ``ReducerResult`` oneof field this reducer fills: its kind's name
+    #: (``REDUCER_KIND_ABS_MAX`` fills ``abs_max``).
     result_field: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.result_field = KIND_NAMES[cls.kind]  # a KeyError at import: a kind the proto lacks
+        BASIC_REDUCERS[cls.kind] = cls
 
     def width(self, shape: Sequence[int]) -> int:
         return self.slots[1] - self.slots[0]
@@ -83,8 +95,6 @@ class MomentsReducer(BasicReducer):
     needs = StatNeeds(count=True, sums=True, shifted=True)
     slots = (COUNT, SHIFT + 1)
 
-    result_field = "moments"
-
     def numbers(self, values: Sequence[float], shape: Sequence[int]) -> tuple[float, ...]:
         count, s1, s2, shift = values
         n = int(count)
@@ -104,8 +114,6 @@ class MinMaxReducer(BasicReducer):
     needs = StatNeeds(minmax=True)
     slots = (MIN, MAX + 1)
 
-    result_field = "minmax"
-
     def numbers(self, values: Sequence[float], shape: Sequence[int]) -> tuple[float, ...]:
         return _finite_or_nan(values[0], values[1])
 
@@ -116,8 +124,6 @@ class AbsMaxReducer(BasicReducer):
     kind = pb.REDUCER_KIND_ABS_MAX
     needs = StatNeeds(minmax=True)
     slots = (MIN, MAX + 1)
-
-    result_field = "abs_max"
 
     def numbers(self, values: Sequence[float], shape: Sequence[int]) -> tuple[float, ...]:
         lo, hi = _finite_or_nan(values[0], values[1])
@@ -131,8 +137,6 @@ class ZeroFractionReducer(BasicReducer):
     needs = StatNeeds(zeros=True)
     slots = (ZEROS, ZEROS + 1)
 
-    result_field = "zero_fraction"
-
     def numbers(self, values: Sequence[float], shape: Sequence[int]) -> tuple[float, ...]:
         n = shape_numel(shape)
         return (values[0] / n if n else math.nan), n
@@ -144,8 +148,6 @@ class NonfiniteReducer(BasicReducer):
     kind = pb.REDUCER_KIND_NONFINITE
     needs = StatNeeds(nan=True, count=True)
     slots = (NAN, COUNT + 1)
-
-    result_field = "nonfinite"
 
     def numbers(self, values: Sequence[float], shape: Sequence[int]) -> tuple[float, ...]:
         nan, finite = int(values[0]), int(values[1])
@@ -159,8 +161,6 @@ class NormReducer(BasicReducer):
     needs = StatNeeds(count=True, sums=True)
     slots = (COUNT, SHIFT + 1)
 
-    result_field = "norm"
-
     def numbers(self, values: Sequence[float], shape: Sequence[int]) -> tuple[float, ...]:
         count, s1, s2, shift = values
         # sum(x**2) = sum((x-K)**2) + 2K sum(x-K) + n K**2; K is 0 unless the
@@ -171,8 +171,3 @@ class NormReducer(BasicReducer):
         return (math.sqrt(sumsq) if sumsq > 0 else 0.0,)
 
 
-#: Every basic reducer, by ``ReducerKind``: they take no parameters.
-BASIC_REDUCERS: dict[int, type[BasicReducer]] = {
-    cls.kind: cls
-    for cls in (MomentsReducer, MinMaxReducer, AbsMaxReducer, ZeroFractionReducer, NonfiniteReducer, NormReducer)
-}
