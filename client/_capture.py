@@ -354,7 +354,7 @@ def shape_capture(tensors: list[CapturedTensor], names: list[str], *, single: bo
 def receive(call: Any, assembler: CaptureAssembler) -> None:
     """Feeds every message of a Capture call to ``assembler``; cancels the call if anything fails.
 
-    ``call`` is what :func:`~layertap._capture_wire.capture_method` returned,
+    ``call`` is a Capture stream (responses parsed by :func:`~layertap._capture_wire.parse_response`),
     a ``grpc.Call`` iterating over :data:`CaptureMessage` values.
     """
     try:

@@ -18,11 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-import grpc
 
 from .v1 import telemetry_pb2
 
-__all__ = ["CaptureMessage", "WireChunk", "capture_method", "parse_response"]
+__all__ = ["CaptureMessage", "WireChunk", "parse_response"]
 
 #: Field number -> largest value of the CaptureChunk varint fields (uint32, uint32, uint64).
 _VARINT_FIELDS = {1: (1 << 32) - 1, 2: (1 << 32) - 1, 3: (1 << 64) - 1}
@@ -92,15 +91,3 @@ def parse_response(raw: bytes) -> CaptureMessage:
     """The Capture call's response deserializer (see the module docstring)."""
     chunk = _chunk_in_place(raw)
     return chunk if chunk is not None else telemetry_pb2.CaptureResponse.FromString(raw)
-
-
-def capture_method(
-    channel: grpc.Channel,
-) -> grpc.UnaryStreamMultiCallable[telemetry_pb2.CaptureRequest, CaptureMessage]:
-    """``TelemetryService.Capture`` on ``channel``, its responses parsed by :func:`parse_response`."""
-    service = telemetry_pb2.DESCRIPTOR.services_by_name["TelemetryService"].full_name
-    return channel.unary_stream(
-        f"/{service}/Capture",
-        request_serializer=telemetry_pb2.CaptureRequest.SerializeToString,
-        response_deserializer=parse_response,
-    )

@@ -23,16 +23,25 @@ from ._explain import Explanation
 from ._fleet_baseline import Baselines
 from ._incidents import Incidents
 from ._taps import DurableTapOptions, SummaryStream, TapHandle, TapOptions, Unpack, tap_spec
-from ._transport import (
-    CAPTURE, CREATE_TAP, DELETE_TAP, GET_MODEL_METADATA, GET_SERVER_STATS, INFER, LIST_LAYERS, LIST_TAPS, SUBSCRIBE,
-    ServerStream, Transport,
-)
+from ._capture_wire import CaptureMessage, parse_response
+from ._transport import LIST_LAYERS, ServerStream, Streaming, Transport, Unary
 from ._types import (
     BaselineInfo, DriftThresholds, LayerDrift, LayerInfo, ModelMetadata, ServerStats, Structured, TapInfo, TapSpec,
 )
 from .v1 import inference_pb2, telemetry_pb2
 
 __all__ = ["Client"]
+
+GET_MODEL_METADATA = Unary.of("InferenceService", "GetModelMetadata", inference_pb2.GetModelMetadataRequest, inference_pb2.GetModelMetadataResponse)
+INFER = Unary.of("InferenceService", "Infer", inference_pb2.InferRequest, inference_pb2.InferResponse)
+GET_SERVER_STATS = Unary.of("TelemetryService", "GetServerStats", telemetry_pb2.GetServerStatsRequest, telemetry_pb2.GetServerStatsResponse)
+LIST_TAPS = Unary.of("TelemetryService", "ListTaps", telemetry_pb2.ListTapsRequest, telemetry_pb2.ListTapsResponse)
+CREATE_TAP = Unary.of("TelemetryService", "CreateTap", telemetry_pb2.CreateTapRequest, telemetry_pb2.CreateTapResponse)
+DELETE_TAP = Unary.of("TelemetryService", "DeleteTap", telemetry_pb2.DeleteTapRequest, telemetry_pb2.DeleteTapResponse)
+SUBSCRIBE = Streaming.of("TelemetryService", "Subscribe", telemetry_pb2.SubscribeRequest, telemetry_pb2.SubscribeResponse)
+#: Capture with its chunks read in place, not through protobuf (see _capture_wire).
+CAPTURE: Streaming[telemetry_pb2.CaptureRequest, CaptureMessage] = Streaming(
+    "TelemetryService", "Capture", telemetry_pb2.CaptureRequest, parse_response)
 
 MiB = 1 << 20
 #: Seconds a unary call or a capture may take unless ``timeout=`` says otherwise.

@@ -14,10 +14,12 @@ import numpy as np
 
 from ._codec import Array, decode_tensor, encode_tensor
 from ._errors import InvalidArgument
-from ._transport import EXPLAIN, Transport
+from ._transport import Transport, Unary
 from .v1 import telemetry_pb2
 
 __all__ = ["Explanation", "explain", "explain_request"]
+
+EXPLAIN = Unary.of("TelemetryService", "Explain", telemetry_pb2.ExplainRequest, telemetry_pb2.ExplainResponse)
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,14 @@ from typing import Any, Protocol, TypeVar
 
 from . import _convert
 from ._errors import DeadlineExceeded, InvalidArgument, LayertapError
-from ._transport import EXPORT_BASELINE, GET_DRIFT, INSTALL_BASELINE, SET_BASELINE, Transport
+from ._transport import Transport, Unary
 from ._types import BaselineInfo, DriftThresholds, LayerDrift
 from .v1 import telemetry_pb2
+
+SET_BASELINE = Unary.of("TelemetryService", "SetBaseline", telemetry_pb2.SetBaselineRequest, telemetry_pb2.SetBaselineResponse)
+GET_DRIFT = Unary.of("TelemetryService", "GetDrift", telemetry_pb2.GetDriftRequest, telemetry_pb2.GetDriftResponse)
+EXPORT_BASELINE = Unary.of("TelemetryService", "ExportBaseline", telemetry_pb2.ExportBaselineRequest, telemetry_pb2.ExportBaselineResponse)
+INSTALL_BASELINE = Unary.of("TelemetryService", "InstallBaseline", telemetry_pb2.InstallBaselineRequest, telemetry_pb2.InstallBaselineResponse)
 
 #: Seconds between GetDrift polls while the members collect.
 POLL_SECONDS = 0.2

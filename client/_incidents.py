@@ -18,8 +18,12 @@ import numpy as np
 
 from ._capture import CaptureAssembler
 from ._errors import ProtocolError
-from ._transport import DELETE_INCIDENT, GET_INCIDENT, LIST_INCIDENTS, Transport
+from ._transport import Streaming, Transport, Unary
 from .v1 import telemetry_pb2
+
+LIST_INCIDENTS = Unary.of("TelemetryService", "ListIncidents", telemetry_pb2.ListIncidentsRequest, telemetry_pb2.ListIncidentsResponse)
+GET_INCIDENT = Streaming.of("TelemetryService", "GetIncident", telemetry_pb2.GetIncidentRequest, telemetry_pb2.GetIncidentResponse)
+DELETE_INCIDENT = Unary.of("TelemetryService", "DeleteIncident", telemetry_pb2.DeleteIncidentRequest, telemetry_pb2.DeleteIncidentResponse)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The client's one way to the server: channel, stubs, deadlines, error translation.
 
-Every RPC the client makes goes through a :class:`Transport`, named by one of
-the descriptors below (the table of every call the client makes). The
+Every RPC the client makes goes through a :class:`Transport`, named by a
+:class:`Unary` or :class:`Streaming` handle that the calling module declares
+next to its method: the request and response types and the method's name. So
+a new RPC adds its handle and method in one module and nothing here. The
 :class:`~layertap.Client` and its sub-clients (``client.incidents``,
 ``client.baselines``) build requests and read responses; none of them holds a
 stub or a channel, and none reads another object's private attributes.
@@ -25,16 +27,16 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
-from ._capture_wire import CaptureMessage, capture_method
 from ._channel import TlsOption, open_channel
 from ._errors import ClientClosed, InvalidArgument, from_rpc_error
-from .v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
+from .v1 import telemetry_pb2
 
-__all__ = ["Transport", "Unary", "Streaming", "ServerStream"]
+__all__ = ["LIST_LAYERS", "ServerStream", "Streaming", "Transport", "Unary"]
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -44,25 +46,41 @@ Resp_co = TypeVar("Resp_co", covariant=True)
 _LAYER_NAMES_TIMEOUT = 5.0
 
 
-class _Stubs(NamedTuple):
-    inference: inference_pb2_grpc.InferenceServiceStub
-    telemetry: telemetry_pb2_grpc.TelemetryServiceStub
-    #: TelemetryService.Capture with its chunks read in place, not through protobuf.
-    capture: grpc.UnaryStreamMultiCallable[telemetry_pb2.CaptureRequest, CaptureMessage]
+ReqMsg = TypeVar("ReqMsg", bound=Message)
+RespMsg = TypeVar("RespMsg", bound=Message)
 
 
 @dataclass(frozen=True)
-class Unary(Generic[Req, Resp]):
-    """A unary-unary RPC: which stub method serves it."""
+class _Rpc(Generic[ReqMsg, Resp]):
+    """An RPC by name (``/layertap.v1.<service>/<method>``), its request type and response parser."""
 
-    pick: Callable[[_Stubs], grpc.UnaryUnaryMultiCallable[Req, Resp]]
+    service: str
+    method: str
+    request: type[ReqMsg]
+    deserialize: Callable[[bytes], Resp]
+
+    @property
+    def path(self) -> str:
+        return f"/layertap.v1.{self.service}/{self.method}"
 
 
-@dataclass(frozen=True)
-class Streaming(Generic[Req, Resp]):
-    """A unary-stream RPC: which stub method serves it."""
+class Unary(_Rpc[ReqMsg, Resp]):
+    """A unary-unary RPC."""
 
-    pick: Callable[[_Stubs], grpc.UnaryStreamMultiCallable[Req, Resp]]
+    @classmethod
+    def of(cls, service: str, method: str, request: type[ReqMsg], response: type[RespMsg]) -> Unary[ReqMsg, RespMsg]:
+        """The handle of ``service.method`` taking ``request`` and answering ``response``."""
+        return Unary(service, method, request, response.FromString)
+
+
+class Streaming(_Rpc[ReqMsg, Resp]):
+    """A unary-stream RPC."""
+
+    @classmethod
+    def of(cls, service: str, method: str, request: type[ReqMsg],
+           response: type[RespMsg]) -> Streaming[ReqMsg, RespMsg]:
+        """The handle of ``service.method`` taking ``request`` and streaming ``response``."""
+        return Streaming(service, method, request, response.FromString)
 
 
 class ServerStream(Protocol[Resp_co]):
@@ -75,38 +93,9 @@ class ServerStream(Protocol[Resp_co]):
     def cancel(self) -> bool: ...
 
 
-# Every RPC the client makes.
-GET_MODEL_METADATA: Unary[inference_pb2.GetModelMetadataRequest, inference_pb2.GetModelMetadataResponse] = Unary(
-    lambda s: s.inference.GetModelMetadata)
-INFER: Unary[inference_pb2.InferRequest, inference_pb2.InferResponse] = Unary(lambda s: s.inference.Infer)
-LIST_LAYERS: Unary[telemetry_pb2.ListLayersRequest, telemetry_pb2.ListLayersResponse] = Unary(
-    lambda s: s.telemetry.ListLayers)
-GET_SERVER_STATS: Unary[telemetry_pb2.GetServerStatsRequest, telemetry_pb2.GetServerStatsResponse] = Unary(
-    lambda s: s.telemetry.GetServerStats)
-CAPTURE: Streaming[telemetry_pb2.CaptureRequest, CaptureMessage] = Streaming(lambda s: s.capture)
-EXPLAIN: Unary[telemetry_pb2.ExplainRequest, telemetry_pb2.ExplainResponse] = Unary(lambda s: s.telemetry.Explain)
-LIST_TAPS: Unary[telemetry_pb2.ListTapsRequest, telemetry_pb2.ListTapsResponse] = Unary(
-    lambda s: s.telemetry.ListTaps)
-CREATE_TAP: Unary[telemetry_pb2.CreateTapRequest, telemetry_pb2.CreateTapResponse] = Unary(
-    lambda s: s.telemetry.CreateTap)
-DELETE_TAP: Unary[telemetry_pb2.DeleteTapRequest, telemetry_pb2.DeleteTapResponse] = Unary(
-    lambda s: s.telemetry.DeleteTap)
-SUBSCRIBE: Streaming[telemetry_pb2.SubscribeRequest, telemetry_pb2.SubscribeResponse] = Streaming(
-    lambda s: s.telemetry.Subscribe)
-SET_BASELINE: Unary[telemetry_pb2.SetBaselineRequest, telemetry_pb2.SetBaselineResponse] = Unary(
-    lambda s: s.telemetry.SetBaseline)
-GET_DRIFT: Unary[telemetry_pb2.GetDriftRequest, telemetry_pb2.GetDriftResponse] = Unary(
-    lambda s: s.telemetry.GetDrift)
-EXPORT_BASELINE: Unary[telemetry_pb2.ExportBaselineRequest, telemetry_pb2.ExportBaselineResponse] = Unary(
-    lambda s: s.telemetry.ExportBaseline)
-INSTALL_BASELINE: Unary[telemetry_pb2.InstallBaselineRequest, telemetry_pb2.InstallBaselineResponse] = Unary(
-    lambda s: s.telemetry.InstallBaseline)
-LIST_INCIDENTS: Unary[telemetry_pb2.ListIncidentsRequest, telemetry_pb2.ListIncidentsResponse] = Unary(
-    lambda s: s.telemetry.ListIncidents)
-GET_INCIDENT: Streaming[telemetry_pb2.GetIncidentRequest, telemetry_pb2.GetIncidentResponse] = Streaming(
-    lambda s: s.telemetry.GetIncident)
-DELETE_INCIDENT: Unary[telemetry_pb2.DeleteIncidentRequest, telemetry_pb2.DeleteIncidentResponse] = Unary(
-    lambda s: s.telemetry.DeleteIncident)
+#: Also the layer-not-found hint's call, so it lives here.
+LIST_LAYERS = Unary.of("TelemetryService", "ListLayers", telemetry_pb2.ListLayersRequest,
+                        telemetry_pb2.ListLayersResponse)
 
 
 class Transport:
@@ -124,12 +113,10 @@ class Transport:
                  tls: TlsOption) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel, calls = open_channel(target, options, token, tls)
-        self._stubs = _Stubs(
-            inference_pb2_grpc.InferenceServiceStub(calls),
-            telemetry_pb2_grpc.TelemetryServiceStub(calls),
-            capture_method(calls),
-        )
+        self._channel, self._calls = open_channel(target, options, token, tls)
+        #: Multi-callables by method path, made on first use (gRPC's stubs do the same at construction).
+        self._unary: dict[str, grpc.UnaryUnaryMultiCallable[Any, Any]] = {}
+        self._streaming: dict[str, grpc.UnaryStreamMultiCallable[Any, Any]] = {}
         self._closed = False
         self._lock = threading.Lock()
 
@@ -172,9 +159,8 @@ class Transport:
         return t
 
     def _layer_names(self) -> list[str]:
-        resp = self._stubs.telemetry.ListLayers(
-            telemetry_pb2.ListLayersRequest(), timeout=min(self.timeout, _LAYER_NAMES_TIMEOUT)
-        )
+        resp = self._unary_call(LIST_LAYERS)(telemetry_pb2.ListLayersRequest(),
+                                                timeout=min(self.timeout, _LAYER_NAMES_TIMEOUT))
         return [layer.name for layer in resp.layers]
 
     @contextmanager
@@ -203,7 +189,7 @@ class Transport:
             )
             raise mapped from exc
 
-    def unary(self, rpc: Unary[Req, Resp], request: Req, *, timeout: float | None = None,
+    def unary(self, rpc: Unary[ReqMsg, Resp], request: ReqMsg, *, timeout: float | None = None,
               layer_hint: bool = False) -> Resp:
         """Makes a unary call with the default deadline unless ``timeout`` says otherwise.
 
@@ -212,9 +198,9 @@ class Transport:
                 and :meth:`deadline`.
         """
         with self.translating(layer_hint=layer_hint):
-            return rpc.pick(self._stubs)(request, timeout=self.deadline(timeout))
+            return self._unary_call(rpc)(request, timeout=self.deadline(timeout))
 
-    def stream(self, rpc: Streaming[Req, Resp], request: Req, *, timeout: float | None = None,
+    def stream(self, rpc: Streaming[ReqMsg, Resp], request: ReqMsg, *, timeout: float | None = None,
                open_ended: bool = False, layer_hint: bool = False) -> ServerStream[Resp]:
         """Opens a server stream; read it inside :meth:`translating`.
 
@@ -224,5 +210,19 @@ class Transport:
         self.check_open()
         deadline = self.deadline(timeout, open_ended=open_ended)
         with self.translating(layer_hint=layer_hint):
-            call: ServerStream[Resp] = rpc.pick(self._stubs)(request, timeout=deadline)
+            call: ServerStream[Resp] = self._stream_call(rpc)(request, timeout=deadline)
+        return call
+
+    def _unary_call(self, rpc: Unary[ReqMsg, Resp]) -> grpc.UnaryUnaryMultiCallable[ReqMsg, Resp]:
+        call = self._unary.get(rpc.path)
+        if call is None:
+            call = self._unary[rpc.path] = self._calls.unary_unary(
+                rpc.path, request_serializer=rpc.request.SerializeToString, response_deserializer=rpc.deserialize)
+        return call
+
+    def _stream_call(self, rpc: Streaming[ReqMsg, Resp]) -> grpc.UnaryStreamMultiCallable[ReqMsg, Resp]:
+        call = self._streaming.get(rpc.path)
+        if call is None:
+            call = self._streaming[rpc.path] = self._calls.unary_stream(
+                rpc.path, request_serializer=rpc.request.SerializeToString, response_deserializer=rpc.deserialize)
         return call

@@ -112,3 +112,40 @@ def test_the_allowed_exceptions_are_still_needed() -> None:
     for name, attrs in PRIVATE_READS_ALLOWED.items():
         used = {n.attr for n in ast.walk(modules[name]) if isinstance(n, ast.Attribute)}
         assert attrs <= used, f"{name} no longer reads {sorted(attrs - used)}: drop the exception"
+
+
+def _handles() -> dict[str, object]:
+    """Every RPC handle a client module declares, by ``module.NAME``."""
+    import importlib
+
+    from layertap._transport import Streaming, Unary
+
+    out: dict[str, object] = {}
+    for name in _modules():
+        module = importlib.import_module(f"layertap.{name.removesuffix('.py')}")
+        out.update({f"{name}.{k}": v for k, v in vars(module).items() if isinstance(v, (Unary, Streaming))
+                    and all(v is not seen for seen in out.values())})  # an imported handle is its declarer's
+    return out
+
+
+def test_every_rpc_handle_matches_its_proto_method() -> None:
+    """Handles live next to the methods that call them; each names a real method with its real types."""
+    from google.protobuf import descriptor_pool
+
+    from layertap._transport import Streaming
+    from layertap.v1 import inference_pb2, telemetry_pb2  # noqa: F401 - registers the services
+
+    handles = _handles()
+    assert len(handles) >= 17, sorted(handles)
+    pool = descriptor_pool.Default()
+    seen = set()
+    for where, rpc in handles.items():
+        service = pool.FindServiceByName(f"layertap.v1.{rpc.service}")  # type: ignore[attr-defined]
+        method = service.FindMethodByName(rpc.method)  # type: ignore[attr-defined]
+        assert method is not None, f"{where}: no method {rpc.path}"  # type: ignore[attr-defined]
+        assert rpc.request.DESCRIPTOR.full_name == method.input_type.full_name, where  # type: ignore[attr-defined]
+        parsed = rpc.deserialize(b"")  # type: ignore[attr-defined]
+        assert parsed.DESCRIPTOR.full_name == method.output_type.full_name, where
+        assert isinstance(rpc, Streaming) == method.server_streaming, where
+        seen.add(rpc.path)  # type: ignore[attr-defined]
+    assert len(seen) == len(handles), "one handle per RPC"
