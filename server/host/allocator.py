@@ -49,7 +49,8 @@ _PRELOADED = ("jemalloc", "tcmalloc", "mimalloc")
 def _glibc() -> bool:
     # platform.libc_ver() falls back to reading sys.executable, which can fail (musl).
     try:
-        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")  # type: ignore[union-attr]
+        version = os.confstr("CS_GNU_LIBC_VERSION")  # None where unset: not glibc
+        return version is not None and version.startswith("glibc")
     except (AttributeError, ValueError, OSError):
         return False
 

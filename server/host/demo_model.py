@@ -33,9 +33,10 @@ class BasicBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
+        out: torch.Tensor = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        return self.relu(out + identity)
+        y: torch.Tensor = self.relu(out + identity)
+        return y
 
 
 class DemoResNet(nn.Module):
@@ -62,7 +63,8 @@ class DemoResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
+        logits: torch.Tensor = self.fc(torch.flatten(self.avgpool(x), 1))
+        return logits
 
 
 def build_demo_model(seed: int = 0) -> DemoResNet:

@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 #: ``callback(ctx, value)``: ``value`` is the output object, the args tuple,
 #: the grad tuple, or a :class:`ParamGrad` depending on the point.
-HookCallback = Callable[[Any, Any], None]
+HookCallback = Callable[[Any, object], None]
+
+_T = TypeVar("_T")
 
 #: ``Point`` value -> API name (``POINT_GRAD_OUTPUT`` -> ``"grad_output"``), derived
 #: from the proto enum so a point added to the API needs no second table.
@@ -81,7 +83,7 @@ class HookRegistry:
     """
 
     def __init__(self, model: nn.Module, current_pass: Callable[[], Any], *,
-                 deferred_param_grads: bool = False, raw_pass: Callable[[], Any] | None = None) -> None:
+                 deferred_param_grads: bool = False, raw_pass: Callable[[], object] | None = None) -> None:
         self._modules = dict(model.named_modules())
         self._current_pass = current_pass
         #: The pass running now even while firings are ignored (``current_pass``
@@ -97,7 +99,7 @@ class HookRegistry:
         #: Modules found writing their input in place: grad_input hooks them without an alias.
         self._inplace: set[int] = set()
         #: Timers by module id: (handle, start pre-hook), kept last among layertap's pre-hooks.
-        self._timers: dict[int, list[tuple[HookHandle, Callable[[nn.Module, Any], None]]]] = {}
+        self._timers: dict[int, list[tuple[HookHandle, Callable[[nn.Module, object], None]]]] = {}
 
     @property
     def active(self) -> int:
@@ -119,7 +121,7 @@ class HookRegistry:
         start = self._firer(layer, pb.POINT_INPUT, on_start, handle)
         stop = self._firer(layer, pb.POINT_OUTPUT, on_stop, handle)
 
-        def pre(_m: nn.Module, _a: Any) -> None:
+        def pre(_m: nn.Module, _a: object) -> None:
             start(None)
 
         handles = [module.register_forward_pre_hook(pre),
@@ -145,7 +147,7 @@ class HookRegistry:
                 self._live.discard(id(old))
                 self._live.add(id(new))
 
-    def _firer(self, layer: str, point: int, callback: HookCallback, handle: HookHandle) -> Callable[[Any], None]:
+    def _firer(self, layer: str, point: int, callback: HookCallback, handle: HookHandle) -> Callable[[object], None]:
         """Wraps ``callback`` so it fires only inside a pass, never raises, and stops once removed."""
         current = self._current_pass
         # A hook added while a pass runs (a training step: the model thread
@@ -153,7 +155,7 @@ class HookRegistry:
         born = self._raw_pass()
         replays = _Replays() if point in (pb.POINT_OUTPUT, pb.POINT_INPUT) else None
 
-        def fire(value: Any) -> None:
+        def fire(value: object) -> None:
             # A handle removed mid-pass (from another thread) goes quiet at
             # once; torch copies its hook dicts before iterating, so the
             # removal itself is safe without holding the model lock.
@@ -215,7 +217,7 @@ class HookRegistry:
             read()
 
     # -- gradient hooks (forward hooks that hook tensors; never raise) ----------
-    def _guarded(self, what: str, work: Callable[[], Any]) -> Any:
+    def _guarded(self, what: str, work: Callable[[], _T]) -> _T | None:
         if not torch.is_grad_enabled():
             return None  # no backward will come: nothing to hook
         try:
@@ -225,16 +227,16 @@ class HookRegistry:
             log.exception("installing a %s tensor hook failed; the pass went on", what)
             return None
 
-    def _watch_outputs(self, out: Any, fire: Callable[[Any], None], handle: HookHandle) -> None:
+    def _watch_outputs(self, out: object, fire: Callable[[object], None], handle: HookHandle) -> None:
         def work() -> None:
             for i, t in enumerate(_tensors(out)):
                 if t is not None and t.requires_grad and not handle._removed:
-                    t.register_hook(lambda g, _i=i: fire(ParamGrad(_i, "", g)))
+                    t.register_hook(lambda g, _i=i: fire(ParamGrad(_i, "", g)))  # type: ignore[no-untyped-call]  # unannotated in torch
 
         self._guarded("grad_output", work)
 
-    def _watch_inputs(self, module: nn.Module, args: tuple[Any, ...], fire: Callable[[Any], None],
-                      handle: HookHandle, aliases: list[tuple[torch.Tensor, int]]) -> tuple[Any, ...] | None:
+    def _watch_inputs(self, module: nn.Module, args: tuple[object, ...], fire: Callable[[object], None],
+                      handle: HookHandle, aliases: list[tuple[torch.Tensor, int]]) -> tuple[object, ...] | None:
         # The module's own share of its input's gradient needs a tensor only
         # it uses: an alias (a view, no copy). A module that writes its input
         # in place would orphan the alias's hook, so its input is hooked
@@ -242,21 +244,20 @@ class HookRegistry:
         direct = _modifies_input(module) or id(module) in self._inplace
         aliases.clear()
 
-        def work() -> tuple[Any, ...] | None:
+        def work() -> tuple[object, ...] | None:
             if handle._removed:
                 return None
             new = list(args)
             for i, t in enumerate(args):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     target = t if direct else t.view_as(t)
-                    target.register_hook(lambda g, _i=i: fire(ParamGrad(_i, "", g)))
+                    target.register_hook(lambda g, _i=i: fire(ParamGrad(_i, "", g)))  # type: ignore[no-untyped-call]  # unannotated in torch
                     if not direct:
                         aliases.append((target, target._version))
                     new[i] = target
             return None if direct else tuple(new)
 
-        result: tuple[Any, ...] | None = self._guarded("grad_input", work)
-        return result
+        return self._guarded("grad_input", work)
 
     def _check_aliases(self, module: nn.Module, aliases: list[tuple[torch.Tensor, int]]) -> None:
         """An alias written in place never gets its gradient: hook that module directly from now on."""
@@ -323,7 +324,7 @@ class _Replays:
         return False
 
 
-def _tensors(value: Any) -> list[torch.Tensor | None]:
+def _tensors(value: object) -> list[torch.Tensor | None]:
     """The tensors of a module output, by position (non-tensors as None)."""
     if isinstance(value, torch.Tensor):
         return [value]

@@ -131,7 +131,7 @@ def _load_export(path: Path, input_shape: str | None, input_dtype: str) -> Loade
 
 def _load_torchscript(path: Path, input_shape: str | None, input_dtype: str) -> LoadedModel:
     try:
-        module = torch.jit.load(str(path), map_location="cpu")
+        module = torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call]  # unannotated in torch
     except Exception as exc:
         raise ModelLoadError(f"{path}: not a loadable TorchScript file ({exc.__class__.__name__})") from None
     inputs = _declared_inputs(input_shape, input_dtype, "a TorchScript model")

@@ -161,7 +161,8 @@ class AotiKernel:
         if self._run is not None:
             out: torch.Tensor = self._run([x, rnd, on])[0]
             return out
-        return self._compiled(x, rnd, on)  # type: ignore[no-any-return]
+        result: torch.Tensor | None = self._compiled(x, rnd, on)
+        return result
 
 
 #: Packages not loaded for this long are deleted by :func:`prune`.

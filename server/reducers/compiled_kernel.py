@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import threading
 import types
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -180,7 +179,7 @@ def alias(x: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -> to
     return x.new_empty(0).set_(x.untyped_storage(), x.storage_offset(), size, stride)
 
 
-def kernel_function(sig: Signature) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def kernel_function(sig: Signature) -> types.FunctionType:
     """A fresh function (own code object) running :func:`basic_stats_body`.
 
     Dynamo keeps compiled entries per code object, so each signature gets its

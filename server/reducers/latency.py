@@ -66,7 +66,8 @@ class Lap:
     def seconds(self) -> float:
         """The elapsed seconds; for events, call it off the model thread, after the pass's copy."""
         if self._start is not None and self._end is not None:
-            if not self._end.query():  # normally already done: the pass's copy event follows it
+            # Normally already done: the pass's copy event follows it.
+            if not self._end.query():  # type: ignore[no-untyped-call]  # unannotated in torch
                 self._end.synchronize()
             self._seconds = self._start.elapsed_time(self._end) / 1000.0
             self._start = self._end = None
@@ -90,7 +91,7 @@ class LayerTimer:
 
     def _mark(self) -> float | torch.cuda.Event:
         if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # unannotated in torch
             event.record()
             return event
         return time.perf_counter()

@@ -65,7 +65,7 @@ class PinnedPool:
         """Returns a free float64 host buffer of exactly ``n`` elements (a view)."""
         with self._lock:
             for i, (buf, event) in enumerate(self._free):
-                if buf.numel() >= n and (event is None or event.query()):
+                if buf.numel() >= n and (event is None or event.query()):  # type: ignore[no-untyped-call]  # unannotated in torch
                     del self._free[i]
                     return buf[:n]
         capacity = 1 << max(n - 1, 0).bit_length()
@@ -129,7 +129,7 @@ class PendingPass:
 
     def ready(self) -> bool:
         """Whether :meth:`wait` would return without blocking."""
-        return all(s.event is None or s.event.query() for s in self._segments)
+        return all(s.event is None or s.event.query() for s in self._segments)  # type: ignore[no-untyped-call]  # unannotated in torch
 
     def wait(self) -> np.ndarray:
         """Blocks until the copies land; returns all values as one float64 array.
@@ -225,7 +225,7 @@ class PassBuffer:
             if device.type == "cuda":
                 host = self._pool.acquire(flat.numel())
                 host.copy_(flat, non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
                 event.record(torch.cuda.current_stream(device))
             elif device.type != "cpu":
                 # Other accelerators: a plain copy (may sync; no event API assumed).

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TypeAlias
+from typing import Literal, TypeAlias
 
 import torch
 
@@ -110,7 +110,7 @@ class Workspace:
         self.floating = x.is_floating_point()
         self.generator = generator
         self.share_xd = share_xd
-        self._flat: torch.Tensor | None | bool = False
+        self._flat: torch.Tensor | None | Literal[False] = False
         self._xd: torch.Tensor | None = None
         self._fin: torch.Tensor | None = None
         # Per sample size: (sorted sample, its non-NaN count).
@@ -123,7 +123,7 @@ class Workspace:
         """:func:`flat_view` of x (all elements as 1-D, memory order), cached."""
         if self._flat is False:
             self._flat = flat_view(self.x)
-        return self._flat  # type: ignore[return-value]
+        return self._flat
 
     @property
     def has_xd(self) -> bool:

@@ -9,9 +9,9 @@ in that order, so a stream never lags the metrics it explains.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -36,11 +36,15 @@ class PublishedTap(TapView, Protocol):
     def disabled(self) -> bool: ...
 
 
+#: The tap type of a :class:`Piece`: the engine's own ``Tap``, read here as a :class:`PublishedTap`.
+_TapT = TypeVar("_TapT", bound=PublishedTap, covariant=True)
+
+
 @dataclass
-class Piece:
+class Piece(Generic[_TapT]):
     """One tensor a hook reduced in a pass: where it came from and how to read its values."""
 
-    tap: PublishedTap
+    tap: _TapT
     layer: str
     output_index: int
     call_index: int
@@ -64,7 +68,7 @@ class Publisher:
         self._wire = SummaryWire()
 
     # -- host-transfer thread ----------------------------------------------------
-    def publish(self, ctx: PassContext, pieces: list[Piece], values: dict[int, np.ndarray],
+    def publish(self, ctx: PassContext, pieces: Sequence[Piece[PublishedTap]], values: Mapping[Hashable, np.ndarray],
                 durable: Callable[[], Mapping[str, bool]], rank: int | None) -> None:
         """Publish one pass: ``values[i]`` is the host copy of ``pieces[i]``'s reducer vector.
 
@@ -96,7 +100,7 @@ class Publisher:
         self.sinks.on_summaries(ctx, summaries)
 
     @staticmethod
-    def _summary(ctx: PassContext, p: Piece, wall: Timestamp, values: np.ndarray, rank: int | None) -> pb.Summary:
+    def _summary(ctx: PassContext, p: Piece[PublishedTap], wall: Timestamp, values: np.ndarray, rank: int | None) -> pb.Summary:
         """A summary built from messages: plans with distribution or latency reducers."""
         results = p.plan.decode(values, p.shape)
         if p.lap is not None:

@@ -82,6 +82,7 @@ def _encoder(result_field: str) -> Callable[[Sequence[float]], bytes]:
     body is never longer than 127 bytes).
     """
     oneof = _RESULTS[result_field]
+    assert oneof.message_type is not None, f"{result_field} is not a message field"
     fields = list(oneof.message_type.fields)
     doubles = [f.type == FieldDescriptor.TYPE_DOUBLE for f in fields]
     keys = [f.number << 3 | (_FIXED64 if d else _VARINT) for f, d in zip(fields, doubles)]

@@ -16,6 +16,7 @@ failed clone (out of memory included) fails only this capture.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -169,7 +170,7 @@ class CaptureSession:
                 return False
             for layer in self.opts.layers:
                 self._handles.append(
-                    self.host.hooks.add(layer, self.opts.point, lambda ctx, v, _l=layer: self._on_hook(_l, ctx, v))
+                    self.host.hooks.add(layer, self.opts.point, functools.partial(self._on_hook, layer))
                 )
             self.host.add_observer(self)
             return True

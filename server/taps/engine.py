@@ -10,6 +10,7 @@ sees a summary.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import secrets
@@ -62,7 +63,7 @@ class TapEngine:
         self._lock = threading.RLock()
         self._taps: dict[str, Tap] = {}
         self._buffer: PassBuffer | None = None
-        self._pieces: list[Piece] = []
+        self._pieces: list[Piece[Tap]] = []
         self._hook_seconds = 0.0
         self.reducer_errors = 0
         # Bounded in bytes too: one pass of wide taps holds megabytes of values.
@@ -81,7 +82,7 @@ class TapEngine:
         return self.publisher.sinks
 
     # -- registry ------------------------------------------------------------
-    def create(self, spec: pb.TapSpec, *, kind: int = pb.TAP_KIND_DURABLE, ttl: float | None = None,
+    def create(self, spec: pb.TapSpec, *, kind: pb.TapKind.ValueType = pb.TAP_KIND_DURABLE, ttl: float | None = None,
                forever: bool = False, field_prefix: str = "spec", trusted_selector: bool = False,
                owner: str = "") -> Tap:
         """Validate ``spec``, install hooks and return the new tap.
@@ -138,15 +139,18 @@ class TapEngine:
                 tap.expires_at = self.clock() + life
                 tap.expires_wall = self.wall() + life
             for layer in layers:
-                tap.handles.append(self.host.hooks.add(
-                    layer, point, lambda ctx, v, _t=tap, _l=layer: self._on_hook(_t, _l, ctx, v)))
+                tap.handles.append(self.host.hooks.add(layer, point, functools.partial(self._on_hook, tap, layer)))
             if plan.timed:
                 # Added after the tap's own hook: its stop hook is prepended, so it runs first.
                 timer = tap.timer = LayerTimer(self.host.device)
                 for layer in layers:
-                    tap.handles.append(self.host.hooks.add_timer(
-                        layer, lambda ctx, _v, _l=layer: timer.start(_l, ctx.index),
-                        lambda _ctx, _v, _l=layer: timer.stop(_l)))
+                    def start(ctx: PassContext, _v: object, _l: str = layer) -> None:
+                        timer.start(_l, ctx.index)
+
+                    def stop(_ctx: PassContext, _v: object, _l: str = layer) -> None:
+                        timer.stop(_l)
+
+                    tap.handles.append(self.host.hooks.add_timer(layer, start, stop))
             self._taps[tap_id] = tap
         self.publisher.tap_created(tap)
         if plan.needs_basic_stats:

@@ -23,7 +23,7 @@ class Tap:
 
     id: str
     spec: pb.TapSpec
-    kind: int
+    kind: pb.TapKind.ValueType
     layers: list[str]
     plan: ReducerPlan
     always: ReducerPlan | None
