@@ -32,12 +32,12 @@ DataType = tensor_pb2.DataType
 #: The server's one dtype table: tensor.proto's DataType -> torch dtype, by
 #: name (DATA_TYPE_FLOAT32 is torch.float32), in the enum's order. A DataType
 #: added to the proto without a torch dtype of its name fails here, at import.
-TORCH_BY_WIRE: dict[int, torch.dtype] = {
+TORCH_BY_WIRE: dict[tensor_pb2.DataType.ValueType, torch.dtype] = {
     value: getattr(torch, name.removeprefix("DATA_TYPE_").lower())
     for name, value in DataType.items()
     if value != tensor_pb2.DATA_TYPE_UNSPECIFIED
 }
-WIRE_BY_TORCH: dict[torch.dtype, int] = {v: k for k, v in TORCH_BY_WIRE.items()}
+WIRE_BY_TORCH: dict[torch.dtype, tensor_pb2.DataType.ValueType] = {v: k for k, v in TORCH_BY_WIRE.items()}
 #: ``"float32"`` -> ``torch.float32``: the names the server's flags and messages use.
 DTYPE_BY_NAME: dict[str, torch.dtype] = {str(t).removeprefix("torch."): t for t in TORCH_BY_WIRE.values()}
 
@@ -65,7 +65,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def wire_dtype(dtype: torch.dtype) -> int:
+def wire_dtype(dtype: torch.dtype) -> tensor_pb2.DataType.ValueType:
     """The wire enum for a torch dtype; raises InvalidSpec when unsupported."""
     try:
         return WIRE_BY_TORCH[dtype]

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import numpy as np
 import torch
+from google.protobuf import message_factory
 from google.protobuf.message import Message
 
 from layertap.server.reducers.base import Reducer, shape_numel
@@ -73,14 +74,16 @@ class BasicReducer(Reducer):
     def decode(self, values: np.ndarray, shape: Sequence[int]) -> pb.ReducerResult:
         message, names = _result_message(self.result_field)
         fields = dict(zip(names, self.numbers(values.tolist(), shape)))
-        return pb.ReducerResult(**{self.result_field: message(**fields)})
+        # One oneof field, named at run time: no static type can say which.
+        return pb.ReducerResult(**{self.result_field: message(**fields)})  # type: ignore[arg-type]
 
 
 @functools.cache
 def _result_message(field: str) -> tuple[type[Message], tuple[str, ...]]:
     """The message class of a ``ReducerResult`` oneof field, and its field names in order."""
     descriptor = pb.ReducerResult.DESCRIPTOR.fields_by_name[field].message_type
-    return descriptor._concrete_class, tuple(f.name for f in descriptor.fields)
+    assert descriptor is not None, f"ReducerResult.{field} is not a message field"
+    return message_factory.GetMessageClass(descriptor), tuple(f.name for f in descriptor.fields)
 
 
 def _finite_or_nan(lo: float, hi: float) -> tuple[float, float]:

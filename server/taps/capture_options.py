@@ -51,7 +51,7 @@ class Selection:
 @dataclass(frozen=True)
 class CaptureOptions:
     layers: tuple[str, ...]
-    point: int
+    point: pb.Point.ValueType
     passes: int
     max_batch: int
     dtype: torch.dtype | None
