@@ -13,8 +13,8 @@ Variants:
   d  b with every=10 (nonfinite still on every pass)
   e, f, g  b, c, d with the compiled (inductor) basic-statistics kernel, after
      its background compiles finished (``--no-compile`` drops these rows)
-  e0  e with the collector at the model thread's priority (``--telemetry-nice 0``;
-     every other row's collector runs at the default, 10 nicer; Linux only)
+  e0  e with the host-transfer thread at the model thread's priority (``--telemetry-nice 0``;
+     every other row's host-transfer thread runs at the default, 10 nicer; Linux only)
   h  f with the sample sorted by torch's float64 comparison sort (the CPU
      sort before issue 10, and the CUDA path's sort; ``--float-sort`` adds
      this row, to compare in one run; it swaps ``workspace.sort_ascending``)
@@ -117,7 +117,7 @@ def main() -> None:
     if args.channels_last:
         host.module = host.module.to(memory_format=torch.channels_last)
     broker = Broker(default_queue_size=4)
-    set_telemetry_nice(0)  # e0's engine: its collector thread starts at the model thread's priority
+    set_telemetry_nice(0)  # e0's engine: its host-transfer thread starts at the model thread's priority
     engine_nice0 = TapEngine(host, broker, max_taps=1000)
     set_telemetry_nice(DEFAULT_TELEMETRY_NICE)
     engine = TapEngine(host, broker, max_taps=1000)
@@ -180,7 +180,7 @@ def main() -> None:
             variants[name] = with_compiled(functools.partial(taps, base_variant, 10 if label == "d" else 0))
             compiled_variants.append(name)
         if sys.platform.startswith("linux"):
-            name = "e0 e, collector at the model's priority"
+            name = "e0 e, host-transfer at the model's priority"
             variants[name] = with_compiled(functools.partial(taps, BASIC, 0, engine_nice0))
             compiled_variants.append(name)
         if args.float_sort:

@@ -57,7 +57,7 @@ class ServerConfig:
     #: compiled in the background; False (``--no-compile``): eager torch ops only.
     compile_reducers: bool = True
     #: How much nicer than the model thread the telemetry threads run
-    #: (collector, recorder, /metrics); 0: same priority. See host.priority.
+    #: (host-transfer, recorder, /metrics); 0: same priority. See host.priority.
     telemetry_nice: int = 19
     #: Keep freed memory for the next pass (glibc mmap/trim thresholds, see
     #: host.allocator), opted into with ``--malloc-tuning``: it trades RAM for

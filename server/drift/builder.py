@@ -83,7 +83,7 @@ class BaselineBuilder:
     """Collects a baseline for one (tap, layer, point), one live pass at a time.
 
     See the module docstring for why it keeps a weighted reservoir. Not
-    thread-safe: the tap engine's collector thread owns it.
+    thread-safe: the host-transfer thread owns it.
     """
 
     def __init__(

@@ -9,7 +9,7 @@ the layer's baseline freezes: histogram edges at its quantiles, saved to
 ``--baseline-dir``, and the tap's reducers for that layer switch to a
 histogram over those frozen edges, so every later pass adds exact counts to
 the sliding window that drift is scored on. Everything arrives as ordinary
-``Summary`` messages on the collector thread; nothing here runs in a hook.
+``Summary`` messages on the host-transfer thread; nothing here runs in a hook.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class DriftMonitor(Sink):
         self._on_save_error = on_save_error
         self._clock = clock
         self._lock = threading.Lock()
-        #: Serialises feeding and freezing builders (collector thread) with
+        #: Serialises feeding and freezing builders (host-transfer thread) with
         #: exporting and installing them (RPC threads).
         self._build_lock = threading.Lock()
         self._layers: dict[tuple[str, str], LayerEntry] = {}
@@ -326,7 +326,7 @@ class DriftMonitor(Sink):
             log.info("reloaded %d baseline(s) from %s", loaded, self.baseline_dir)
         return loaded
 
-    # -- collector thread ----------------------------------------------------
+    # -- host-transfer thread ----------------------------------------------------
     def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
         for s in summaries:
             if s.output_index != 0 or s.call_index != 0 or s.unsampled:
@@ -364,7 +364,7 @@ class DriftMonitor(Sink):
                          population=m.count,
                          channel_mean=np.asarray(pc.mean) if pc and pc.channels == len(pc.mean) else None,
                          channel_std=np.asarray(pc.std) if pc and pc.channels == len(pc.std) else None)
-        # Only this (collector) thread writes the total; readers see an int.
+        # Only this (host-transfer) thread writes the total; readers see an int.
         self._skipped += builder.skipped_passes - before
         if builder.done and not entry.hold:
             self._freeze(entry, builder.freeze(window=entry.window_len, thresholds=entry.thresholds))

@@ -1,6 +1,6 @@
 """The latest per-layer telemetry, between the tap pipeline and the scrape.
 
-The collector thread writes summaries and drift scores; a scrape reads one
+The host-transfer thread writes summaries and drift scores; a scrape reads one
 immutable copy, so it never sees a half-applied pass and never blocks taps
 for longer than a dict copy. A layer's copy is rebuilt only after a write to
 it, so an unchanged layer hands the scrape the very same object, which is how
@@ -126,7 +126,7 @@ class _LayerState:
 class SnapshotStore:
     """Thread-safe latest-value store between the tap pipeline and the scrape.
 
-    Writers (the collector thread) call :meth:`update_from_summary` and
+    Writers (the host-transfer thread) call :meth:`update_from_summary` and
     :meth:`set_drift`; the scrape calls :meth:`snapshot`. Gauges keep the
     latest value; non-finite counts and histogram counts accumulate, because
     they are exported as counters.

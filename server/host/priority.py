@@ -3,7 +3,7 @@
 Why: on a CPU host the model's OpenMP team holds every core for the whole
 forward (the workers spin between parallel regions). A telemetry thread that
 wakes mid-forward takes a core from a worker, and the next parallel region
-waits for that worker: measured on the 2-core CPU machine, the collector's
+waits for that worker: measured on the 2-core CPU machine, the host-transfer thread's
 ~0.1 ms of Python per pass cost the forward several times that, about as
 much as the statistics kernels themselves (docs/benchmarks.md). At a higher
 nice value the scheduler runs telemetry on idle time first and gives it only

@@ -129,7 +129,7 @@ class Recorder(Sink):
         if sum(t.nbytes for t in tensors) <= self.retention.max_bytes:
             # A copy, taken before the forward runs: a model may write to its input in place.
             # On CUDA it is asynchronous (pinned); it is read only from on_summaries, after the
-            # collector waited on the pass's event, recorded later on the same stream.
+            # host-transfer thread waited on the pass's event, recorded later on the same stream.
             tensors = [t.detach().to("cpu", non_blocking=True, copy=True) for t in tensors]
         self.retention.keep(ctx.index, tensors)
 

@@ -68,7 +68,7 @@ class HistogramReducer(Reducer):
 
     def decode(self, values: np.ndarray, shape: Sequence[int]) -> pb.ReducerResult:
         # One vectorized rint (half-to-even, like round()): round() on numpy
-        # scalars costs ~1.5 us each, and decoding runs on the collector
+        # scalars costs ~1.5 us each, and decoding runs on the host-transfer thread
         # thread, which competes with the model thread for the GIL.
         counts = np.diff(np.rint(values), prepend=0.0).astype(np.int64).tolist()
         return pb.ReducerResult(

@@ -119,7 +119,7 @@ class ReducerPlan:
         self._checked = tuple(r for r in self.reducers if type(r).check is not Reducer.check)
         basic = [r for r in self.reducers if isinstance(r, BasicReducer)]
         #: For a plan of basic reducers only, whose :meth:`run` returns the basic
-        #: vector itself (no gather on the hot path: the collector picks the
+        #: vector itself (no gather on the hot path: the host-transfer thread picks the
         #: slots): each reducer with its slice of it, for decoding and the wire path.
         self.basic_layout: tuple[tuple[BasicReducer, int, int], ...] | None = None
         if basic and len(basic) == len(self.reducers):

@@ -276,7 +276,7 @@ class HostTransfer:
             :meth:`stats`; defaults to the one :class:`PassBuffer` shares.
     """
 
-    def __init__(self, maxsize: int = 256, name: str = "layertap-collector",
+    def __init__(self, maxsize: int = 256, name: str = "layertap-host-transfer",
                  pool: PinnedPool | None = None, max_bytes: int = DEFAULT_TRANSFER_BYTES) -> None:
         if maxsize < 1:
             raise ValueError("maxsize must be at least 1")
@@ -338,7 +338,7 @@ class HostTransfer:
         nbytes = pending.nbytes
         with self._cond:
             if self._closed:
-                raise RuntimeError("collector is closed")
+                raise RuntimeError("host-transfer thread is closed")
             while self._queue and (len(self._queue) >= self.maxsize
                                    or self._queued_bytes + self._busy_bytes + nbytes > self.max_bytes):
                 old = self._queue.popleft()
@@ -355,7 +355,7 @@ class HostTransfer:
                 try:
                     old.on_drop()
                 except Exception:  # noqa: BLE001 - accounting must not fail the model thread
-                    _log.exception("collector on_drop callback failed")
+                    _log.exception("host-transfer on_drop callback failed")
         return not dropped
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -416,7 +416,7 @@ class HostTransfer:
         try:
             job.callback(job.pending.values_by_key())
         except Exception as exc:  # the model thread must never see these
-            _log.exception("collector callback failed")
+            _log.exception("host-transfer callback failed")
             error = f"{type(exc).__name__}: {exc}"
         with self._cond:
             if error is None:

@@ -1,6 +1,6 @@
 """``Summary`` messages of basic-only plans, written as protobuf wire bytes and parsed once.
 
-Why: the collector thread builds every summary of every pass, and it shares
+Why: the host-transfer thread builds every summary of every pass, and it shares
 the GIL with the model thread, so its Python time lands on the forward.
 Building a summary of four basic reducers from message constructors costs
 ~10 us (eight messages); writing its bytes from cached pieces and parsing
@@ -137,7 +137,7 @@ def results_bytes(layout: Layout, slots: Sequence[float], shape: Sequence[int]) 
 
 
 class SummaryWire:
-    """Writes summaries from cached per-piece headers; one per engine (the collector thread's)."""
+    """Writes summaries from cached per-piece headers; one per engine (the host-transfer thread's)."""
 
     def __init__(self) -> None:
         self._headers: dict[tuple[object, ...], tuple[bytes, bytes]] = {}

@@ -216,7 +216,7 @@ def test_promtool_accepts_live_scrape_with_taps_baseline_and_drift(make_server, 
         client.set_baseline("layer*", passes=5, window=5)
         for _ in range(8):
             client.infer(x)
-        # The baseline freezes on the collector thread: perturb only after it has,
+        # The baseline freezes on the host-transfer thread: perturb only after it has,
         # so that all five perturbed passes fill the drift window.
         assert wait_for(lambda: all(d.state == "ready" for d in client.drift()), timeout=30)
         with srv.state.host.pass_lock():

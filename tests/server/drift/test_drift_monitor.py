@@ -139,7 +139,7 @@ def test_skipped_passes_count_refused_passes_and_never_go_back(rig):
 
 def freeze_then(monkeypatch, action) -> None:
     """Run ``action`` once, as a baseline freezes: a request that lands after the
-    collector read the pass's summaries but before it installed the frozen edges."""
+    host-transfer thread read the pass's summaries but before it installed the frozen edges."""
     freeze = BaselineBuilder.freeze
     pending = [action]
 

@@ -31,11 +31,11 @@ def test_telemetry_threads_are_nicer_than_the_model_thread(make_server, nice: in
     with Client(f"127.0.0.1:{srv.port}", timeout=60) as client:
         client.create_tap("layer1", reducers=["moments"])  # hooks are in when this returns
         client.infer(np.zeros((2, 3, 32, 32), np.float32))
-        assert srv.state.taps.flush(30)  # the collector has run a pass
+        assert srv.state.taps.flush(30)  # the host-transfer thread has run a pass
         urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=30).read()
     want = min(19, base + nice)
     assert nice_of("layertap-model", old) == [base]  # inference keeps its priority
-    assert nice_of("layertap-collector", old) == [want]
+    assert nice_of("layertap-host-transfer", old) == [want]
     assert nice_of("layertap-metrics", old) == [want]
 
 

@@ -1,4 +1,4 @@
-"""No reducer (nor the collector's model-thread half) forces a host sync.
+"""No reducer (nor the host-transfer's model-thread half) forces a host sync.
 
 On CPU the referee is :class:`NoSyncMode`; the first tests prove it catches
 what it must, so a green run of the others means something. On a GPU,
@@ -153,10 +153,10 @@ def test_cuda_plan_and_collector_under_sync_debug_error() -> None:
     expected = [plan.decode(plan.run(x.cpu()).numpy(), x.shape) for x in xs]
     got: list[dict[object, np.ndarray]] = []
     gate = threading.Event()
-    with HostTransfer(maxsize=8) as collector:
-        # Park the collector thread so that event.synchronize() (its job, off
+    with HostTransfer(maxsize=8) as transfer:
+        # Park the host-transfer thread so that event.synchronize() (its job, off
         # the model thread) happens after the debug mode is reset.
-        collector.submit(PassBuffer().finish(), lambda values: gate.wait(30))
+        transfer.submit(PassBuffer().finish(), lambda values: gate.wait(30))
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -164,12 +164,12 @@ def test_cuda_plan_and_collector_under_sync_debug_error() -> None:
                 buf = PassBuffer()
                 for i, x in enumerate(xs):
                     buf.add(i, plan.run(x))
-                collector.submit(buf.finish(), got.append)
+                transfer.submit(buf.finish(), got.append)
         finally:
             torch.cuda.set_sync_debug_mode("default")
             gate.set()
-        assert collector.flush(60)
-        assert collector.errors == 0, collector.last_error
+        assert transfer.flush(60)
+        assert transfer.errors == 0, transfer.last_error
     assert len(got) == 2
     for values in got:
         for i, x in enumerate(xs):

@@ -26,14 +26,14 @@ def pending_of(**pieces: list[float]) -> PendingPass:
 
 
 @pytest.fixture
-def collector():
+def transfer():
     c = HostTransfer(maxsize=4)
     yield c
     c.close()
 
 
 class Gate:
-    """A callback that blocks until opened, to hold the collector thread."""
+    """A callback that blocks until opened, to hold the host-transfer thread."""
 
     def __init__(self) -> None:
         self.started = threading.Event()
@@ -115,7 +115,7 @@ def test_reducer_outputs_round_trip() -> None:
 # --------------------------------------------------------------- HostTransfer
 
 
-def test_callbacks_get_values_in_order(collector: HostTransfer) -> None:
+def test_callbacks_get_values_in_order(transfer: HostTransfer) -> None:
     seen: list[tuple[int, float]] = []
     threads: set[str] = set()
 
@@ -126,14 +126,14 @@ def test_callbacks_get_values_in_order(collector: HostTransfer) -> None:
         return record
 
     for i in range(40):  # more than maxsize: the thread keeps up or drops
-        collector.submit(pending_of(v=[float(i)]), cb(i))
+        transfer.submit(pending_of(v=[float(i)]), cb(i))
         if i % 3 == 0:
-            assert collector.flush(5)
-    assert collector.flush(5)
+            assert transfer.flush(5)
+    assert transfer.flush(5)
     assert [i for i, _ in seen] == sorted(i for i, _ in seen)  # FIFO
     assert all(i == v for i, v in seen)
-    assert len(seen) + collector.dropped == 40 and collector.processed == len(seen)
-    assert threads == {"layertap-collector"}  # never on the submitting thread
+    assert len(seen) + transfer.dropped == 40 and transfer.processed == len(seen)
+    assert threads == {"layertap-host-transfer"}  # never on the submitting thread
 
 
 def test_flush_waits_for_every_pass_of_a_batch() -> None:
@@ -164,43 +164,43 @@ def test_flush_waits_for_every_pass_of_a_batch() -> None:
         c.close()
 
 
-def test_flush_waits_and_times_out(collector: HostTransfer) -> None:
+def test_flush_waits_and_times_out(transfer: HostTransfer) -> None:
     gate = Gate()
-    collector.submit(pending_of(v=[1.0]), gate)
+    transfer.submit(pending_of(v=[1.0]), gate)
     assert gate.started.wait(5)
-    assert collector.flush(0.05) is False  # the running job is not done
+    assert transfer.flush(0.05) is False  # the running job is not done
     gate.opened.set()
-    assert collector.flush(5) is True
-    assert len(gate.seen) == 1 and collector.processed == 1
+    assert transfer.flush(5) is True
+    assert len(gate.seen) == 1 and transfer.processed == 1
 
 
-def test_callback_errors_are_counted_not_raised(collector: HostTransfer, caplog) -> None:
+def test_callback_errors_are_counted_not_raised(transfer: HostTransfer, caplog) -> None:
     def boom(values: dict[Hashable, np.ndarray]) -> None:
         raise KeyError("no such tap")
 
     ok: list[int] = []
-    collector.submit(pending_of(v=[1.0]), boom)
-    collector.submit(pending_of(v=[2.0]), lambda values: ok.append(1))
-    assert collector.flush(5)
-    assert collector.errors == 1 and collector.processed == 1 and ok == [1]
-    assert "no such tap" in (collector.last_error or "")
-    assert "collector callback failed" in caplog.text
+    transfer.submit(pending_of(v=[1.0]), boom)
+    transfer.submit(pending_of(v=[2.0]), lambda values: ok.append(1))
+    assert transfer.flush(5)
+    assert transfer.errors == 1 and transfer.processed == 1 and ok == [1]
+    assert "no such tap" in (transfer.last_error or "")
+    assert "host-transfer callback failed" in caplog.text
 
 
-def test_full_queue_drops_the_oldest(collector: HostTransfer) -> None:
+def test_full_queue_drops_the_oldest(transfer: HostTransfer) -> None:
     gate = Gate()
     got: list[float] = []
-    collector.submit(pending_of(v=[-1.0]), gate)
+    transfer.submit(pending_of(v=[-1.0]), gate)
     assert gate.started.wait(5)  # job 0 is running, the queue is empty
     accepted = [
-        collector.submit(pending_of(v=[float(i)]), lambda values: got.append(float(values["v"][0])))
+        transfer.submit(pending_of(v=[float(i)]), lambda values: got.append(float(values["v"][0])))
         for i in range(7)
     ]
     # maxsize 4: passes 0, 1, 2 were pushed out by 4, 5, 6; never blocked.
     assert accepted == [True] * 4 + [False] * 3
-    assert collector.dropped == 3 and collector.pending() == 4
+    assert transfer.dropped == 3 and transfer.pending() == 4
     gate.opened.set()
-    assert collector.flush(5)
+    assert transfer.flush(5)
     assert got == [3.0, 4.0, 5.0, 6.0]
 
 

@@ -1,4 +1,4 @@
-"""The collector's hand-written summaries equal the ones built from messages, for any slot values."""
+"""The host-transfer thread's hand-written summaries equal the ones built from messages, for any slot values."""
 
 from __future__ import annotations
 
