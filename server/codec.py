@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from google.protobuf.internal import api_implementation
 
-from layertap.server.errors import InvalidSpec
+from layertap.server.errors import InvalidField
 from layertap.server.limits import MAX_TENSOR_DIMS, MAX_TENSOR_ELEMENTS
 from layertap.v1 import tensor_pb2
 
@@ -66,11 +66,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def wire_dtype(dtype: torch.dtype) -> tensor_pb2.DataType.ValueType:
-    """The wire enum for a torch dtype; raises InvalidSpec when unsupported."""
+    """The wire enum for a torch dtype; raises InvalidField when unsupported."""
     try:
         return WIRE_BY_TORCH[dtype]
     except KeyError:
-        raise InvalidSpec("dtype", f"unsupported tensor dtype {dtype}") from None
+        raise InvalidField("dtype", f"unsupported tensor dtype {dtype}") from None
 
 
 def tensor_nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
@@ -93,19 +93,19 @@ def tensor_from_proto(msg: tensor_pb2.Tensor, field: str = "inputs[0]", raw: byt
     data = msg.raw_data if raw is None else raw
     if msg.dtype not in TORCH_BY_WIRE:
         valid = ", ".join(tensor_pb2.DataType.Name(k) for k in TORCH_BY_WIRE)
-        raise InvalidSpec(f"{field}.dtype", f"unsupported or unset dtype; expected one of {valid}")
+        raise InvalidField(f"{field}.dtype", f"unsupported or unset dtype; expected one of {valid}")
     dtype = TORCH_BY_WIRE[msg.dtype]
     shape = tuple(int(d) for d in msg.shape)
     if len(shape) > MAX_TENSOR_DIMS:
-        raise InvalidSpec(f"{field}.shape", f"at most {MAX_TENSOR_DIMS} dimensions, got {len(shape)}")
+        raise InvalidField(f"{field}.shape", f"at most {MAX_TENSOR_DIMS} dimensions, got {len(shape)}")
     if any(d < 0 for d in shape):
-        raise InvalidSpec(f"{field}.shape", f"negative dimension in shape {list(shape)}")
+        raise InvalidField(f"{field}.shape", f"negative dimension in shape {list(shape)}")
     if math.prod(max(d, 1) for d in shape) > MAX_TENSOR_ELEMENTS:
-        raise InvalidSpec(f"{field}.shape", f"shape {list(shape)} is over {MAX_TENSOR_ELEMENTS} elements "
+        raise InvalidField(f"{field}.shape", f"shape {list(shape)} is over {MAX_TENSOR_ELEMENTS} elements "
                                             "(zero-sized dimensions counted as 1)")
     expected = tensor_nbytes(dtype, shape)
     if len(data) != expected:
-        raise InvalidSpec(
+        raise InvalidField(
             f"{field}.raw_data",
             f"got {len(data)} bytes but {dtype_name(dtype)} x {list(shape)} "
             f"needs {expected} bytes",
@@ -159,4 +159,4 @@ def flatten_outputs(out: object) -> list[tuple[str, torch.Tensor]]:
         return [(str(k), v) for k, v in out.items() if isinstance(v, torch.Tensor)]
     if isinstance(out, (tuple, list)):
         return [(f"output{i}", v) for i, v in enumerate(out) if isinstance(v, torch.Tensor)]
-    raise InvalidSpec("outputs", f"model returned {type(out).__name__}, which has no tensors to send")
+    raise InvalidField("outputs", f"model returned {type(out).__name__}, which has no tensors to send")

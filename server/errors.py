@@ -7,7 +7,7 @@ same way::
     LayertapServerError      status code / ErrorInfo reason
      ├── NotFound            NOT_FOUND
      │   └── LayerNotFound   NOT_FOUND / LAYER_NOT_FOUND
-     ├── InvalidSpec         INVALID_ARGUMENT  (names the offending field)
+     ├── InvalidField        INVALID_ARGUMENT  (names the offending field)
      ├── Unauthenticated     UNAUTHENTICATED
      ├── PermissionDenied    PERMISSION_DENIED
      ├── AlreadyExists       ALREADY_EXISTS
@@ -107,7 +107,10 @@ class LayerNotFound(NotFound):
         super().__init__(message, field=field, metadata=metadata)
 
 
-class InvalidSpec(LayertapServerError):
+class InvalidField(LayertapServerError):
+    """A request field is invalid: the message starts with the field's path (``spec.sampling.every``),
+    ErrorInfo carries it as ``field``, and BadRequest as the violation's field."""
+
     code = grpc.StatusCode.INVALID_ARGUMENT
     reason = wire_reason(ErrorReason.ERROR_REASON_INVALID_ARGUMENT)
 
@@ -220,7 +223,7 @@ def rich_status(exc: BaseException) -> status_pb2.Status:
     if not isinstance(exc, LayertapServerError):
         exc = LayertapServerError(message)
     details = [_packed(exc.error_info())]
-    if isinstance(exc, InvalidSpec):
+    if isinstance(exc, InvalidField):
         violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.description)
         details.append(_packed(error_details_pb2.BadRequest(field_violations=[violation])))
     return status_pb2.Status(code=code.value[0], message=message, details=details)

@@ -3,7 +3,7 @@
 layertap is meant to be reachable from other machines, so every field that
 arrives is bounded before it costs anything: time (matching, compiling),
 memory (allocations sized by the client) or state (taps, hooks). Each check
-raises ``InvalidSpec`` naming the field, so a client learns what to fix.
+raises ``InvalidField`` naming the field, so a client learns what to fix.
 docs/security.md lists these limits for operators.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from layertap.server.errors import InvalidSpec, echo
+from layertap.server.errors import InvalidField, echo
 
 #: Names that clients invent (taps, baselines): length and charset. Layer
 #: names come from the model, so they are only length-capped (see capture).
@@ -34,14 +34,14 @@ MAX_SAMPLED_ELEMENTS = 1 << 20
 def check_name(name: str, field: str) -> None:
     """A client-chosen name: at most ``MAX_NAME_CHARS`` from a safe charset."""
     if len(name) > MAX_NAME_CHARS:
-        raise InvalidSpec(field, f"at most {MAX_NAME_CHARS} characters, got {len(name)}")
+        raise InvalidField(field, f"at most {MAX_NAME_CHARS} characters, got {len(name)}")
     if not _NAME.match(name):
-        raise InvalidSpec(field, f"{echo(name)} must start with a letter or digit and use only "
+        raise InvalidField(field, f"{echo(name)} must start with a letter or digit and use only "
                                  "letters, digits and . _ : @ / -")
 
 
 def check_ttl(ttl: float, field: str = "ttl") -> None:
     """A durable tap's TTL: positive, finite, at most ``MAX_TTL_SECONDS``."""
     if not (0 < ttl <= MAX_TTL_SECONDS):
-        raise InvalidSpec(field, f"must be in (0, {MAX_TTL_SECONDS:.0f}] seconds (30 days), got {ttl}; "
+        raise InvalidField(field, f"must be in (0, {MAX_TTL_SECONDS:.0f}] seconds (30 days), got {ttl}; "
                                  "use forever=true for a tap that never expires")

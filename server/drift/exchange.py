@@ -21,7 +21,7 @@ import numpy.typing as npt
 from layertap.server.drift.baseline import Baseline
 from layertap.server.drift.builder import BaselineBuilder, BuilderState
 from layertap.server.drift.schema import BaselineFormatError, KnownLayers, baseline_from_dict, baseline_to_dict
-from layertap.server.errors import InvalidSpec
+from layertap.server.errors import InvalidField
 from layertap.server.host.hooks import POINT_BY_NAME, POINT_NAMES
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -52,7 +52,7 @@ def _array(values: Any, field: str, *, allow_neg_inf: bool = False) -> npt.NDArr
     bad = (np.isnan(a) | (a == np.inf)) if allow_neg_inf else ~np.isfinite(a)
     if bad.any():
         i = int(np.argmax(bad))
-        raise InvalidSpec(f"{field}[{i}]", f"must be finite, got {a[i]}")
+        raise InvalidField(f"{field}[{i}]", f"must be finite, got {a[i]}")
     return a
 
 
@@ -60,42 +60,42 @@ def builder_state_from_proto(msg: pb.BaselineBuilderState, field: str) -> Builde
     """A checked :class:`BuilderState` from another replica's export.
 
     Raises:
-        InvalidSpec: Naming the field at fault (under ``field``).
+        InvalidField: Naming the field at fault (under ``field``).
     """
     if not msg.layer:
-        raise InvalidSpec(f"{field}.layer", "must name the layer")
+        raise InvalidField(f"{field}.layer", "must name the layer")
     point = msg.point or pb.POINT_OUTPUT  # as in SetBaseline
     if point not in POINT_NAMES:
-        raise InvalidSpec(f"{field}.point", f"unknown point {msg.point}")
+        raise InvalidField(f"{field}.point", f"unknown point {msg.point}")
     for name in ("mean", "m2"):
         if not math.isfinite(getattr(msg, name)):
-            raise InvalidSpec(f"{field}.{name}", f"must be finite, got {getattr(msg, name)}")
+            raise InvalidField(f"{field}.{name}", f"must be finite, got {getattr(msg, name)}")
     if msg.m2 < 0:
-        raise InvalidSpec(f"{field}.m2", f"must be >= 0, got {msg.m2}")
+        raise InvalidField(f"{field}.m2", f"must be >= 0, got {msg.m2}")
     if math.isnan(msg.min) or math.isnan(msg.max):
-        raise InvalidSpec(f"{field}.min", "min and max must not be NaN")
+        raise InvalidField(f"{field}.min", "min and max must not be NaN")
     if msg.count > 0 and msg.min > msg.max:
-        raise InvalidSpec(f"{field}.min", f"min {msg.min} > max {msg.max}")
+        raise InvalidField(f"{field}.min", f"min {msg.min} > max {msg.max}")
     if len(msg.values) != len(msg.keys):
-        raise InvalidSpec(f"{field}.keys", f"one key per value: {len(msg.keys)} keys, {len(msg.values)} values")
+        raise InvalidField(f"{field}.keys", f"one key per value: {len(msg.keys)} keys, {len(msg.values)} values")
     if len(msg.values) > MAX_RESERVOIR:
-        raise InvalidSpec(f"{field}.values", f"at most {MAX_RESERVOIR} values, got {len(msg.values)}")
+        raise InvalidField(f"{field}.values", f"at most {MAX_RESERVOIR} values, got {len(msg.values)}")
     values = _array(msg.values, f"{field}.values")
     keys = _array(msg.keys, f"{field}.keys", allow_neg_inf=True)  # log(u) with u = 0 is -inf
     if (keys > 0).any():
-        raise InvalidSpec(f"{field}.keys", "log A-Res keys are <= 0")
+        raise InvalidField(f"{field}.keys", "log A-Res keys are <= 0")
     if values.size and msg.count == 0:
-        raise InvalidSpec(f"{field}.count", "a reservoir with no elements counted")
+        raise InvalidField(f"{field}.count", "a reservoir with no elements counted")
     c_mean = c_m2 = None
     if msg.channel_mean or msg.channel_m2:
         if len(msg.channel_mean) != len(msg.channel_m2):
-            raise InvalidSpec(f"{field}.channel_m2", "one M2 per channel mean")
+            raise InvalidField(f"{field}.channel_m2", "one M2 per channel mean")
         if not (math.isfinite(msg.channel_count) and msg.channel_count > 0):
-            raise InvalidSpec(f"{field}.channel_count", f"must be finite and > 0, got {msg.channel_count}")
+            raise InvalidField(f"{field}.channel_count", f"must be finite and > 0, got {msg.channel_count}")
         c_mean = _array(msg.channel_mean, f"{field}.channel_mean")
         c_m2 = _array(msg.channel_m2, f"{field}.channel_m2")
         if (c_m2 < 0).any():
-            raise InvalidSpec(f"{field}.channel_m2", "must be >= 0")
+            raise InvalidField(f"{field}.channel_m2", "must be >= 0")
     return BuilderState(
         layer=msg.layer, point=POINT_NAMES[point], target_passes=msg.target_passes, passes=msg.passes,
         skipped_passes=msg.skipped_passes, count=msg.count, mean=msg.mean, m2=msg.m2, min=msg.min, max=msg.max,
@@ -128,13 +128,13 @@ def frozen_from_bytes(data: bytes, field: str, known_layers: KnownLayers | None)
     """A checked :class:`Baseline` from another replica's frozen document.
 
     Raises:
-        InvalidSpec: Naming ``field``, with the validator's one-line reason.
+        InvalidField: Naming ``field``, with the validator's one-line reason.
     """
     if len(data) > MAX_FROZEN_BYTES:
-        raise InvalidSpec(field, f"at most {MAX_FROZEN_BYTES} bytes, got {len(data)}")
+        raise InvalidField(field, f"at most {MAX_FROZEN_BYTES} bytes, got {len(data)}")
     try:
         return baseline_from_dict(json.loads(data.decode("utf-8"), parse_constant=_reject_constant), known_layers)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidSpec(field, f"not a JSON baseline document: {exc}") from None
+        raise InvalidField(field, f"not a JSON baseline document: {exc}") from None
     except (BaselineFormatError, ValueError, TypeError, RecursionError) as exc:
-        raise InvalidSpec(field, f"refused: {exc}") from None
+        raise InvalidField(field, f"refused: {exc}") from None

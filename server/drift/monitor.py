@@ -39,7 +39,7 @@ from layertap.server.drift.files import baseline_filename, load_baselines, save_
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.drift.window import SlidingWindow
-from layertap.server.errors import AlreadyExists, InvalidSpec, NotFound, Unsupported
+from layertap.server.errors import AlreadyExists, InvalidField, NotFound, Unsupported
 from layertap.server.host.hooks import POINT_BY_NAME, POINT_NAMES
 from layertap.server.host.model_host import PassContext
 from layertap.server.taps.selectors import select_layers
@@ -129,17 +129,17 @@ class DriftMonitor(Sink):
         layers = select_layers(req.selector, host.layer_names)
         passes = req.passes or DEFAULT_PASSES
         if passes > MAX_PASSES:
-            raise InvalidSpec("passes", f"at most {MAX_PASSES}, got {passes}")
+            raise InvalidField("passes", f"at most {MAX_PASSES}, got {passes}")
         window = req.window or self.default_window
         if window > MAX_PASSES:
-            raise InvalidSpec("window", f"at most {MAX_PASSES}, got {window}")
+            raise InvalidField("window", f"at most {MAX_PASSES}, got {window}")
         for name in DRIFT_METRICS:
             v = getattr(req.thresholds, name)
             if v < 0 or not math.isfinite(v):
-                raise InvalidSpec(f"thresholds.{name}", f"must be a finite value >= 0 (0 = default), got {v}")
+                raise InvalidField(f"thresholds.{name}", f"must be a finite value >= 0 (0 = default), got {v}")
         point = req.point or pb.POINT_OUTPUT
         if point not in POINT_NAMES:
-            raise InvalidSpec("point", f"unknown point {req.point}")
+            raise InvalidField("point", f"unknown point {req.point}")
         if req.name:
             check_name(req.name, "name")
         tap_id = baseline_tap_id(req)
@@ -231,12 +231,12 @@ class DriftMonitor(Sink):
         Every baseline is checked before any is installed, so a refusal changes nothing.
 
         Raises:
-            InvalidSpec: A malformed state or document, or a layer or point the tap does not have.
+            InvalidField: A malformed state or document, or a layer or point the tap does not have.
             NotFound: No such baseline tap.
             Unsupported: Merged builders that hold no data yet.
         """
         if bool(req.builders) == bool(req.frozen):
-            raise InvalidSpec("builders", "give exported builders or frozen documents (exactly one of the two)")
+            raise InvalidField("builders", "give exported builders or frozen documents (exactly one of the two)")
         entries = self._entries(req.tap)
         baselines: dict[str, Baseline] = {}
         if req.builders:
@@ -257,7 +257,7 @@ class DriftMonitor(Sink):
                 b = frozen_from_bytes(data, f"frozen[{i}]", known)
                 self._check_layer(entries, b.layer, b.point, f"frozen[{i}]")
                 if b.layer in baselines:
-                    raise InvalidSpec(f"frozen[{i}]", f"a second document for layer {b.layer!r}")
+                    raise InvalidField(f"frozen[{i}]", f"a second document for layer {b.layer!r}")
                 e = entries[b.layer]
                 baselines[b.layer] = replace(b, tap=req.tap, window=e.window_len, thresholds=e.thresholds)
         with self._build_lock:
@@ -269,9 +269,9 @@ class DriftMonitor(Sink):
     @staticmethod
     def _check_layer(entries: dict[str, LayerEntry], layer: str, point: str, field: str) -> None:
         if layer not in entries:
-            raise InvalidSpec(f"{field}.layer", f"{layer!r} is not a layer of this baseline tap ({', '.join(entries)})")
+            raise InvalidField(f"{field}.layer", f"{layer!r} is not a layer of this baseline tap ({', '.join(entries)})")
         if entries[layer].point != point:
-            raise InvalidSpec(f"{field}.point", f"{point!r}, but the tap reads {layer!r} at {entries[layer].point!r}")
+            raise InvalidField(f"{field}.point", f"{point!r}, but the tap reads {layer!r} at {entries[layer].point!r}")
 
     def skipped_passes(self) -> int:
         """Passes refused while collecting baselines, over every builder this monitor ran.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from layertap.server.errors import InvalidSpec
+from layertap.server.errors import InvalidField
 from layertap.v1 import telemetry_pb2 as pb
 
 __all__ = ["BASELINE_PREFIX", "baseline_tap_id", "check_not_baseline_name"]
@@ -21,6 +21,6 @@ def baseline_tap_id(req: pb.SetBaselineRequest) -> str:
 
 
 def check_not_baseline_name(name: str, field: str) -> None:
-    """InvalidSpec naming ``field`` when a tap other than a baseline asks for a baseline's name."""
+    """InvalidField naming ``field`` when a tap other than a baseline asks for a baseline's name."""
     if name.startswith(BASELINE_PREFIX):
-        raise InvalidSpec(field, f"names starting {BASELINE_PREFIX!r} are SetBaseline's own; pick another")
+        raise InvalidField(field, f"names starting {BASELINE_PREFIX!r} are SetBaseline's own; pick another")

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layertap.server.errors import InvalidSpec, LimitExceeded, Unsupported
+from layertap.server.errors import InvalidField, LimitExceeded, Unsupported
 from layertap.server.host.model_host import ModelHost, model_raised
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class _LayerGrab:
 
 def _check_targets(targets: Sequence[int], n: int) -> None:
     if len(targets) not in (0, 1, n):
-        raise InvalidSpec("targets", f"give none (top class), one (for every sample) or one per sample ({n}), "
+        raise InvalidField("targets", f"give none (top class), one (for every sample) or one per sample ({n}), "
                                      f"got {len(targets)}")
 
 
@@ -116,7 +116,7 @@ def _scores(out: Any, n: int, targets: Sequence[int]) -> tuple[torch.Tensor, tor
     else:
         for i, t in enumerate(targets):
             if not 0 <= t < size:
-                raise InvalidSpec(f"targets[{i}]", f"must be in [0, {size}) for an output of "
+                raise InvalidField(f"targets[{i}]", f"must be in [0, {size}) for an output of "
                                                    f"{size} values per sample, got {t}")
         index = torch.tensor(list(targets), dtype=torch.int64, device=flat.device).expand(n)
     return index, flat.gather(1, index[:, None]).squeeze(1)
@@ -129,7 +129,7 @@ def _finish(cam: torch.Tensor, opts: GradCamOptions, input_size: Sequence[int]) 
         if mode is None or len(input_size) != cam.dim() - 1:
             # The caller's argument, not the server's state: this layer and input never
             # upsample, and the same request without upsample is answered.
-            raise InvalidSpec("upsample", f"the map of {opts.layer!r} has {cam.dim() - 1} spatial dim(s) and the "
+            raise InvalidField("upsample", f"the map of {opts.layer!r} has {cam.dim() - 1} spatial dim(s) and the "
                                           f"input {len(input_size)} (after N, C); upsampling needs 1 to 3 of each, "
                                           "the same number: leave upsample off or pick a spatial layer")
         cam = F.interpolate(cam[:, None], size=list(input_size), mode=mode, align_corners=False)[:, 0]
@@ -170,14 +170,14 @@ def grad_cam(host: ModelHost, inputs: Sequence[torch.Tensor], opts: GradCamOptio
             is not ``(N, classes)`` without targets (FAILED_PRECONDITION).
             A model that cached an inference tensor while serving (see the
             module docstring).
-        InvalidSpec: Bad targets, ``upsample`` on a map without 1 to 3 spatial dims
+        InvalidField: Bad targets, ``upsample`` on a map without 1 to 3 spatial dims
             (or not as many as the input's), or the model raised on the input.
         LimitExceeded: The device ran out of memory.
     """
     require_hooks(host)
     n = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 0
     if n < 1:
-        raise InvalidSpec("inputs[0].shape", "Explain needs a batch of at least one sample")
+        raise InvalidField("inputs[0].shape", "Explain needs a batch of at least one sample")
     _check_targets(opts.targets, n)
     model, layer = host.module, host.modules[opts.layer]
     grab = _LayerGrab()

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from layertap.server.codec import dtype_name
-from layertap.server.errors import InvalidSpec, LimitExceeded, Unsupported
+from layertap.server.errors import InvalidField, LimitExceeded, Unsupported
 from layertap.server.host.hooks import HookRegistry, ParamGrad
 from layertap.server.host.model_thread import ModelThread
 from layertap.server.host.sources import InputSpec, LoadedModel
@@ -43,7 +43,7 @@ PROBE_SECONDS = 1.0
 MODEL_ERROR_CHARS = 200
 
 
-def model_raised(exc: BaseException) -> InvalidSpec:
+def model_raised(exc: BaseException) -> InvalidField:
     """The forward raised on the caller's input: say what, briefly.
 
     The first line of the message only, cut short: it names the problem
@@ -51,7 +51,7 @@ def model_raised(exc: BaseException) -> InvalidSpec:
     """
     first = (str(exc).strip().splitlines() or [""])[0][:MODEL_ERROR_CHARS]
     log.info("forward raised %s on a request's input", type(exc).__name__)
-    return InvalidSpec("inputs", f"model raised {type(exc).__name__}: {first}".rstrip(": "))
+    return InvalidField("inputs", f"model raised {type(exc).__name__}: {first}".rstrip(": "))
 
 
 @dataclass
@@ -204,16 +204,16 @@ class ModelHost:
                               "loop's own steps only, and Infer or an active capture would change the training "
                               "model's state", reason="TRAINING_AGENT", field=field_name)
         if len(inputs) != len(self.inputs):
-            raise InvalidSpec(field_name, f"expected {len(self.inputs)} input tensor(s), got {len(inputs)}")
+            raise InvalidField(field_name, f"expected {len(self.inputs)} input tensor(s), got {len(inputs)}")
         for i, (t, spec) in enumerate(zip(inputs, self.inputs)):
             where = f"{field_name}[{i}]"
             if t.dtype != spec.dtype and not _castable(t.dtype, spec.dtype):
                 also = " (or float32, cast on the server)" if _castable(torch.float32, spec.dtype) else ""
-                raise InvalidSpec(f"{where}.dtype", f"expected {dtype_name(spec.dtype)}{also}, got {dtype_name(t.dtype)}")
+                raise InvalidField(f"{where}.dtype", f"expected {dtype_name(spec.dtype)}{also}, got {dtype_name(t.dtype)}")
             if t.dim() != len(spec.shape) or any(
                 want != -1 and got != want for got, want in zip(t.shape, spec.shape)
             ):
-                raise InvalidSpec(f"{where}.shape", f"expected {list(spec.shape)} (-1 = any), got {list(t.shape)}")
+                raise InvalidField(f"{where}.shape", f"expected {list(spec.shape)} (-1 = any), got {list(t.shape)}")
 
     @contextlib.contextmanager
     def pass_context(self, *, step: int | None = None, active_owner: object | None = None) -> Iterator[PassContext]:

@@ -38,7 +38,7 @@ from typing import BinaryIO
 
 from google.protobuf.message import DecodeError
 
-from layertap.server.errors import InvalidSpec, NotFound
+from layertap.server.errors import InvalidField, NotFound
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def new_id(now: float) -> str:
 
 def check_id(incident_id: str, field: str = "id") -> None:
     if not ID_PATTERN.fullmatch(incident_id):
-        raise InvalidSpec(field, "expected an incident id such as inc-1700000000000-0123abcd (see ListIncidents)")
+        raise InvalidField(field, "expected an incident id such as inc-1700000000000-0123abcd (see ListIncidents)")
 
 
 def _head(record: pb.Incident, owner: bytes) -> bytes:
@@ -277,7 +277,7 @@ class IncidentStore:
         """The principal an incident belongs to (``""``: the server's, or written before owners).
 
         Raises:
-            InvalidSpec: Not an incident id.
+            InvalidField: Not an incident id.
             NotFound: No such incident.
         """
         check_id(incident_id)

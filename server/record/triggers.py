@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from layertap.server.errors import InvalidSpec, Unsupported
+from layertap.server.errors import InvalidField, Unsupported
 from layertap.server.stream.sinks import Sink
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -56,7 +56,7 @@ def check_triggers(spec: pb.TapSpec, *, durable: bool, field_prefix: str = "spec
     """Validate ``spec.triggers`` against the rest of the spec.
 
     Raises:
-        InvalidSpec: Triggers on a stream tap, on a gradient point, without the
+        InvalidField: Triggers on a stream tap, on a gradient point, without the
             reducer they read, or with a negative or non-finite value.
     """
     if not spec.HasField("triggers"):
@@ -65,22 +65,22 @@ def check_triggers(spec: pb.TapSpec, *, durable: bool, field_prefix: str = "spec
     for name in ("abs_max_above", "mean_sigma", "min_interval_seconds"):
         v = getattr(t, name)
         if not math.isfinite(v) or v < 0:
-            raise InvalidSpec(f"{where}.{name}", f"must be a finite value >= 0 (0 = off/default), got {v}")
+            raise InvalidField(f"{where}.{name}", f"must be a finite value >= 0 (0 = off/default), got {v}")
     if t.min_interval_seconds > MAX_INTERVAL_SECONDS or 0 < t.min_interval_seconds < MIN_INTERVAL_SECONDS:
-        raise InvalidSpec(f"{where}.min_interval_seconds", f"{MIN_INTERVAL_SECONDS:g} to {MAX_INTERVAL_SECONDS:g} "
+        raise InvalidField(f"{where}.min_interval_seconds", f"{MIN_INTERVAL_SECONDS:g} to {MAX_INTERVAL_SECONDS:g} "
                                                            f"seconds (0: {DEFAULT_INTERVAL_SECONDS:g}), got {t.min_interval_seconds}")
     on = enabled(t)
     if not on:
         return
     if not durable:
-        raise InvalidSpec(where, "triggers work on durable taps only (CreateTap or a --taps file)")
+        raise InvalidField(where, "triggers work on durable taps only (CreateTap or a --taps file)")
     if (spec.point or pb.POINT_OUTPUT) not in REPLAYABLE_POINTS:
-        raise InvalidSpec(where, "triggers need point output or input: a replayed forward pass has no gradients")
+        raise InvalidField(where, "triggers need point output or input: a replayed forward pass has no gradients")
     kinds = {r.kind for r in spec.reducers}
     for name in on:
         if NEEDS[name] not in kinds:
             reducer = pb.ReducerKind.Name(NEEDS[name]).removeprefix("REDUCER_KIND_").lower()
-            raise InvalidSpec(f"{where}.{name}", f"needs the {reducer} reducer in {field_prefix}.reducers")
+            raise InvalidField(f"{where}.{name}", f"needs the {reducer} reducer in {field_prefix}.reducers")
 
 
 class TriggerCheck(Sink):

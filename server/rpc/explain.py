@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from layertap.server.codec import tensor_to_proto
-from layertap.server.errors import InvalidSpec, grpc_errors, unknown_layer
+from layertap.server.errors import InvalidField, grpc_errors, unknown_layer
 from layertap.server.explain.gradcam import GradCamOptions, grad_cam, require_hooks
 from layertap.server.rpc.inference import decode_inputs
 from layertap.server.rpc.state import ServerState, StateBacked
@@ -18,12 +18,12 @@ __all__ = ["ExplainServicer", "explain_options"]
 def explain_options(request: pb.ExplainRequest, state: ServerState) -> GradCamOptions:
     """Check the request's layer and targets against the model, before the inputs are decoded."""
     if not request.inputs:
-        raise InvalidSpec("inputs", "send the input to explain (see GetModelMetadata)")
+        raise InvalidField("inputs", "send the input to explain (see GetModelMetadata)")
     name = request.layer
     if not name:
-        raise InvalidSpec("layer", "name the layer to explain, e.g. the last convolutional block (see ListLayers)")
+        raise InvalidField("layer", "name the layer to explain, e.g. the last convolutional block (see ListLayers)")
     if len(name) > MAX_LAYER_NAME:
-        raise InvalidSpec("layer", f"a layer name is at most {MAX_LAYER_NAME} characters, got {len(name)}")
+        raise InvalidField("layer", f"a layer name is at most {MAX_LAYER_NAME} characters, got {len(name)}")
     host = state.host
     require_hooks(host)  # before the name: a TorchScript model lists no modules
     if name not in host.modules:

@@ -50,7 +50,7 @@ class IncidentsServicer(StateBacked):
         """PermissionDenied unless the incident is the caller's, or the caller has ``admin``.
 
         Raises:
-            InvalidSpec: Not an incident id.
+            InvalidField: Not an incident id.
             NotFound: No such incident.
             PermissionDenied: Another's, without ``admin``.
         """

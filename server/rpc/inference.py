@@ -8,7 +8,7 @@ import grpc
 import torch
 
 from layertap.server.codec import flatten_outputs, tensor_from_proto, tensor_to_proto, wire_dtype
-from layertap.server.errors import InvalidSpec, LimitExceeded, grpc_errors, status_for
+from layertap.server.errors import InvalidField, LimitExceeded, grpc_errors, status_for
 from layertap.server.rpc.state import ServerState, StateBacked
 from layertap.v1 import inference_pb2 as ipb
 from layertap.v1 import inference_pb2_grpc
@@ -46,7 +46,7 @@ class InferenceService(StateBacked, inference_pb2_grpc.InferenceServiceServicer)
         status = "OK"
         try:
             if not request.inputs:
-                raise InvalidSpec("inputs", "send at least one input tensor (see GetModelMetadata)")
+                raise InvalidField("inputs", "send at least one input tensor (see GetModelMetadata)")
             tensors = decode_inputs(list(request.inputs), self.state)
             out, ctx = self.state.host.run(tensors)
             outputs = [tensor_to_proto(t, name) for name, t in flatten_outputs(out)]

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from grpc_status import rpc_status
 
-from layertap.server.errors import InvalidSpec, rich_status
+from layertap.server.errors import InvalidField, rich_status
 from layertap.server.rpc.method_handlers import behavior_of, rebuild
 
 __all__ = ["MalformedRequests"]
@@ -49,7 +49,7 @@ def _safe(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
 
 
 def _refuse(request: _Unparsed, context: grpc.ServicerContext) -> None:
-    context.abort_with_status(rpc_status.to_status(rich_status(InvalidSpec("request", request.why))))
+    context.abort_with_status(rpc_status.to_status(rich_status(InvalidField("request", request.why))))
 
 
 def _checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import torch
 
-from layertap.server.errors import (AlreadyExists, InvalidSpec, NotFound, PermissionDenied, Unavailable, echo,
+from layertap.server.errors import (AlreadyExists, InvalidField, NotFound, PermissionDenied, Unavailable, echo,
                                     grpc_errors, status_for)
 from layertap.server.rpc.auth import principal_of, require
 from layertap.server.rpc.inference import decode_inputs
@@ -77,7 +77,7 @@ class TapsServicer(StateBacked):
     def DeleteTap(self, request: pb.DeleteTapRequest, context: grpc.ServicerContext) -> pb.DeleteTapResponse:
         tap = self.state.taps.get(request.id)
         if not tap.durable:
-            raise InvalidSpec("id", f"{request.id!r} is a stream tap; it ends with its Subscribe stream")
+            raise InvalidField("id", f"{request.id!r} is a stream tap; it ends with its Subscribe stream")
         require_owner(context, tap.owner, f"deleting tap {request.id!r}")
         self.state.taps.delete(request.id)
         return pb.DeleteTapResponse()
@@ -91,7 +91,7 @@ class TapsServicer(StateBacked):
         state = self.state
         engine, broker = state.taps, state.broker
         if request.queue_size > MAX_QUEUE:
-            raise InvalidSpec("queue_size", f"at most {MAX_QUEUE}, got {request.queue_size}")
+            raise InvalidField("queue_size", f"at most {MAX_QUEUE}, got {request.queue_size}")
         for i, tap_id in enumerate(request.tap_ids):
             try:
                 engine.get(tap_id)

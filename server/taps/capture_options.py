@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from layertap.server.codec import TORCH_BY_WIRE, dtype_name
-from layertap.server.errors import InvalidSpec, LimitExceeded, Unsupported, unknown_layer
+from layertap.server.errors import InvalidField, LimitExceeded, Unsupported, unknown_layer
 from layertap.server.host.model_host import ModelHost
 from layertap.server.taps.capture_limits import CaptureLimits
 from layertap.server.taps.selectors import GLOB_CHARS, select_layers
@@ -63,17 +63,17 @@ def _select(req: pb.CaptureRequest, host: ModelHost) -> list[Selection]:
     """Resolve ``layers`` (exact names) and ``selectors`` (the tap grammar) against the model."""
     count = len(req.layers) + len(req.selectors)
     if not count:
-        raise InvalidSpec("layers", "name at least one layer, or give a selector such as 'layer*' (see ListLayers)")
+        raise InvalidField("layers", "name at least one layer, or give a selector such as 'layer*' (see ListLayers)")
     if len(req.selectors) > MAX_CAPTURE_SELECTORS:
-        raise InvalidSpec("selectors", f"at most {MAX_CAPTURE_SELECTORS} selectors per capture, got "
+        raise InvalidField("selectors", f"at most {MAX_CAPTURE_SELECTORS} selectors per capture, got "
                                        f"{len(req.selectors)}; one glob or regex can match many layers")
     if count > MAX_CAPTURE_LAYERS:
-        raise InvalidSpec("layers", f"at most {MAX_CAPTURE_LAYERS} layers and selectors per capture, got {count}")
+        raise InvalidField("layers", f"at most {MAX_CAPTURE_LAYERS} layers and selectors per capture, got {count}")
     known = host.modules
     out = []
     for i, name in enumerate(req.layers):
         if len(name) > MAX_LAYER_NAME:
-            raise InvalidSpec(f"layers[{i}]", f"a layer name is at most {MAX_LAYER_NAME} characters, got {len(name)}")
+            raise InvalidField(f"layers[{i}]", f"a layer name is at most {MAX_LAYER_NAME} characters, got {len(name)}")
         if name not in known or not name:
             raise unknown_layer(name, host.layer_names, field=f"layers[{i}]")
         out.append(Selection(f"layers[{i}]", name, (name,)))
@@ -97,7 +97,7 @@ def parse_options(req: pb.CaptureRequest, host: ModelHost, limits: CaptureLimits
     selections = _select(req, host)
     point = req.point or pb.POINT_OUTPUT
     if point not in GRAD_POINTS and point not in (pb.POINT_OUTPUT, pb.POINT_INPUT):
-        raise InvalidSpec("point", f"unknown point {point}; Capture takes POINT_OUTPUT, POINT_INPUT or, on a "
+        raise InvalidField("point", f"unknown point {point}; Capture takes POINT_OUTPUT, POINT_INPUT or, on a "
                                    "training agent, a gradient point")
     if point in GRAD_POINTS and not host.training:
         # A serving host runs no backward, so such a capture would only wait out its deadline.
@@ -105,13 +105,13 @@ def parse_options(req: pb.CaptureRequest, host: ModelHost, limits: CaptureLimits
                           "runs; on a serving host use POINT_OUTPUT or POINT_INPUT", field="point")
     passes = req.passes or 1
     if req.inputs and req.passes > 1:
-        raise InvalidSpec("passes", "an active capture (with inputs) runs exactly one pass")
+        raise InvalidField("passes", "an active capture (with inputs) runs exactly one pass")
     if passes > limits.max_passes:
         raise LimitExceeded(f"passes={passes} exceeds the server limit of {limits.max_passes}")
     dtype = None
     if req.dtype:
         if req.dtype not in DOWNCASTS:
-            raise InvalidSpec("dtype", "downcast must be DATA_TYPE_FLOAT16 or DATA_TYPE_BFLOAT16")
+            raise InvalidField("dtype", "downcast must be DATA_TYPE_FLOAT16 or DATA_TYPE_BFLOAT16")
         dtype = TORCH_BY_WIRE[req.dtype]
     layers = tuple(dict.fromkeys(name for s in selections for name in s.layers))
     return CaptureOptions(layers, point, passes, req.max_batch, dtype, tuple(selections))

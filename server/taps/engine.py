@@ -23,7 +23,7 @@ from layertap.server.stream.publisher import Piece, Publisher
 from layertap.server.stream.sinks import Sinks
 from layertap.server.taps.tap import Tap
 from layertap.server.reducers.transfer import DEFAULT_TRANSFER_BYTES, HostTransfer, PassBuffer
-from layertap.server.errors import echo, AlreadyExists, InvalidSpec, LimitExceeded, NotFound, Unsupported
+from layertap.server.errors import echo, AlreadyExists, InvalidField, LimitExceeded, NotFound, Unsupported
 from layertap.server.host.hooks import POINT_NAMES, ParamGrad
 from layertap.server.limits import check_name, check_ttl
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
@@ -91,7 +91,7 @@ class TapEngine:
         server writes itself (a reloaded baseline lists all its layers).
 
         Raises:
-            InvalidSpec: a field is wrong (the message names it).
+            InvalidField: a field is wrong (the message names it).
             NotFound: the selector matches no layer.
             LimitExceeded: too many taps.
         """
@@ -101,13 +101,13 @@ class TapEngine:
                                max_bytes=None if trusted_selector else MAX_SELECTOR_BYTES)
         point = spec.point or pb.POINT_OUTPUT
         if point not in POINT_NAMES:
-            raise InvalidSpec(f"{field_prefix}.point", f"unknown point {spec.point}")
+            raise InvalidField(f"{field_prefix}.point", f"unknown point {spec.point}")
         if not spec.reducers:
-            raise InvalidSpec(f"{field_prefix}.reducers", "name at least one reducer, e.g. moments")
+            raise InvalidField(f"{field_prefix}.reducers", "name at least one reducer, e.g. moments")
         try:
             reducers = build_reducers(list(spec.reducers), f"{field_prefix}.reducers")
         except SpecError as exc:
-            raise InvalidSpec(exc.field, exc.message) from None
+            raise InvalidField(exc.field, exc.message) from None
         if ttl is not None:
             check_ttl(ttl)
         if spec.name:
@@ -116,7 +116,7 @@ class TapEngine:
         self.sinks.check_spec(spec, durable=kind == pb.TAP_KIND_DURABLE, field_prefix=field_prefix)
         plan = ReducerPlan(reducers)
         if plan.timed and point != pb.POINT_OUTPUT:
-            raise InvalidSpec(f"{field_prefix}.point", "the latency reducer times a module's forward: "
+            raise InvalidField(f"{field_prefix}.point", "the latency reducer times a module's forward: "
                                                        "use point output")
         # Lock order everywhere: the model lock, then the engine lock. Hooks go
         # in between passes, so a tap never sees half a pass.
@@ -185,7 +185,7 @@ class TapEngine:
         try:
             plan = ReducerPlan(build_reducers(reducers, f"{tap_id}.{layer}.reducers"))
         except SpecError as exc:
-            raise InvalidSpec(exc.field, exc.message) from None
+            raise InvalidField(exc.field, exc.message) from None
         with self.host.pass_lock(), self._lock:  # between passes: a pass never mixes plans
             live = self._taps.get(tap_id)
             if live is None or live is not current:

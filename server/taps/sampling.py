@@ -12,7 +12,7 @@ import random
 import time
 from collections.abc import Callable
 
-from layertap.server.errors import InvalidSpec
+from layertap.server.errors import InvalidField
 from layertap.v1 import telemetry_pb2 as pb
 
 Clock = Callable[[], float]
@@ -26,9 +26,9 @@ class Sampler:
         # NaN compares false both ways, so it must be refused explicitly
         # (it used to slip through and mean "always").
         if not (0 <= spec.probability <= 1):
-            raise InvalidSpec(f"{field}.probability", f"must be in [0, 1], got {spec.probability}")
+            raise InvalidField(f"{field}.probability", f"must be in [0, 1], got {spec.probability}")
         if not (0 <= spec.max_per_second < math.inf):
-            raise InvalidSpec(f"{field}.max_per_second", f"must be finite and >= 0, got {spec.max_per_second}")
+            raise InvalidField(f"{field}.max_per_second", f"must be finite and >= 0, got {spec.max_per_second}")
         self.every_n = max(1, spec.every_n)
         self.probability = spec.probability
         self.rate = spec.max_per_second

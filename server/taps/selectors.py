@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import re2
 
-from layertap.server.errors import InvalidSpec, echo, no_layer_matches, unknown_layer
+from layertap.server.errors import InvalidField, echo, no_layer_matches, unknown_layer
 
 GLOB_CHARS = frozenset("*?[")
 #: Longest selector accepted, in UTF-8 bytes. Layer names of real models are
@@ -44,7 +44,7 @@ def glob_to_regex(pattern: str, field: str = "selector") -> str:
         elif c == "[":
             end = pattern.find("]", i + 1)
             if end == -1:
-                raise InvalidSpec(field, f"unclosed '[' in glob {echo(pattern)}")
+                raise InvalidField(field, f"unclosed '[' in glob {echo(pattern)}")
             body = pattern[i + 1 : end]
             if body.startswith("!"):
                 body = "^" + body[1:]
@@ -65,7 +65,7 @@ def _compile(pattern: str, selector: str, field: str, kind: str) -> "re2._Regexp
         return re2.compile(pattern, options)
     except re2.error as exc:
         why = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
-        raise InvalidSpec(field, f"bad {kind} {echo(selector)}: {why[:200]} (RE2 syntax: no backreferences or lookaround)") from None
+        raise InvalidField(field, f"bad {kind} {echo(selector)}: {why[:200]} (RE2 syntax: no backreferences or lookaround)") from None
 
 
 def select_layers(selector: str, names: Sequence[str], field: str = "selector",
@@ -77,14 +77,14 @@ def select_layers(selector: str, names: Sequence[str], field: str = "selector",
     linear too.
 
     Raises:
-        InvalidSpec: empty, too long or malformed selector.
+        InvalidField: empty, too long or malformed selector.
         NotFound: nothing matched; the message lists close names.
     """
     if not selector:
-        raise InvalidSpec(field, "empty selector; give a layer name, a glob such as 'layer*' or 're:<regex>'")
+        raise InvalidField(field, "empty selector; give a layer name, a glob such as 'layer*' or 're:<regex>'")
     size = len(selector.encode("utf-8", errors="surrogatepass"))
     if max_bytes is not None and size > max_bytes:
-        raise InvalidSpec(field, f"selector is {size} bytes, the limit is {max_bytes}")
+        raise InvalidField(field, f"selector is {size} bytes, the limit is {max_bytes}")
     if selector.startswith("re:"):
         rx = _compile(selector[3:], selector, field, "regex")
         matched = [n for n in names if rx.fullmatch(n)]

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from google.protobuf import json_format
 
-from layertap.server.errors import InvalidSpec
+from layertap.server.errors import InvalidField
 from layertap.server.host.hooks import POINT_BY_NAME
 from layertap.server.reducers.spec import PARAM_OF_KIND, SpecError, parse_reducer_names
 from layertap.v1 import telemetry_pb2 as pb
@@ -35,29 +35,29 @@ def reducer_spec(entry: Any, field: str) -> pb.ReducerSpec:
         name, params = next(iter(entry.items()))
         params = params or {}
     else:
-        raise InvalidSpec(field, f"expected a reducer name or {{name: params}}, got {entry!r}")
+        raise InvalidField(field, f"expected a reducer name or {{name: params}}, got {entry!r}")
     try:
         specs = parse_reducer_names(str(name), field)
     except SpecError as exc:
-        raise InvalidSpec(field, exc.message) from None
+        raise InvalidField(field, exc.message) from None
     if len(specs) != 1:
-        raise InvalidSpec(field, f"expected one reducer name, got {name!r}")
+        raise InvalidField(field, f"expected one reducer name, got {name!r}")
     (spec,) = specs
     if params:
         sub = PARAM_OF_KIND.get(spec.kind)
         if sub is None:
-            raise InvalidSpec(field, f"reducer {name!r} takes no parameters")
+            raise InvalidField(field, f"reducer {name!r} takes no parameters")
         try:
             json_format.ParseDict(params, getattr(spec, sub))
         except json_format.ParseError as exc:
-            raise InvalidSpec(field, f"bad {name} parameters: {exc}") from None
+            raise InvalidField(field, f"bad {name} parameters: {exc}") from None
     return spec
 
 
 def tap_spec_from_dict(entry: dict[str, Any], field: str) -> pb.TapSpec:
     """One config entry -> TapSpec."""
     if not isinstance(entry, dict):
-        raise InvalidSpec(field, f"expected a mapping, got {type(entry).__name__}")
+        raise InvalidField(field, f"expected a mapping, got {type(entry).__name__}")
     entry = dict(entry)
     reducers = entry.pop("reducers", [])
     point = entry.pop("point", None)
@@ -65,14 +65,14 @@ def tap_spec_from_dict(entry: dict[str, Any], field: str) -> pb.TapSpec:
     try:
         json_format.ParseDict(entry, spec)
     except json_format.ParseError as exc:
-        raise InvalidSpec(field, str(exc)) from None
+        raise InvalidField(field, str(exc)) from None
     if point is not None:
         name = f"POINT_{str(point).upper()}"
         if name not in pb.Point.keys():
-            raise InvalidSpec(f"{field}.point", f"unknown point {point!r}; valid: {', '.join(POINT_BY_NAME)}")
+            raise InvalidField(f"{field}.point", f"unknown point {point!r}; valid: {', '.join(POINT_BY_NAME)}")
         spec.point = pb.Point.Value(name)
     if not isinstance(reducers, list):
-        raise InvalidSpec(f"{field}.reducers", "expected a list")
+        raise InvalidField(f"{field}.reducers", "expected a list")
     for i, r in enumerate(reducers):
         spec.reducers.append(reducer_spec(r, f"{field}.reducers[{i}]"))
     return spec
@@ -84,5 +84,5 @@ def load_tap_config(path: str | Path) -> list[pb.TapSpec]:
     data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
     entries = data.get("taps", []) if isinstance(data, dict) else data
     if not isinstance(entries, list):
-        raise InvalidSpec("taps", "expected a list of taps")
+        raise InvalidField("taps", "expected a list of taps")
     return [tap_spec_from_dict(e, f"taps[{i}]") for i, e in enumerate(entries)]

@@ -9,7 +9,7 @@ from layertap.server.drift.builder import BaselineBuilder
 from layertap.server.drift.exchange import (
     builder_state_from_proto, builder_state_to_proto, frozen_from_bytes, frozen_to_bytes, merge_states,
 )
-from layertap.server.errors import InvalidSpec
+from layertap.server.errors import InvalidField
 
 
 def _fed(seed: int, loc: float, passes: int, reservoir: int) -> tuple[BaselineBuilder, list[np.ndarray]]:
@@ -64,6 +64,6 @@ def test_a_bad_state_is_refused_naming_its_field(change, field) -> None:  # type
     b, _ = _fed(1, 0.0, 2, 50)
     msg = builder_state_to_proto(b.state())
     change(msg)
-    with pytest.raises(InvalidSpec) as err:
+    with pytest.raises(InvalidField) as err:
         builder_state_from_proto(msg, "builders[3]")
     assert err.value.field == field

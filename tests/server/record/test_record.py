@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from layertap.server.errors import InvalidSpec, NotFound
+from layertap.server.errors import InvalidField, NotFound
 from layertap.server.record.replay import anomalous_rows
 from layertap.server.record.retention import InputRetention
 from layertap.server.record.store import IncidentStore, RingLimits, StoredTensor, new_id
@@ -85,7 +85,7 @@ def test_restart_reloads_and_corruption_is_skipped_and_counted(tmp_path):
     with pytest.raises(NotFound):
         again.read(b.id)
     assert again.skipped_files == 2 and [r.id for r in again.entries()] == [a.id]
-    with pytest.raises(InvalidSpec):
+    with pytest.raises(InvalidField):
         again.get("../../etc/passwd")
 
 
@@ -130,21 +130,21 @@ def test_triggers_fire_per_layer_and_rate_limit():
 def test_trigger_validation_names_the_field():
     spec = pb.TapSpec(selector="x", reducers=[pb.ReducerSpec(kind=pb.REDUCER_KIND_ABS_MAX)],
                       triggers=pb.Triggers(abs_max_above=1, mean_sigma=2))
-    with pytest.raises(InvalidSpec) as err:
+    with pytest.raises(InvalidField) as err:
         check_triggers(spec, durable=True)
     assert err.value.field == "spec.triggers.mean_sigma"
     spec.triggers.mean_sigma = 0
     check_triggers(spec, durable=True)
-    with pytest.raises(InvalidSpec) as err:
+    with pytest.raises(InvalidField) as err:
         check_triggers(spec, durable=False, field_prefix="stream_taps[0]")
     assert err.value.field == "stream_taps[0].triggers"
     spec.point = pb.POINT_GRAD_OUTPUT
-    with pytest.raises(InvalidSpec):
+    with pytest.raises(InvalidField):
         check_triggers(spec, durable=True)
     spec.point = pb.POINT_OUTPUT
     for bad in (math.inf, 1e-300, 0.5, 86401):  # 1e-300 fired on every pass, each a replay, flooding the ring
         spec.triggers.min_interval_seconds = bad
-        with pytest.raises(InvalidSpec) as err:
+        with pytest.raises(InvalidField) as err:
             check_triggers(spec, durable=True)
         assert err.value.field == "spec.triggers.min_interval_seconds"
     for good in (0, 1, 86400):

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from layertap.server.errors import InvalidSpec, NotFound
+from layertap.server.errors import InvalidField, NotFound
 from layertap.server.errors import ECHO_CHARS
 from layertap.server.taps.selectors import MAX_SELECTOR_BYTES, select_layers
 
@@ -55,7 +55,7 @@ def test_catastrophic_patterns_answer_not_found(selector: str) -> None:
     ("layer[1", "unclosed '['"),
 ])
 def test_malformed_patterns_are_invalid_and_name_the_field(selector: str, why: str) -> None:
-    with pytest.raises(InvalidSpec, match="spec.selector") as info:
+    with pytest.raises(InvalidField, match="spec.selector") as info:
         select_layers(selector, NAMES, field="spec.selector")
     assert why in str(info.value)
     assert info.value.field == "spec.selector"
@@ -67,16 +67,16 @@ def test_malformed_patterns_are_invalid_and_name_the_field(selector: str, why: s
 ])
 def test_extreme_regexes_never_raise_internal_errors(selector: str) -> None:
     got = finishes(lambda: select_layers(selector, NAMES))
-    assert isinstance(got, (InvalidSpec, NotFound)), got
+    assert isinstance(got, (InvalidField, NotFound)), got
 
 
 def test_selector_size_is_capped_in_bytes() -> None:
     ok = "re:" + "l" * (MAX_SELECTOR_BYTES - 3)
     with pytest.raises(NotFound):
         select_layers(ok, NAMES)
-    with pytest.raises(InvalidSpec, match=f"limit is {MAX_SELECTOR_BYTES}"):
+    with pytest.raises(InvalidField, match=f"limit is {MAX_SELECTOR_BYTES}"):
         select_layers(ok + "l", NAMES)
-    with pytest.raises(InvalidSpec, match="bytes"):  # 2 bytes per char in UTF-8
+    with pytest.raises(InvalidField, match="bytes"):  # 2 bytes per char in UTF-8
         select_layers("é" * (MAX_SELECTOR_BYTES // 2 + 1), NAMES)
 
 

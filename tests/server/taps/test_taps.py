@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from layertap.server.stream.broker import Broker
-from layertap.server.errors import InvalidSpec, NotFound
+from layertap.server.errors import InvalidField, NotFound
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import load_model
 from support.sync_guard import NoSyncMode, SyncError
@@ -173,13 +173,13 @@ def test_bad_specs_name_the_field(rig):
     _host, _broker, engine, _ = rig
     with pytest.raises(NotFound, match="layer4"):
         engine.create(spec("layer9", "moments"))
-    with pytest.raises(InvalidSpec) as info:
+    with pytest.raises(InvalidField) as info:
         engine.create(pb.TapSpec(selector="fc", reducers=[pb.ReducerSpec(
             kind=pb.REDUCER_KIND_HISTOGRAM, histogram=pb.HistogramParams(bins=10, min=1, max=0))]))
     assert info.value.field.startswith("spec.reducers[0].histogram")
-    with pytest.raises(InvalidSpec, match="spec.sampling.probability"):
+    with pytest.raises(InvalidField, match="spec.sampling.probability"):
         engine.create(spec("fc", "moments", probability=2))
-    with pytest.raises(InvalidSpec, match="spec.reducers"):
+    with pytest.raises(InvalidField, match="spec.reducers"):
         engine.create(pb.TapSpec(selector="fc"))
 
 
@@ -271,7 +271,7 @@ def test_tap_config_yaml(tmp_path, rig):
     assert tap.layers == ["layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer3.0", "layer3.1", "layer4.0", "layer4.1"]
     bad = tmp_path / "bad.yaml"
     bad.write_text("taps:\n  - selector: fc\n    reducers: [momentz]\n")
-    with pytest.raises(InvalidSpec, match=r"taps\[0\]\.reducers\[0\].*momentz"):
+    with pytest.raises(InvalidField, match=r"taps\[0\]\.reducers\[0\].*momentz"):
         load_tap_config(bad)
 
 
