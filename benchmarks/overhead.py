@@ -42,16 +42,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from layertap.server.reducers import workspace
-from layertap.server.reducers.compiled import COMPILED_STATS
-from layertap.server.stream.broker import Broker
 from layertap.server.host.allocator import tune_malloc
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.priority import DEFAULT_TELEMETRY_NICE, set_telemetry_nice
 from layertap.server.host.sources import load_model
-from layertap.server.taps.tap_files import reducer_spec
+from layertap.server.reducers import workspace
+from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.plan import ReducerPlan
+from layertap.server.stream.broker import Broker
 from layertap.server.taps.engine import TapEngine
+from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
 
 sample_sort = workspace.sort_ascending

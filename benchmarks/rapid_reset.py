@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the raw HTTP/2 client and serve's start-up reader live with the tests
 
 from support.serve import read_startup  # noqa: E402
+
 TOKEN = "bench-token-0123456789abcdef"
 
 

@@ -28,9 +28,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 import torch
+from infer_latency import timed_requests  # benchmarks/ is on sys.path when run as a script
 
 import layertap
-from infer_latency import timed_requests  # benchmarks/ is on sys.path when run as a script
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 BASIC = ["moments", "minmax", "abs_max", "nonfinite"]

@@ -43,8 +43,8 @@ from layertap.server.export.activations import ActivationCollector
 from layertap.server.export.endpoint import start_metrics_server, stop_metrics_server
 from layertap.server.export.exposition import render_latest, render_openmetrics
 from layertap.server.export.health import ServerMetrics
-from layertap.server.host.allocator import tune_malloc
 from layertap.server.export.snapshots import SnapshotStore
+from layertap.server.host.allocator import tune_malloc
 from layertap.v1 import telemetry_pb2 as pb
 
 PROBS = [0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99]

@@ -25,7 +25,7 @@ import platform
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn

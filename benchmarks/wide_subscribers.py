@@ -25,10 +25,11 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from layertap.v1 import telemetry_pb2 as pb, telemetry_pb2_grpc
+from layertap.v1 import telemetry_pb2 as pb
+from layertap.v1 import telemetry_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # serve's start-up reader lives with the tests
-from support.serve import read_startup  # noqa: E402
+from support.serve import read_startup
 
 WIDE = [pb.REDUCER_KIND_MOMENTS, pb.REDUCER_KIND_HISTOGRAM, pb.REDUCER_KIND_PER_CHANNEL]
 

@@ -11,6 +11,7 @@ is listed in ``__all__``; modules starting with ``_`` are private.
 import importlib as _importlib
 from typing import Any as _Any
 
+from . import _results
 from ._client import Client
 from ._errors import (
     AlreadyExists,
@@ -28,8 +29,11 @@ from ._errors import (
     ServerUnavailable,
     Unauthenticated,
 )
-from . import _results
-from ._results import *  # the result dataclasses and ReducerResult: one per kind, listed in the table module
+from ._explain import Explanation
+from ._fleet import Fleet, FleetError, FleetItem, FleetResult, FleetStream
+from ._incidents import Incident, IncidentInfo, Incidents
+from ._results import *  # noqa: F403 - the result dataclasses and ReducerResult: one per kind, listed in the table module
+from ._taps import SummaryStream, TapHandle
 from ._types import (
     BaselineInfo,
     DriftThresholds,
@@ -43,13 +47,9 @@ from ._types import (
     TapEvent,
     TapInfo,
     TapSpec,
-    Triggers,
     TensorSpec,
+    Triggers,
 )
-from ._explain import Explanation
-from ._fleet import Fleet, FleetError, FleetItem, FleetResult, FleetStream
-from ._incidents import Incident, IncidentInfo, Incidents
-from ._taps import SummaryStream, TapHandle
 from ._version import __version__
 
 

@@ -18,9 +18,7 @@ from typing import Any, TypedDict
 import numpy as np
 
 from ._capture_wire import CaptureMessage, WireChunk
-from ._codec import (
-    Array, DType, TensorValue, decode_array, dtype_code, dtype_name, encode_tensor, layout, require_torch,
-)
+from ._codec import Array, DType, TensorValue, decode_array, dtype_code, dtype_name, encode_tensor, layout, require_torch
 from ._convert import point_code, point_name
 from ._errors import InvalidArgument, ProtocolError
 from ._types import Structured

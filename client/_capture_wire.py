@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-
 from .v1 import telemetry_pb2
 
 __all__ = ["CaptureMessage", "WireChunk", "parse_response"]

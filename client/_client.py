@@ -15,7 +15,7 @@ from typing import Any, Literal, overload
 
 from . import _capture, _convert, _explain
 from ._capture import CaptureOptions, ProgressCallback
-from ._capture_wire import CaptureMessage
+from ._capture_wire import CaptureMessage, parse_response
 from ._channel import TlsOption, normalize_target
 from ._codec import Array
 from ._errors import DeadlineExceeded, InvalidArgument, NotFound
@@ -23,11 +23,8 @@ from ._explain import Explanation
 from ._fleet_baseline import Baselines
 from ._incidents import Incidents
 from ._taps import DurableTapOptions, SummaryStream, TapHandle, TapOptions, Unpack, tap_spec
-from ._capture_wire import CaptureMessage, parse_response
 from ._transport import LIST_LAYERS, ServerStream, Streaming, Transport, Unary
-from ._types import (
-    BaselineInfo, DriftThresholds, LayerDrift, LayerInfo, ModelMetadata, ServerStats, Structured, TapInfo, TapSpec,
-)
+from ._types import BaselineInfo, DriftThresholds, LayerDrift, LayerInfo, ModelMetadata, ServerStats, Structured, TapInfo, TapSpec
 from .v1 import inference_pb2, telemetry_pb2
 
 __all__ = ["Client"]

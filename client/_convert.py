@@ -10,9 +10,9 @@ baseline states) are derived from the proto enums, not kept by hand.
 from __future__ import annotations
 
 import dataclasses
+import datetime as _dt
 import functools
 import operator
-import datetime as _dt
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
@@ -32,8 +32,8 @@ from ._types import (
     TapEvent,
     TapInfo,
     TapSpec,
-    Triggers,
     TensorSpec,
+    Triggers,
 )
 from .v1 import inference_pb2, telemetry_pb2
 

@@ -193,8 +193,8 @@ class Result:
     default: bool = False
 
 
-def _gauge(snapshot: str, name: str, help: str) -> Family:
-    return Family(name, help, (snapshot,))
+def _gauge(snapshot: str, name: str, doc: str) -> Family:
+    return Family(name, doc, (snapshot,))
 
 
 #: Every result kind, in proto order.

@@ -19,16 +19,16 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
+from ._channel import normalize_target
 from ._cli_args import positive_float, positive_int
 from ._cli_explain import add_explain_command
 from ._cli_incidents import add_incidents_command
 from ._cli_json import write_json_lines
 from ._cli_profile import add_profile_command
-from ._cli_tensorboard import add_tensorboard_command
 from ._cli_table import drift_table, layers_table, stats_table, taps_table
+from ._cli_tensorboard import add_tensorboard_command
 from ._cli_view import SPARK_WIDTH, CaptureProgress, sparkline
 from ._cli_watch import WatchOptions, run_watch
-from ._channel import normalize_target
 from ._client import DEFAULT_TIMEOUT, Client
 from ._errors import InvalidArgument, LayertapError
 from ._tokens import SCOPES, digest, format_line

@@ -13,6 +13,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+import grpc_tools
+from grpc_tools import protoc
+
 PROTO_ROOT = Path(__file__).resolve().parent
 PACKAGE_DIR = PROTO_ROOT / "layertap" / "v1"
 DEFAULT_OUT = PROTO_ROOT.parent / "client" / "v1"
@@ -20,8 +23,6 @@ DEFAULT_OUT = PROTO_ROOT.parent / "client" / "v1"
 
 def generate(out_dir: Path) -> list[Path]:
     """Compile every ``.proto`` into ``out_dir``; return the files written."""
-    import grpc_tools
-    from grpc_tools import protoc
 
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     plugins = []

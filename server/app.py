@@ -11,44 +11,45 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
-from prometheus_client import CollectorRegistry
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
-from layertap.server.stream.broker import Broker
-from layertap.server.stream.publisher import Publisher
-from layertap.server.stream.sinks import Sinks
-from layertap.server.export.sink import MetricsSink
+from layertap.server.codec import DTYPE_BY_NAME
 from layertap.server.config import MODEL_DTYPES, ServerConfig
-from layertap.server.version import server_version
 from layertap.server.drift.monitor import DriftMonitor
+from layertap.server.errors import LayertapServerError
 from layertap.server.export.activations import ActivationCollector
 from layertap.server.export.endpoint import start_metrics_server, stop_metrics_server
 from layertap.server.export.health import ServerMetrics
 from layertap.server.export.pipeline import PipelineCollector
-from layertap.server.export.streams import StreamsCollector
+from layertap.server.export.sink import MetricsSink
 from layertap.server.export.snapshots import SnapshotStore
-from layertap.server.errors import LayertapServerError
-from layertap.server.taps.tap_files import load_tap_config
-from layertap.server.taps.engine import TapEngine
-from layertap.server.record.wiring import start_recorder
-from layertap.server.codec import DTYPE_BY_NAME
-from layertap.server.rpc.inference import InferenceService
+from layertap.server.export.streams import StreamsCollector
+from layertap.server.host.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, trim_free_memory, tune_malloc
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.model_thread import in_own_thread
-from layertap.server.host.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, trim_free_memory, tune_malloc
 from layertap.server.host.priority import set_telemetry_nice
 from layertap.server.host.sources import LoadedModel, ModelLoadError, load_model
-from layertap.server.rpc.admission import PrincipalAdmission, StreamAdmission, rpc_limit
-from layertap.server.rpc.malformed import MalformedRequests
-from layertap.server.rpc.auth import OPEN_SERVICES, SERVER_OWNER, Authenticator, principal_of
+from layertap.server.record.wiring import start_recorder
 from layertap.server.reducers.compiled import COMPILED_STATS
+from layertap.server.rpc.admission import PrincipalAdmission, StreamAdmission, rpc_limit
+from layertap.server.rpc.auth import OPEN_SERVICES, SERVER_OWNER, Authenticator, principal_of
 from layertap.server.rpc.health import HealthServicer
-from layertap.server.rpc.state import ServerState, StateCell
-from layertap.server.tls import TlsFiles
-from layertap.server.rpc.telemetry import TelemetryService, add_to_server as add_telemetry_service
 from layertap.server.rpc.health_listener import start_health_listener
+from layertap.server.rpc.inference import InferenceService
+from layertap.server.rpc.malformed import MalformedRequests
+from layertap.server.rpc.state import ServerState, StateCell
+from layertap.server.rpc.telemetry import TelemetryService
+from layertap.server.rpc.telemetry import add_to_server as add_telemetry_service
 from layertap.server.rpc.transport import SERVER_OPTIONS
+from layertap.server.stream.broker import Broker
+from layertap.server.stream.publisher import Publisher
+from layertap.server.stream.sinks import Sinks
+from layertap.server.taps.engine import TapEngine
+from layertap.server.taps.tap_files import load_tap_config
+from layertap.server.tls import TlsFiles
+from layertap.server.version import server_version
 from layertap.v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -393,7 +394,7 @@ def _run_bounded(what: str, step: Callable[[], None], timeout: float) -> None:
         try:
             step()
             ok.append(True)
-        except Exception:  # noqa: BLE001 - shutdown must finish
+        except Exception:  # shutdown must finish
             log.exception("error stopping the %s", what)
 
     thread = threading.Thread(target=run, name="layertap-stop", daemon=True)
@@ -436,11 +437,11 @@ def _reap(state: ServerState, stopped: threading.Event, trim_every: float | None
             last_trim = time.monotonic()
         try:
             state.taps.expire()
-        except Exception:  # noqa: BLE001 - keep reaping
+        except Exception:  # keep reaping
             log.exception("tap expiry failed")
         try:
             state.drift.retry_saves()
-        except Exception:  # noqa: BLE001 - keep reaping
+        except Exception:  # keep reaping
             log.exception("baseline save retry failed")
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 #: Dtypes a model can be served in (``--dtype``).
 MODEL_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 

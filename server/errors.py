@@ -259,7 +259,7 @@ def grpc_errors(method):  # type: ignore[no-untyped-def]
     def unary(self, request, context):  # type: ignore[no-untyped-def]
         try:
             return method(self, request, context)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status
+        except Exception as exc:  # mapped to a status
             if isinstance(exc, grpc.RpcError):
                 raise
             fail(exc, context)

@@ -22,7 +22,7 @@ def server_version() -> str:
 def torch_version() -> str:
     """``torch.__version__``, or ``"none"`` where torch is not installed (a thin install)."""
     try:
-        import torch
+        import torch  # noqa: PLC0415 - a thin install has no torch
     except ImportError:
         return "none"
     return str(torch.__version__)

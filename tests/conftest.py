@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from support.serve import read_startup
 
 TESTS_DIR = Path(__file__).resolve().parent

@@ -138,8 +138,8 @@ def _reason_literals() -> set[str]:
 
 
 def _class_reasons() -> set[str]:
-    from layertap.server.errors import LayertapServerError
     import layertap.server.taps.capture  # noqa: F401 - defines the capture errors
+    from layertap.server.errors import LayertapServerError
 
     out: set[str] = set()
     todo = [LayertapServerError]

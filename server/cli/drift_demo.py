@@ -25,11 +25,11 @@ import threading
 import time
 from collections.abc import Sequence
 from types import FrameType
-
-from layertap.server.drift.thresholds import DRIFT_METRICS
 from typing import Any, TextIO
 
 import numpy as np
+
+from layertap.server.drift.thresholds import DRIFT_METRICS
 
 log = logging.getLogger("layertap.demo")
 

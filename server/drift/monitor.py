@@ -28,24 +28,26 @@ import numpy as np
 
 from layertap.server.drift.baseline import Baseline
 from layertap.server.drift.builder import BaselineBuilder, BuilderState
-from layertap.server.drift.layer import (
-    SAVE_RETRY_FIRST_SECONDS, SAVE_RETRY_MAX_SECONDS, LayerEntry, layer_reducers,
-)
-from layertap.server.drift.names import BASELINE_PREFIX, baseline_tap_id, check_not_baseline_name
 from layertap.server.drift.exchange import (
-    builder_state_from_proto, builder_state_to_proto, frozen_from_bytes, frozen_to_bytes, merge_states,
+    builder_state_from_proto,
+    builder_state_to_proto,
+    frozen_from_bytes,
+    frozen_to_bytes,
+    merge_states,
 )
 from layertap.server.drift.files import baseline_filename, load_baselines, save_baseline
+from layertap.server.drift.layer import SAVE_RETRY_FIRST_SECONDS, SAVE_RETRY_MAX_SECONDS, LayerEntry, layer_reducers
+from layertap.server.drift.names import BASELINE_PREFIX, baseline_tap_id, check_not_baseline_name
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.drift.window import SlidingWindow
 from layertap.server.errors import AlreadyExists, InvalidField, NotFound, Unsupported
 from layertap.server.host.hooks import POINT_BY_NAME, POINT_NAMES
 from layertap.server.host.model_host import PassContext
-from layertap.server.taps.selectors import select_layers
 from layertap.server.limits import check_name
 from layertap.server.stream.sinks import Sink, TapView
 from layertap.server.taps.engine import TapEngine
+from layertap.server.taps.selectors import select_layers
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")

@@ -14,9 +14,9 @@ import numpy as np
 import numpy.typing as npt
 
 from layertap.server.drift.baseline import Baseline
+from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.host.hooks import POINT_BY_NAME
 from layertap.server.reducers.spec import MAX_BINS
-from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 
 __all__ = [
     "BASELINE_SCHEMA",

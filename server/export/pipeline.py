@@ -146,7 +146,7 @@ class PipelineCollector(Collector):
     def _read(self, source: str, fn: Callable[[], _T]) -> _T | None:
         try:
             value = fn()
-        except Exception:  # noqa: BLE001 - one broken source must not fail the scrape
+        except Exception:  # one broken source must not fail the scrape
             if source not in self._failing:
                 self._failing.add(source)
                 log.warning("metrics: reading the %s pipeline counts failed; its series are omitted", source, exc_info=True)

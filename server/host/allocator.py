@@ -137,5 +137,5 @@ def _run_trim() -> None:
         _trim_timer = None
     try:
         trim_free_memory()
-    except Exception:  # noqa: BLE001 - reclaiming memory is best effort
+    except Exception:  # reclaiming memory is best effort
         log.debug("malloc_trim failed", exc_info=True)

@@ -13,8 +13,8 @@ the model lock, so it never waits for an RPC that holds it to add hooks.
 from __future__ import annotations
 
 import contextlib
-import logging
 import itertools
+import logging
 import math
 import threading
 import time
@@ -30,7 +30,6 @@ from layertap.server.errors import InvalidField, LimitExceeded, Unsupported
 from layertap.server.host.hooks import HookRegistry, ParamGrad
 from layertap.server.host.model_thread import ModelThread
 from layertap.server.host.sources import InputSpec, LoadedModel
-
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from layertap.server.host.demo_model import DEMO_INPUT_SHAPE, build_demo_model
 from layertap.server.codec import DTYPE_BY_NAME
+from layertap.server.host.demo_model import DEMO_INPUT_SHAPE, build_demo_model
 
 
 class ModelLoadError(Exception):
@@ -74,7 +74,7 @@ def _load_weights(module: nn.Module, weights: str) -> None:
         raise ModelLoadError(f"--weights {weights!r}: no such file")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for a bad file
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad file
         raise ModelLoadError(f"--weights {weights!r}: cannot load state_dict ({exc.__class__.__name__}: {str(exc).splitlines()[0]})") from None
     if not isinstance(state, dict):
         raise ModelLoadError(f"--weights {weights!r}: expected a state_dict, got {type(state).__name__}")
@@ -88,7 +88,7 @@ def _load_weights(module: nn.Module, weights: str) -> None:
 def _load_torchvision(name: str) -> nn.Module | None:
     try:
         import torchvision.models as tvm  # noqa: PLC0415 - optional dependency
-    except Exception:
+    except Exception:  # noqa: BLE001 - a broken torchvision install is "no torchvision"
         return None
     try:
         builder = tvm.get_model_builder(name)
@@ -115,7 +115,7 @@ def _export_signature(program: torch.export.ExportedProgram) -> list[InputSpec]:
 def _load_export(path: Path, input_shape: str | None, input_dtype: str) -> LoadedModel:
     try:
         program = torch.export.load(str(path))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure is a start-up error naming the file
         raise ModelLoadError(f"{path}: not a loadable torch.export program ({exc.__class__.__name__})") from None
     # Module hooks never fire on ExportedProgram.module(); unflatten restores
     # the original module hierarchy, whose submodules do run their hooks.
@@ -132,7 +132,7 @@ def _load_export(path: Path, input_shape: str | None, input_dtype: str) -> Loade
 def _load_torchscript(path: Path, input_shape: str | None, input_dtype: str) -> LoadedModel:
     try:
         module = torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call]  # unannotated in torch
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure is a start-up error naming the file
         raise ModelLoadError(f"{path}: not a loadable TorchScript file ({exc.__class__.__name__})") from None
     inputs = _declared_inputs(input_shape, input_dtype, "a TorchScript model")
     note = "TorchScript modules refuse Python hooks: Infer works, Capture and taps do not"
@@ -150,7 +150,7 @@ def _load_factory(ref: str, input_shape: str | None, input_dtype: str) -> Loaded
         raise ModelLoadError(f"--model {ref!r}: {mod_name!r} has no callable {attr!r}")
     try:
         module = factory()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a user factory may raise anything
         raise ModelLoadError(f"--model {ref!r}: factory raised {exc.__class__.__name__}: {exc}") from None
     if not isinstance(module, nn.Module):
         raise ModelLoadError(f"--model {ref!r}: factory returned {type(module).__name__}, not nn.Module")

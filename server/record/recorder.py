@@ -193,7 +193,7 @@ class Recorder(Sink):
         while (job := self._jobs.get()) is not None:
             try:
                 self._record(job)
-            except Exception:  # noqa: BLE001 - one bad incident must not stop the recorder
+            except Exception:  # one bad incident must not stop the recorder
                 log.exception("recording incidents of pass %d failed", job.ctx.index)
             finally:
                 if self.retention is not None:

@@ -137,7 +137,7 @@ def _direct(fn: types.FunctionType) -> Kernel | None:
     so anything unexpected returns None and the run-only kernel is used.
     """
     try:
-        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list  # noqa: PLC0415 - private; may be gone
 
         entries = _debug_get_cache_entry_list(fn.__code__)
         if len(entries) != 1:

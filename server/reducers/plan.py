@@ -24,13 +24,7 @@ from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.distribution import HistogramReducer, PerChannelReducer, QuantilesReducer
 from layertap.server.reducers.kernels import BASIC_WIDTH, StatNeeds, fused_basic_stats
 from layertap.server.reducers.latency import LatencyReducer
-from layertap.server.reducers.spec import (
-    SpecError,
-    check_histogram,
-    check_kind,
-    check_per_channel,
-    check_quantiles,
-)
+from layertap.server.reducers.spec import SpecError, check_histogram, check_kind, check_per_channel, check_quantiles
 from layertap.server.reducers.workspace import F64, DeviceCache, Workspace, device_constant
 from layertap.v1 import telemetry_pb2 as pb
 

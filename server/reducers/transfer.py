@@ -415,7 +415,7 @@ class HostTransfer:
         error: str | None = None
         try:
             job.callback(job.pending.values_by_key())
-        except Exception as exc:  # the model thread must never see these
+        except Exception as exc:  # noqa: BLE001 - the model thread must never see these
             _log.exception("host-transfer callback failed")
             error = f"{type(exc).__name__}: {exc}"
         with self._cond:

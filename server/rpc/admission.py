@@ -26,8 +26,8 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from concurrent import futures
 from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
 from typing import Any
 
 import grpc

@@ -34,9 +34,9 @@ from google.protobuf.descriptor import MethodDescriptor
 from grpc_status import rpc_status
 from prometheus_client import CollectorRegistry, Counter
 
-from layertap.server.throttled_log import ThrottledLog
-from layertap.server.errors import LayertapServerError, PermissionDenied, Unauthenticated, rich_status
 from layertap._tokens import SCOPES, digest, format_line, parse_line, scope_name
+from layertap.server.errors import LayertapServerError, PermissionDenied, Unauthenticated, rich_status
+from layertap.server.throttled_log import ThrottledLog
 from layertap.v1 import inference_pb2, options_pb2, telemetry_pb2
 
 log = logging.getLogger("layertap.server.auth")

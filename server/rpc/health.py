@@ -26,8 +26,8 @@ import logging
 import queue
 import threading
 from collections import Counter
-from concurrent import futures
 from collections.abc import Callable
+from concurrent import futures
 from typing import Any, TypeAlias
 
 import grpc
@@ -251,7 +251,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         try:
             # Waits for grpc to complete the send; returns at once for a cancelled stream.
             watch.send(health_pb2.HealthCheckResponse(status=status))
-        except Exception:  # noqa: BLE001 - one broken stream must not stop the others' updates
+        except Exception:  # one broken stream must not stop the others' updates
             log.debug("health: a Watch send failed", exc_info=True)
         finally:
             with self._lock:

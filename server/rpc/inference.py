@@ -11,8 +11,7 @@ from layertap.server.codec import flatten_outputs, tensor_from_proto, tensor_to_
 from layertap.server.errors import InvalidField, LimitExceeded, grpc_errors, status_for
 from layertap.server.rpc.state import ServerState, StateBacked
 from layertap.v1 import inference_pb2 as ipb
-from layertap.v1 import inference_pb2_grpc
-from layertap.v1 import tensor_pb2
+from layertap.v1 import inference_pb2_grpc, tensor_pb2
 
 API_VERSION = "layertap.v1"
 

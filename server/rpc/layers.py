@@ -6,8 +6,8 @@ import grpc
 
 from layertap.server.errors import grpc_errors
 from layertap.server.rpc.state import StateBacked
-from layertap.v1 import tensor_pb2
 from layertap.v1 import telemetry_pb2 as pb
+from layertap.v1 import tensor_pb2
 
 __all__ = ["LayersServicer"]
 

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry
 
 from layertap.server.config import ServerConfig
 from layertap.server.drift.monitor import DriftMonitor
+from layertap.server.errors import Unavailable
 from layertap.server.export.health import ServerMetrics
 from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.host.model_host import ModelHost
@@ -84,8 +85,6 @@ class StateCell:
 
     def get(self) -> ServerState:
         if self._state is None:
-            from layertap.server.errors import Unavailable
-
             raise Unavailable("the model is still loading; watch grpc.health.v1 for SERVING")
         return self._state
 

@@ -12,8 +12,16 @@ from typing import Any
 import grpc
 import torch
 
-from layertap.server.errors import (AlreadyExists, InvalidField, NotFound, PermissionDenied, Unavailable, echo,
-                                    grpc_errors, status_for)
+from layertap.server.errors import (
+    AlreadyExists,
+    InvalidField,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+    echo,
+    grpc_errors,
+    status_for,
+)
 from layertap.server.rpc.auth import principal_of, require
 from layertap.server.rpc.inference import decode_inputs
 from layertap.server.rpc.method_handlers import sends_wire_bytes

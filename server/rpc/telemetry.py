@@ -25,6 +25,7 @@ from layertap.server.rpc.incidents import IncidentsServicer
 from layertap.server.rpc.layers import LayersServicer
 from layertap.server.rpc.method_handlers import add_service, service_handlers
 from layertap.server.rpc.state import StateBacked, StateCell
+
 # Re-exported until tests/e2e/test_capture_budget.py imports it from taps.
 from layertap.server.rpc.taps import TapsServicer
 from layertap.v1 import telemetry_pb2 as pb

@@ -100,7 +100,7 @@ class Sinks(Sink):
         for sink in self._members:
             try:
                 call(sink)
-            except Exception:  # noqa: BLE001 - one broken consumer must not stop the others
+            except Exception:  # one broken consumer must not stop the others
                 log.exception("sink %s failed", type(sink).__name__)
 
     def check_spec(self, spec: pb.TapSpec, *, durable: bool, field_prefix: str) -> None:

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from layertap.server.reducers.basic import BasicReducer
 from layertap.server.protowire import varint
+from layertap.server.reducers.basic import BasicReducer
 from layertap.v1 import telemetry_pb2 as pb
 
 __all__ = ["SummaryWire", "results_bytes"]

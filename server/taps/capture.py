@@ -238,7 +238,7 @@ class CaptureSession:
             rec.calls[key] = call + 1
             if rec.error is None and not rec.skipped:
                 self._copy(rec, layer, call, value)
-        except Exception as exc:  # noqa: BLE001 - fails this capture, not the pass
+        except Exception as exc:  # fails this capture, not the pass
             if rec is None:
                 log.exception("capture hook failed at layer %r", layer)
                 return

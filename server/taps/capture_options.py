@@ -17,8 +17,8 @@ from layertap.server.errors import InvalidField, LimitExceeded, Unsupported, unk
 from layertap.server.host.model_host import ModelHost
 from layertap.server.taps.capture_limits import CaptureLimits
 from layertap.server.taps.selectors import GLOB_CHARS, select_layers
-from layertap.v1 import tensor_pb2
 from layertap.v1 import telemetry_pb2 as pb
+from layertap.v1 import tensor_pb2
 
 __all__ = ["GRAD_POINTS", "CaptureOptions", "Selection", "describe", "parse_options"]
 

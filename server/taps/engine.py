@@ -18,23 +18,23 @@ import threading
 import time
 from typing import Any
 
-from layertap.server.stream.broker import Broker
-from layertap.server.stream.publisher import Piece, Publisher
-from layertap.server.stream.sinks import Sinks
-from layertap.server.taps.tap import Tap
-from layertap.server.reducers.transfer import DEFAULT_TRANSFER_BYTES, HostTransfer, PassBuffer
-from layertap.server.errors import echo, AlreadyExists, InvalidField, LimitExceeded, NotFound, Unsupported
+from layertap.server.errors import AlreadyExists, InvalidField, LimitExceeded, NotFound, Unsupported, echo
 from layertap.server.host.hooks import POINT_NAMES, ParamGrad
-from layertap.server.limits import check_name, check_ttl
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
+from layertap.server.limits import check_name, check_ttl
 from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.compiled_kernel import DENSE, Signature
 from layertap.server.reducers.latency import LayerTimer
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.spec import SpecError
+from layertap.server.reducers.transfer import DEFAULT_TRANSFER_BYTES, HostTransfer, PassBuffer
+from layertap.server.stream.broker import Broker
+from layertap.server.stream.publisher import Piece, Publisher
+from layertap.server.stream.sinks import Sinks
 from layertap.server.taps.reuse import PassReuse, passthrough_parents
 from layertap.server.taps.sampling import Clock, Sampler
 from layertap.server.taps.selectors import MAX_SELECTOR_BYTES, select_layers
+from layertap.server.taps.tap import Tap
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")

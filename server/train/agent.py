@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
@@ -174,7 +173,7 @@ def attach(
         # Dynamo skips guards on module hooks by default, so a tap added after
         # the first compiled forward would never fire (and nothing would say
         # so). Guarding on hooks makes each tap change recompile instead.
-        import torch._dynamo.config
+        import torch._dynamo.config  # noqa: PLC0415 - only compiled models pay for dynamo
 
         torch._dynamo.config.skip_nnmodule_hook_guards = False
         log.info("layertap.attach: torch.compile'd model; module hooks are guarded, so adding or removing "

@@ -11,11 +11,10 @@ user's modules hold (out of scope, see docs/training.md).
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 
 def _is_ddp(module: nn.Module) -> bool:
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
     return isinstance(module, (DistributedDataParallel, DataParallel))
 
 

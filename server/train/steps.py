@@ -99,7 +99,7 @@ class StepTracker:
         def run(*args: Any) -> None:
             try:
                 hook(*args)
-            except Exception:  # noqa: BLE001 - never into the user's loop
+            except Exception:  # never into the user's loop
                 self.errors += 1
                 log.exception("layertap step hook failed; the training step went on")
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.capture_script import CaptureScript
 
 import layertap
 from layertap import ProtocolError
@@ -23,7 +24,6 @@ from layertap import _capture as capture
 from layertap import _codec as codec
 from layertap.v1 import telemetry_pb2, tensor_pb2
 from layertap.v1.telemetry_pb2 import CaptureResponse as Msg
-from support.capture_script import CaptureScript
 
 DT = tensor_pb2.DataType
 CHUNK = 1000
@@ -232,7 +232,7 @@ class _Unusual:
     def __init__(self, msg: Msg) -> None:
         self.raw = msg.SerializeToString() + b"\xa0\x06\x01"  # field 100, varint 1
 
-    def SerializeToString(self) -> bytes:  # noqa: N802 - the protobuf name CaptureScript calls
+    def SerializeToString(self) -> bytes:  # the protobuf name CaptureScript calls
         return self.raw
 
 

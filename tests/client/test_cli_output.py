@@ -10,7 +10,20 @@ import math
 import pytest
 from rich.console import Console
 
-from layertap import AbsMax, LayerInfo, Latency, Moments, MinMax, Nonfinite, Norm, Quantiles, Summary, TapInfo, TapSpec, ZeroFraction
+from layertap import (
+    AbsMax,
+    Latency,
+    LayerInfo,
+    MinMax,
+    Moments,
+    Nonfinite,
+    Norm,
+    Quantiles,
+    Summary,
+    TapInfo,
+    TapSpec,
+    ZeroFraction,
+)
 from layertap._cli_json import jsonable, write_json_lines
 from layertap._cli_table import Column, fit_table, layers_table, taps_table
 from layertap._cli_view import update_row, watch_line, watch_table

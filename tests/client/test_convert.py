@@ -6,9 +6,9 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
+from support.capture_script import CaptureScript
 
 import layertap
 from layertap import InvalidArgument, ProtocolError
@@ -16,7 +16,6 @@ from layertap import _capture as capture
 from layertap import _codec as codec
 from layertap import _convert as convert
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc, tensor_pb2
-from support.capture_script import CaptureScript
 
 DT = tensor_pb2.DataType
 MiB = 1 << 20

@@ -7,8 +7,8 @@ import pytest
 
 from layertap import ProtocolError
 from layertap._incidents import assemble
-from layertap.v1 import tensor_pb2
 from layertap.v1 import telemetry_pb2 as pb
+from layertap.v1 import tensor_pb2
 
 RECORD = pb.GetIncidentResponse(incident=pb.Incident(id="inc-1700000000000-0123abcd", tap="t", pass_index=7))
 DATA = np.arange(1, 9, dtype=np.float32)

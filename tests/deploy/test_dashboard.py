@@ -69,8 +69,9 @@ def test_compose_stack_is_consistent() -> None:
     assert set(svc) == {"layertap", "prometheus", "grafana"}
     # Compose appends `command` to the image's ENTRYPOINT: what the container runs is both, and
     # it must parse as `layertap serve` parses it (a repeated `layertap serve` made it exit 2).
-    from layertap.server.cli.serve import build_parser
     from test_dockerfile import instructions
+
+    from layertap.server.cli.serve import build_parser
 
     entry = json.loads(dict(instructions())["ENTRYPOINT"])
     argv = [*entry, *svc["layertap"]["command"]]

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from support.e2e import wait_for
 
 import layertap
 from layertap.server.rpc import auth
 from layertap.v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
-from support.e2e import wait_for
 
 SCOPES = ("infer", "read", "tap", "capture", "admin")
 TOKENS = {name: f"tok-{name}-0123456789abcdef" for name in (*SCOPES, "alice", "bob", "root", "old")}
@@ -214,7 +214,7 @@ def test_baseline_ids_and_reservoirs_are_not_anyone_s(secured):
     from layertap.server.drift.names import baseline_tap_id
 
     squat = baseline_tap_id(telemetry_pb2.SetBaselineRequest(selector="layer3"))
-    with client(secured, "alice") as alice, client(secured, "bob") as bob, client(secured, "root") as root:
+    with client(secured, "alice") as alice, client(secured, "bob") as bob:
         with pytest.raises(layertap.InvalidArgument) as err:
             bob.create_tap("layer3", reducers=["moments"], name=squat)
         assert err.value.field == "spec.name"

@@ -14,13 +14,13 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from support.e2e import batch, rich_details
 
 import layertap
 from layertap.server.host.sources import InputSpec, LoadedModel
 from layertap.v1 import inference_pb2 as ipb
 from layertap.v1 import inference_pb2_grpc, telemetry_pb2_grpc, tensor_pb2
 from layertap.v1 import telemetry_pb2 as pb
-from support.e2e import batch, rich_details
 
 
 @pytest.fixture

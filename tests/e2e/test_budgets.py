@@ -19,6 +19,7 @@ import torch
 from google.protobuf import message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from support.e2e import batch, rich_details, wait_for
 
 import layertap
 from layertap.server.rpc.admission import streaming_methods
@@ -26,7 +27,6 @@ from layertap.server.rpc.auth import SERVED_SERVICES
 from layertap.server.rpc.inference import decode_inputs
 from layertap.server.stream.broker import Batch, Broker
 from layertap.v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc, tensor_pb2
-from support.e2e import batch, rich_details, wait_for
 
 STREAMS_EACH = 70
 OK_WITHIN_S = 2.0
@@ -249,7 +249,7 @@ class CountingSummary:
     size: int
     calls: int = 0
 
-    def ByteSize(self) -> int:  # noqa: N802 - protobuf's name
+    def ByteSize(self) -> int:  # protobuf's name
         self.calls += 1
         return self.size
 

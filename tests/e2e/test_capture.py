@@ -14,13 +14,12 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from support.e2e import batch, rich_details, wait_for
 
 import layertap
 from layertap import _capture
 from layertap.server.host.demo_model import build_demo_model
-from layertap.v1 import tensor_pb2, telemetry_pb2, telemetry_pb2_grpc
-
-from support.e2e import batch, rich_details, wait_for  # noqa: E402
+from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc, tensor_pb2
 
 
 def reference(x: np.ndarray, layers: list[str], seed: int = 0) -> dict[str, np.ndarray]:
@@ -130,7 +129,8 @@ def test_serving_passes_have_no_training_step(client, demo_server):
 
 def test_input_point_and_container_outputs(make_server):
     from support.models import containers
-    from layertap.server.host.sources import LoadedModel, InputSpec
+
+    from layertap.server.host.sources import InputSpec, LoadedModel
 
     model = containers()
     srv = make_server(LoadedModel(model, "containers", "factory", [InputSpec("input", torch.float32, (-1, 8))]))
@@ -155,7 +155,8 @@ def test_input_point_and_container_outputs(make_server):
 
 def test_64_mib_tensor_is_bit_exact_in_1_mib_chunks(make_server):
     from support.models import identity
-    from layertap.server.host.sources import LoadedModel, InputSpec
+
+    from layertap.server.host.sources import InputSpec, LoadedModel
 
     srv = make_server(LoadedModel(identity(), "identity", "factory", [InputSpec("input", torch.float32, (-1, 1024, 1024))]))
     x = np.random.default_rng(7).standard_normal((16, 1024, 1024)).astype(np.float32)  # 64 MiB

@@ -14,6 +14,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from support.e2e import batch, scrape, wait_for
+from support.models import identity
 
 import layertap
 from layertap.server.errors import LimitExceeded
@@ -24,9 +26,6 @@ from layertap.server.taps import capture as capture_mod
 from layertap.server.taps.capture import CaptureOptions, CaptureSession
 from layertap.server.taps.capture_limits import CaptureBudget, CaptureSlots
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
-
-from support.e2e import batch, scrape, wait_for  # noqa: E402
-from support.models import identity
 
 MIB = 1 << 20
 

@@ -16,12 +16,12 @@ import threading
 import grpc
 import numpy as np
 import pytest
+from support.e2e import batch, rich_details, wait_for
+from support.models import layer_outputs
 
 import layertap
 from layertap import _capture
 from layertap.v1 import telemetry_pb2, tensor_pb2
-from support.e2e import batch, rich_details, wait_for
-from support.models import layer_outputs
 
 BLOCKS = ["layer1", "layer2", "layer3", "layer4"]
 CAPTURE = "/layertap.v1.TelemetryService/Capture"
@@ -208,9 +208,10 @@ def _raw_capture(target: str, req: telemetry_pb2.CaptureRequest, **kw) -> list[b
 
 
 def test_the_servers_bytes_parse_with_the_generated_protobuf(make_server):
-    from support.models import identity
-    from layertap.server.host.sources import InputSpec, LoadedModel
     import torch
+    from support.models import identity
+
+    from layertap.server.host.sources import InputSpec, LoadedModel
 
     srv = make_server(LoadedModel(identity(), "identity", "factory", [InputSpec("x", torch.float32, (-1, 1024))]))
     x = np.random.default_rng(5).standard_normal((1100, 1024)).astype(np.float32)  # 4.3 MiB: 5 chunks

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from support.e2e import batch, wait_for
 
 import layertap
 from layertap.server.host.demo_model import build_demo_model
-
-from support.e2e import batch, wait_for
 
 TESTS = Path(__file__).resolve().parent.parent
 

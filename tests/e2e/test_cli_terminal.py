@@ -28,11 +28,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-
-import layertap
-
 from support.e2e import wait_for
 from support.encoder import TEXT_ENCODER_INPUT_SHAPE
+
+import layertap
 
 COLUMNS = 80
 ANSI = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07]*\x07|[()][0-9A-B])")

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.e2e import assert_basic_summaries, batch, first_per_layer, scrape, wait_for
+from support.models import layer_outputs
 
 import layertap
 from layertap.server.reducers.compiled import COMPILED_STATS, supported
 from layertap.server.reducers.compiled_kernel import DENSE, Signature
-from support.e2e import assert_basic_summaries, batch, first_per_layer, scrape, wait_for
-from support.models import layer_outputs
 
 pytestmark = pytest.mark.skipif(not supported(), reason="this torch lacks what the compiled path reads")
 

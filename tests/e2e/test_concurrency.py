@@ -8,11 +8,10 @@ import time
 import numpy as np
 import pytest
 import torch
+from support.e2e import wait_for
 
 import layertap
 from layertap.server.host.sources import InputSpec, LoadedModel
-
-from support.e2e import wait_for
 
 
 class Moody(torch.nn.Module):
@@ -67,8 +66,9 @@ def test_create_tap_during_a_slow_pass_does_not_deadlock(moody):
 
 def test_cancelling_a_capture_mid_pass_does_not_stall_other_rpcs(moody):
     srv, client, model = moody
-    from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
     import grpc
+
+    from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
 
     channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
     stub = telemetry_pb2_grpc.TelemetryServiceStub(channel)

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import torch
 import pytest
-
-import layertap
+import torch
 from support.e2e import scrape, wait_for
 from support.models import Perturbable, perturbable_loaded, pooled_loaded
+
+import layertap
 from layertap import InvalidArgument, LayerDrift, LayerNotFound
 from layertap.server.drift.builder import BaselineBuilder
 from layertap.server.drift.files import save_baseline

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import copy
+
 import numpy as np
 import pytest
 import torch
+from support.e2e import batch
 from torch import nn
 
 import layertap
 from layertap.server.host.demo_model import DEMO_INPUT_SHAPE, build_demo_model
 from layertap.server.host.sources import InputSpec, LoadedModel
-from support.e2e import batch
 
 captum_attr = pytest.importorskip("captum.attr")
 

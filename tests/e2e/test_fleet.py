@@ -6,10 +6,10 @@ import threading
 
 import numpy as np
 import pytest
-
-import layertap
 from support.e2e import wait_for
 from support.prom import free_port
+
+import layertap
 
 
 @pytest.fixture

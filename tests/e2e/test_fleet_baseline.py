@@ -15,10 +15,10 @@ import threading
 import grpc
 import numpy as np
 import pytest
-
-import layertap
 from support.e2e import wait_for
 from support.models import perturbable_loaded
+
+import layertap
 from layertap.server.drift.layer import COLLECT_PROBABILITIES
 from layertap.server.drift.scores import PSI_EPS
 from layertap.v1 import telemetry_pb2 as pb
@@ -174,38 +174,38 @@ def _refused(call, request) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-u
 
 def test_bad_requests_get_a_status_naming_the_field(held) -> None:  # type: ignore[no-untyped-def]
     srv, stub, tap = held
-    I, E = stub.InstallBaseline, stub.ExportBaseline
+    install, export = stub.InstallBaseline, stub.ExportBaseline
     invalid, missing = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
     good = pb.BaselineBuilderState(layer="layer1", point=pb.POINT_OUTPUT, passes=1, count=2, mean=0.5, m2=0.5,
                                    min=0.0, max=1.0, values=[0.0, 1.0], keys=[-0.1, -0.2])
     cases = [
-        (E, pb.ExportBaselineRequest(), invalid, "tap"),
-        (E, pb.ExportBaselineRequest(tap="nope"), missing, "tap"),
-        (I, pb.InstallBaselineRequest(tap="nope", builders=[good]), missing, "tap"),
-        (I, pb.InstallBaselineRequest(tap=tap), invalid, "builders"),
-        (I, pb.InstallBaselineRequest(tap=tap, builders=[good], frozen=[b"{}"]), invalid, "builders"),
-        (I, pb.InstallBaselineRequest(tap=tap, builders=[pb.BaselineBuilderState(layer="layer1", values=[1.0])]),
+        (export, pb.ExportBaselineRequest(), invalid, "tap"),
+        (export, pb.ExportBaselineRequest(tap="nope"), missing, "tap"),
+        (install, pb.InstallBaselineRequest(tap="nope", builders=[good]), missing, "tap"),
+        (install, pb.InstallBaselineRequest(tap=tap), invalid, "builders"),
+        (install, pb.InstallBaselineRequest(tap=tap, builders=[good], frozen=[b"{}"]), invalid, "builders"),
+        (install, pb.InstallBaselineRequest(tap=tap, builders=[pb.BaselineBuilderState(layer="layer1", values=[1.0])]),
          invalid, "builders[0].keys"),
-        (I, pb.InstallBaselineRequest(tap=tap, builders=[good, pb.BaselineBuilderState(
+        (install, pb.InstallBaselineRequest(tap=tap, builders=[good, pb.BaselineBuilderState(
             layer="layer1", values=[float("nan")], keys=[-1.0], count=1)]), invalid, "builders[1].values[0]"),
-        (I, pb.InstallBaselineRequest(tap=tap, builders=[pb.BaselineBuilderState(
+        (install, pb.InstallBaselineRequest(tap=tap, builders=[pb.BaselineBuilderState(
             layer="layer1", values=[1.0], keys=[0.5], count=1)]), invalid, "builders[0].keys"),
-        (I, pb.InstallBaselineRequest(tap=tap, builders=[pb.BaselineBuilderState(layer="layer3")]),
+        (install, pb.InstallBaselineRequest(tap=tap, builders=[pb.BaselineBuilderState(layer="layer3")]),
          invalid, "builders[0].layer"),
-        (I, pb.InstallBaselineRequest(tap=tap, builders=[pb.BaselineBuilderState(layer="layer1", point=pb.POINT_INPUT)]),
+        (install, pb.InstallBaselineRequest(tap=tap, builders=[pb.BaselineBuilderState(layer="layer1", point=pb.POINT_INPUT)]),
          invalid, "builders[0].point"),
-        (I, pb.InstallBaselineRequest(tap=tap, builders=[pb.BaselineBuilderState(layer="layer1", m2=-1.0)]),
+        (install, pb.InstallBaselineRequest(tap=tap, builders=[pb.BaselineBuilderState(layer="layer1", m2=-1.0)]),
          invalid, "builders[0].m2"),
-        (I, pb.InstallBaselineRequest(tap=tap, builders=[pb.BaselineBuilderState(layer="layer1")]),
+        (install, pb.InstallBaselineRequest(tap=tap, builders=[pb.BaselineBuilderState(layer="layer1")]),
          grpc.StatusCode.FAILED_PRECONDITION, "builders"),
-        (I, pb.InstallBaselineRequest(tap=tap, frozen=[b"\xff not json"]), invalid, "frozen[0]"),
-        (I, pb.InstallBaselineRequest(tap=tap, frozen=[b'{"schema": "layertap.baseline"}']), invalid, "frozen[0]"),
+        (install, pb.InstallBaselineRequest(tap=tap, frozen=[b"\xff not json"]), invalid, "frozen[0]"),
+        (install, pb.InstallBaselineRequest(tap=tap, frozen=[b'{"schema": "layertap.baseline"}']), invalid, "frozen[0]"),
     ]
     for call, request, code, field in cases:
         got, details = _refused(call, request)
         assert (got, details.split(":", 1)[0]) == (code, field), (request, got, details)
     # Nothing was installed by any refusal: both layers still collect.
-    states = {layer.layer: layer.state for layer in E(pb.ExportBaselineRequest(tap=tap), timeout=10).layers}
+    states = {layer.layer: layer.state for layer in export(pb.ExportBaselineRequest(tap=tap), timeout=10).layers}
     assert states == {"layer1": pb.BASELINE_STATE_COLLECTING, "layer2": pb.BASELINE_STATE_COLLECTING}
 
 

@@ -20,12 +20,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from support.e2e import batch, scrape, wait_for
+from support.models import perturbable_loaded
 
 import layertap
 from layertap import Incidents
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
-from support.e2e import batch, scrape, wait_for
-from support.models import perturbable_loaded
 
 LAYERS = ["layer1", "layer2", "layer3", "layer4"]
 ENOSPC_TEXT = os.strerror(errno.ENOSPC)  # "No space left on device"

@@ -14,9 +14,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+from support.e2e import batch, wait_for
 
 import layertap
-from support.e2e import batch, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -139,7 +139,6 @@ def test_a_watch_that_grants_no_window_stalls_only_itself(make_server):
     import time
 
     from h2.settings import SettingCodes
-
     from support.h2abuse import HEALTH_WATCH, H2Client, grpc_frame
 
     srv = make_server()

@@ -16,12 +16,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, Phase, given, settings
-
-from layertap.server.app import start_server
-from layertap.v1 import telemetry_pb2 as pb
 from support.e2e import scrape
 from support.hostile import HEALTH, RPCS, SHARES, TELEMETRY, Case
 from support.hostile_check import LogWatch, Target, server_config
+
+from layertap.server.app import start_server
+from layertap.v1 import telemetry_pb2 as pb
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import threading
 import grpc
 import numpy as np
 import pytest
+from support.e2e import batch, wait_for
 
 from layertap import Client, Incidents
 from layertap.v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
-from support.e2e import batch, wait_for
 
 LAYERS = ["layer1", "layer2"]
 

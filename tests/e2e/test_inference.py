@@ -6,12 +6,11 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from support.e2e import batch
 
 import layertap
 from layertap.server.host.demo_model import build_demo_model
 from layertap.v1 import inference_pb2, inference_pb2_grpc, tensor_pb2
-
-from support.e2e import batch
 
 
 def test_metadata_lets_a_client_build_an_input(client):

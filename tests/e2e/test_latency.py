@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from support.e2e import wait_for
 from torch import nn
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from layertap import Client, InvalidArgument
 from layertap.server.host.sources import InputSpec, LoadedModel
-from support.e2e import wait_for
 
 WIDTH = 768
 ROWS = 512

@@ -14,10 +14,11 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.e2e import scrape, wait_for
 
 from layertap import Client
-from layertap.v1 import telemetry_pb2 as pb, telemetry_pb2_grpc
-from support.e2e import scrape, wait_for
+from layertap.v1 import telemetry_pb2 as pb
+from layertap.v1 import telemetry_pb2_grpc
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads RSS from /proc")
 

@@ -7,10 +7,10 @@ import hashlib
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.e2e import batch, rich_details, wait_for
 
 import layertap
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
-from support.e2e import batch, rich_details, wait_for
 
 TOKENS = {"reader": "tok-reader-0123456789abcdef", "other": "tok-other-0123456789abcdef"}
 

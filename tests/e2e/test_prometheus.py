@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-import layertap
+from support.dashboard import dashboard_exprs, dashboard_targets
 from support.e2e import wait_for
 from support.models import Perturbable, perturbable_loaded
-from support.dashboard import dashboard_exprs, dashboard_targets
 from support.prom import ALERTS, JOB, PrometheusServer, prometheus_binary, sample_value
+
+import layertap
 
 pytestmark = pytest.mark.prometheus
 

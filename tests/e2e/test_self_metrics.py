@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import layertap
 from support.e2e import batch, scrape, wait_for
+
+import layertap
 
 
 def test_transfer_and_baseline_counters_are_exported(make_server) -> None:

@@ -16,12 +16,12 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.e2e import batch, scrape
 
 import layertap
 from layertap.server import app
 from layertap.server.app import SERVICE_NAMES
 from layertap.v1 import inference_pb2, inference_pb2_grpc, tensor_pb2
-from support.e2e import batch, scrape
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 GRACE = 1.0

@@ -21,13 +21,12 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from layertap.server.rpc import health_listener
-from layertap.server.rpc import health
-from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
 from support.e2e import batch
 from support.h2abuse import HEALTH_CHECK, HEALTH_WATCH, LIST_LAYERS
 from support.storm import SERVING, TOKENS, Rpc, Server, Tls, abuse, free_port, rpcs, settle, tokens_file, wait_until
+
+from layertap.server.rpc import health, health_listener
+from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 GRACE = 1.0
 #: Seconds past the grace that a SIGTERMed server may take (tests/e2e/test_shutdown.py's slack).

@@ -11,11 +11,10 @@ import threading
 
 import numpy as np
 import pytest
+from support.e2e import assert_basic_summaries, batch, first_per_layer, wait_for
+from support.models import layer_outputs
 
 import layertap
-
-from support.e2e import assert_basic_summaries, batch, first_per_layer, wait_for  # noqa: E402
-from support.models import layer_outputs
 
 
 def test_watch_streams_correct_summaries(client, demo_server):
@@ -63,6 +62,7 @@ def test_slow_subscriber_drops_are_counted_and_fast_one_gets_all(client, demo_se
     tap = client.create_tap("fc", reducers=["moments", {"histogram": {"bins": 1024, "min": -4, "max": 4}}],
                             ttl=120, name="drops")
     import grpc
+
     from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
 
     channel = grpc.insecure_channel(client.target, options=[("grpc.http2.bdp_probe", 0)])

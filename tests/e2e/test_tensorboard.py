@@ -7,15 +7,15 @@ import threading
 
 import numpy as np
 import pytest
-
-from layertap import Client, Summary
 from support.e2e import batch, wait_for
 
-pytest.importorskip("tensorboard")
-from PIL import Image  # noqa: E402  (pillow is a tensorboard-test helper only)
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from layertap import Client, Summary
 
-from layertap._tensorboard import FollowOptions, TensorBoardBridge, feature_grid, follow  # noqa: E402
+pytest.importorskip("tensorboard")
+from PIL import Image  # pillow is a tensorboard-test helper only
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from layertap._tensorboard import FollowOptions, TensorBoardBridge, feature_grid, follow
 
 LAYERS = ("layer1", "layer4")
 SELECTOR = "re:^layer[14]$"

@@ -13,12 +13,12 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
+from support.e2e import wait_for
+from support.training import batches, free_port_pair, inplace_net, train_steps
 from torch import nn
 
 import layertap
 from layertap.server.host.demo_model import build_demo_model
-from support.e2e import wait_for
-from support.training import batches, free_port_pair, inplace_net, train_steps
 
 DEMO = (3, 32, 32)
 

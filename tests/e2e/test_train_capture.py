@@ -10,14 +10,14 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from support.e2e import wait_for
+from support.training import batches
 from torch import nn
 
 import layertap
 from layertap import _capture
 from layertap.server.host.demo_model import build_demo_model
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
-from support.e2e import wait_for
-from support.training import batches
 
 DEMO = (3, 32, 32)
 

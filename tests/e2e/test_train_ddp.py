@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from support.training import free_port, rank_env
 
 TESTS = Path(__file__).resolve().parents[1]

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-import layertap
-from layertap.server.host.demo_model import build_demo_model
 from support.e2e import wait_for
 from support.prom import PrometheusServer, prometheus_binary
 from support.training import free_port, free_port_pair, rank_env
+
+import layertap
+from layertap.server.host.demo_model import build_demo_model
 
 TESTS = Path(__file__).resolve().parents[1]
 STEPS = 4

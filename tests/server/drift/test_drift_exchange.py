@@ -7,7 +7,11 @@ import pytest
 
 from layertap.server.drift.builder import BaselineBuilder
 from layertap.server.drift.exchange import (
-    builder_state_from_proto, builder_state_to_proto, frozen_from_bytes, frozen_to_bytes, merge_states,
+    builder_state_from_proto,
+    builder_state_to_proto,
+    frozen_from_bytes,
+    frozen_to_bytes,
+    merge_states,
 )
 from layertap.server.errors import InvalidField
 

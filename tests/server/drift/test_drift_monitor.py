@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from layertap.server.stream.broker import Broker
 from layertap.server.drift.builder import BaselineBuilder
 from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.errors import AlreadyExists, LimitExceeded
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import load_model
-from layertap.server.taps.tap_files import reducer_spec
+from layertap.server.stream.broker import Broker
 from layertap.server.taps.engine import TapEngine
+from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
 
 

@@ -13,12 +13,12 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
+from support.e2e import wait_for
 
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DriftThresholds
 from layertap.server.export.activations import ActivationCollector
 from layertap.server.export.endpoint import start_metrics_server, stop_metrics_server
-from support.e2e import wait_for
 from layertap.server.export.exposition import render_latest, render_openmetrics
 from layertap.server.export.health import ServerMetrics
 from layertap.server.export.pipeline import PipelineCollector

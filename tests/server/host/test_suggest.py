@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import torch
+from support.encoder import text_encoder
+from support.models import perturbable
 from torch import nn
 
 from layertap.server.host.demo_model import build_demo_model
 from layertap.server.host.suggest import suggest_layer
-
-from support.encoder import text_encoder
-from support.models import perturbable
 
 
 def ran_names(model: nn.Module, x: torch.Tensor) -> set[str]:

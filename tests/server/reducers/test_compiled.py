@@ -25,17 +25,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.sync_guard import NoSyncMode
+from support.tensors import gen, plant_nonfinite
 from torch import nn
 
-from layertap.server.reducers import compiled_aoti, compiled_worker, plan as plan_module
+from layertap.server.reducers import compiled_aoti, compiled_worker
+from layertap.server.reducers import plan as plan_module
 from layertap.server.reducers.compiled import MAX_GUARD_MISSES, CompiledStats
 from layertap.server.reducers.compiled_kernel import DENSE, ROWS, SHIFT_SAMPLE, Signature, canonical_form, signature_of
 from layertap.server.reducers.kernels import COUNT, MAX, MIN, NAN, S1, S2, SHIFT, ZEROS, StatNeeds, fused_basic_stats
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.spec import parse_reducer_names
 from layertap.server.reducers.workspace import Workspace
-from support.sync_guard import NoSyncMode
-from support.tensors import gen, plant_nonfinite
 
 ALL_NEEDS = StatNeeds(zeros=True, nan=True, count=True, sums=True, shifted=True, minmax=True)
 BASIC = "moments,minmax,abs_max,zero_fraction,nonfinite,norm"

@@ -14,10 +14,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from support.sync_guard import NoSyncMode, SyncError, assert_no_sync
 
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.transfer import HostTransfer, PassBuffer
-from support.sync_guard import NoSyncMode, SyncError, assert_no_sync
 from layertap.v1 import telemetry_pb2 as pb
 
 SAMPLE = 2048

@@ -20,10 +20,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from support.tensors import drawn_sample, gen, plant_nonfinite
 
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.spec import DEFAULT_SAMPLE_SIZE, QUANTILE_DELTA
-from support.tensors import drawn_sample, gen, plant_nonfinite
 from layertap.v1 import telemetry_pb2 as pb
 
 PS = [0.0, 0.001, 0.01, 0.05, 0.25, 1 / 3, 0.5, 0.75, 0.95, 0.99, 0.999, 1.0]

@@ -18,8 +18,12 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from support.sync_guard import NoSyncMode
+from support.tensors import gen, plant_nonfinite
 
+from layertap.server.reducers import workspace
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
+from layertap.server.reducers.samplesort import sort_ascending
 from layertap.server.reducers.spec import (
     DEFAULT_HISTOGRAM_BINS,
     DEFAULT_MAX_CHANNELS,
@@ -32,11 +36,7 @@ from layertap.server.reducers.spec import (
     parse_reducer_names,
     reducer_name,
 )
-from layertap.server.reducers import workspace
-from layertap.server.reducers.samplesort import sort_ascending
 from layertap.server.reducers.workspace import flat_view, gather_flat
-from support.sync_guard import NoSyncMode
-from support.tensors import gen, plant_nonfinite
 from layertap.v1 import telemetry_pb2 as pb
 
 ALL = "moments,minmax,abs_max,zero_fraction,nonfinite,norm,histogram,quantiles,per_channel"

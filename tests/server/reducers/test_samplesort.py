@@ -14,11 +14,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from support.sync_guard import NoSyncMode
+from support.tensors import drawn_sample, gen, plant_nonfinite
 
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.samplesort import sort_ascending
-from support.sync_guard import NoSyncMode
-from support.tensors import drawn_sample, gen, plant_nonfinite
 from layertap.v1 import telemetry_pb2 as pb
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections.abc import Hashable
 
 import numpy as np

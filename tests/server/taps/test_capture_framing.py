@@ -14,8 +14,8 @@ from layertap.server.taps.capture import CapturedPass, CapturedTensor
 from layertap.server.taps.capture_limits import CaptureBudget
 from layertap.server.taps.capture_options import CaptureOptions
 from layertap.server.taps.capture_wire import CHUNK_BYTES, chunk_message, encode_pass, varint
-from layertap.v1 import tensor_pb2
 from layertap.v1 import telemetry_pb2 as pb
+from layertap.v1 import tensor_pb2
 
 UINT32 = st.integers(0, (1 << 32) - 1)
 UINT64 = st.integers(0, (1 << 64) - 1)
@@ -89,8 +89,8 @@ def test_every_route_to_capture_sends_its_bytes_unserialized() -> None:
     """Registered and generic lookups both reach the Capture handler without a serializer; other methods keep theirs."""
     from types import SimpleNamespace
 
-    from layertap.server.rpc.telemetry import TelemetryService, add_to_server
     from layertap.server.rpc.state import StateCell
+    from layertap.server.rpc.telemetry import TelemetryService, add_to_server
 
     server = _Recorder()
     add_to_server(TelemetryService(StateCell()), server)  # type: ignore[arg-type]

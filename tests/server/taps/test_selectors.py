@@ -6,8 +6,7 @@ import threading
 
 import pytest
 
-from layertap.server.errors import InvalidField, NotFound
-from layertap.server.errors import ECHO_CHARS
+from layertap.server.errors import ECHO_CHARS, InvalidField, NotFound
 from layertap.server.taps.selectors import MAX_SELECTOR_BYTES, select_layers
 
 #: A ResNet-50-sized name list: long dotted names, as catastrophic backtracking needs.

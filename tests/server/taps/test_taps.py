@@ -7,14 +7,14 @@ import random
 import numpy as np
 import pytest
 import torch
+from support.sync_guard import NoSyncMode, SyncError
 
-from layertap.server.stream.broker import Broker
 from layertap.server.errors import InvalidField, NotFound
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import load_model
-from support.sync_guard import NoSyncMode, SyncError
-from layertap.server.taps.tap_files import load_tap_config, reducer_spec
+from layertap.server.stream.broker import Broker
 from layertap.server.taps.engine import TapEngine
+from layertap.server.taps.tap_files import load_tap_config, reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
 
 

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from support.training import batches, inplace_net, train_steps
 from torch import nn
 
 from layertap.server.host.model_host import ModelHost
@@ -20,7 +21,6 @@ from layertap.server.train.names import unwrap
 from layertap.server.train.ranks import Rank
 from layertap.server.train.steps import StepTracker
 from layertap.v1 import telemetry_pb2 as pb
-from support.training import batches, inplace_net, train_steps
 
 
 class Rig:
