@@ -371,7 +371,7 @@ def summary_from_proto(s: telemetry_pb2.Summary) -> Summary:
         tap=s.tap, layer=s.layer, point=point_name(s.point), output_index=s.output_index,
         pass_index=s.pass_index, step=s.step if s.has_step else None,
         wall_time=wall.seconds + wall.nanos / 1e9, unsampled=s.unsampled, results=results,
-        call_index=s.call_index, rank=s.rank if s.has_rank else None,
+        call_index=s.call_index, rank=s.rank if s.has_rank else None, output_key=s.output_key,
     )
 
 

@@ -192,6 +192,10 @@ class Summary:
         call_index: 0 for the module's first call in the pass, 1 for a second...
         rank: The ``torch.distributed`` rank of the training agent that sent
             it; None from a serving replica.
+        output_key: For a tensor the module got as a keyword argument (point
+            ``input``), the keyword or its path in one
+            (``position_embeddings.0``); "" for positional arguments and
+            outputs. ``output_index`` counts positional tensors first.
     """
 
     tap: str
@@ -205,6 +209,7 @@ class Summary:
     results: dict[str, ReducerResult] = field(default_factory=dict)
     call_index: int = 0
     rank: int | None = None
+    output_key: str = ""
 
 
 @dataclass(frozen=True)

@@ -1099,6 +1099,7 @@ class Summary(_message.Message):
     RESULTS_FIELD_NUMBER: _builtins.int
     UNSAMPLED_FIELD_NUMBER: _builtins.int
     CALL_INDEX_FIELD_NUMBER: _builtins.int
+    OUTPUT_KEY_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     HAS_RANK_FIELD_NUMBER: _builtins.int
     tap: _builtins.str
@@ -1113,6 +1114,12 @@ class Summary(_message.Message):
     """True when only the always-on reducers (nonfinite) ran on this pass."""
     call_index: _builtins.int
     """0 for the module's first call in the pass, 1 for the second..."""
+    output_key: _builtins.str
+    """For a tensor passed as a keyword argument (point input): its keyword, or
+    its path in one (`position_embeddings.0`), as CaptureHeader.output_key.
+    Empty for positional arguments and outputs; output_index is the tensor's
+    place either way (positional tensors first, then keyword ones).
+    """
     rank: _builtins.int
     """The torch.distributed RANK of the training agent (layertap.attach) that
     produced this summary; valid when has_rank. Serving replicas have none.
@@ -1136,12 +1143,13 @@ class Summary(_message.Message):
         results: _abc.Iterable[Global___ReducerResult] | None = ...,
         unsampled: _builtins.bool = ...,
         call_index: _builtins.int = ...,
+        output_key: _builtins.str = ...,
         rank: _builtins.int = ...,
         has_rank: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["wall_time", b"wall_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_index", b"call_index", "has_rank", b"has_rank", "has_step", b"has_step", "layer", b"layer", "output_index", b"output_index", "pass_index", b"pass_index", "point", b"point", "rank", b"rank", "results", b"results", "step", b"step", "tap", b"tap", "unsampled", b"unsampled", "wall_time", b"wall_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_index", b"call_index", "has_rank", b"has_rank", "has_step", b"has_step", "layer", b"layer", "output_index", b"output_index", "output_key", b"output_key", "pass_index", b"pass_index", "point", b"point", "rank", b"rank", "results", b"results", "step", b"step", "tap", b"tap", "unsampled", b"unsampled", "wall_time", b"wall_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

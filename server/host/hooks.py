@@ -11,6 +11,11 @@ in-place op on them (``ReLU(inplace=True)``) then raises inside the user's
 forward. A tensor hook registered before an in-place op still receives the
 gradient of the value it saw, and never raises. A tap only observes: no
 callback exception ever reaches the model's forward or backward.
+
+``input`` sees keyword arguments (:class:`CallArgs`); ``grad_input`` does
+not: like torch's own ``grad_input``, it covers positional tensor arguments
+only, so a module called with keywords only gives none (docs/design.md,
+Decisions).
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-#: ``callback(ctx, value)``: ``value`` is the output object, the args tuple,
-#: the grad tuple, or a :class:`ParamGrad` depending on the point.
+#: ``callback(ctx, value)``: ``value`` is the output object, the args tuple (a
+#: :class:`CallArgs` when the call had keyword arguments), the grad tuple, or a
+#: :class:`ParamGrad` depending on the point.
 HookCallback = Callable[[Any, object], None]
 
 _T = TypeVar("_T")
@@ -50,6 +56,59 @@ class ParamGrad(NamedTuple):
     position: int
     name: str
     grad: torch.Tensor
+
+
+class CallArgs:
+    """An ``input`` point's value when the module was called with keyword arguments.
+
+    Hugging Face calls its attention modules with keywords only
+    (``hidden_states=..., position_embeddings=(cos, sin), past_key_values=cache``).
+    A call without keywords still hands hooks the bare args tuple, so models
+    called positionally see no change and pay nothing.
+
+    :meth:`named_tensors` lists the positional tensors first (keyed by their
+    position, as a tuple's are), then each keyword's tensors keyed by their
+    path: ``hidden_states``, ``position_embeddings.0``. Non-tensors (a cache
+    object, a flag, ``None``) are skipped.
+    """
+
+    __slots__ = ("_named", "_positional", "args", "kwargs")
+
+    #: Containers in a keyword argument are followed this deep (a path has at most this many dots).
+    MAX_DEPTH = 4
+
+    def __init__(self, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+        self.args = args
+        self.kwargs = kwargs
+        self._named: list[tuple[str, torch.Tensor]] | None = None
+        self._positional = 0
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor argument with its key; computed once per call (several taps may read it)."""
+        if self._named is None:
+            named = [(str(i), v) for i, v in enumerate(self.args) if isinstance(v, torch.Tensor)]
+            self._positional = len(named)
+            for name, v in self.kwargs.items():
+                _walk(str(name), v, named, self.MAX_DEPTH)
+            self._named = named
+        return self._named
+
+    @property
+    def positional(self) -> int:
+        """How many of :meth:`named_tensors` are positional (the rest are keyword tensors)."""
+        self.named_tensors()
+        return self._positional
+
+
+def _walk(path: str, value: object, out: list[tuple[str, torch.Tensor]], depth: int) -> None:
+    if isinstance(value, torch.Tensor):
+        out.append((path, value))
+    elif depth > 0 and isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            _walk(f"{path}.{i}", v, out, depth - 1)
+    elif depth > 0 and isinstance(value, dict):
+        for k, v in value.items():
+            _walk(f"{path}.{k}", v, out, depth - 1)
 
 
 @dataclass
@@ -179,7 +238,9 @@ class HookRegistry:
         if point == pb.POINT_OUTPUT:
             handles.append(module.register_forward_hook(lambda _m, _a, out: fire(out)))
         elif point == pb.POINT_INPUT:
-            handles.append(module.register_forward_pre_hook(lambda _m, args: fire(args)))
+            # with_kwargs: a module called with keywords only (Hugging Face attention) has empty args.
+            handles.append(module.register_forward_pre_hook(
+                lambda _m, args, kwargs: fire(CallArgs(args, kwargs) if kwargs else args), with_kwargs=True))
         elif point == pb.POINT_GRAD_OUTPUT:
             handles.append(module.register_forward_hook(lambda _m, _a, out: self._watch_outputs(out, fire, handle)))
         elif point == pb.POINT_GRAD_INPUT:

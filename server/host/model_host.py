@@ -27,7 +27,7 @@ from torch import nn
 
 from layertap.server.codec import dtype_name
 from layertap.server.errors import InvalidField, LimitExceeded, Unsupported
-from layertap.server.host.hooks import HookRegistry, ParamGrad
+from layertap.server.host.hooks import CallArgs, HookRegistry, ParamGrad
 from layertap.server.host.model_thread import ModelThread
 from layertap.server.host.sources import InputSpec, LoadedModel
 
@@ -93,9 +93,13 @@ def _castable(got: torch.dtype, want: torch.dtype) -> bool:
 
 def flatten_tensors(value: Any) -> list[tuple[str, torch.Tensor]]:
     """Tensors in a hook value with their key: ``""`` for a bare tensor,
-    ``"0"``, ``"1"``... for tuples/lists, the dict key for dicts."""
+    ``"0"``, ``"1"``... for tuples/lists, the dict key for dicts, and for a call's
+    arguments (:class:`CallArgs`) the positional ones by position, then the
+    keyword ones by path (``position_embeddings.0``)."""
     if isinstance(value, torch.Tensor):
         return [("", value)]
+    if isinstance(value, CallArgs):
+        return value.named_tensors()
     if isinstance(value, ParamGrad):
         return [(value.name, value.grad)] if isinstance(value.grad, torch.Tensor) else []
     if isinstance(value, dict):
@@ -295,13 +299,13 @@ class ModelHost:
         names = {id(m): n for n, m in self._modules.items() if n}
         shapes = self.layer_shapes
 
-        def record(module: nn.Module, args: Any, out: Any) -> None:
+        def record(module: nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> None:
             name = names.get(id(module))
             if name is not None:
-                shapes[name] = LayerShapes(_shapes(args), _shapes(out))
+                shapes[name] = LayerShapes(_shapes(CallArgs(args, kwargs) if kwargs else args), _shapes(out))
 
         # A global hook lives only for this pass, under the model lock.
-        return nn.modules.module.register_module_forward_hook(record)
+        return nn.modules.module.register_module_forward_hook(record, with_kwargs=True)
 
     def warm_up(self) -> None:
         """Run one batch-1 pass on zeros so shapes are known before traffic."""

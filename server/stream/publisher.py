@@ -52,6 +52,8 @@ class Piece(Generic[_TapT]):
     plan: ReducerPlan
     sampled: bool
     lap: Lap | None = None
+    #: The keyword path of a keyword argument's tensor (``position_embeddings.0``), else "".
+    output_key: str = ""
 
 
 class Publisher:
@@ -89,7 +91,7 @@ class Publisher:
             if layout is not None and p.lap is None:  # the common case: see summary_wire
                 results = results_bytes(layout, values[i].tolist(), p.shape)
                 summary = self._wire.summary(p.tap.id, p.layer, p.tap.spec.point, p.output_index, p.call_index,
-                                             not p.sampled, pass_part, results, rank_part)
+                                             not p.sampled, pass_part, results, rank_part, p.output_key)
             else:
                 summary = self._summary(ctx, p, wall, values[i], rank)
             summaries.append(summary)
@@ -108,7 +110,7 @@ class Publisher:
         summary = pb.Summary(
             tap=p.tap.id, layer=p.layer, point=p.tap.spec.point, output_index=p.output_index,
             pass_index=ctx.index, wall_time=wall, results=results,
-            unsampled=not p.sampled, call_index=p.call_index,
+            unsampled=not p.sampled, call_index=p.call_index, output_key=p.output_key,
         )
         if ctx.step is not None:
             summary.step = ctx.step

@@ -29,7 +29,7 @@ _VARINT, _FIXED64, _LENGTH = 0, 1, 2
 _SUMMARY = pb.Summary.DESCRIPTOR.fields_by_name
 _RESULTS = pb.ReducerResult.DESCRIPTOR.fields_by_name
 _double = struct.Struct("<d").pack
-#: Header entries kept at most (one per tap, layer, output, call and sampling).
+#: Header entries kept at most (one per tap, layer, output, call, sampling and keyword path).
 MAX_HEADERS = 4096
 
 
@@ -159,9 +159,9 @@ class SummaryWire:
         return b"" if rank is None else _summary_field("rank", rank) + _summary_field("has_rank", 1)
 
     def summary(self, tap: str, layer: str, point: int, output_index: int, call_index: int, unsampled: bool,
-                pass_part: bytes, results: bytes, rank_part: bytes = b"") -> pb.Summary:
+                pass_part: bytes, results: bytes, rank_part: bytes = b"", output_key: str = "") -> pb.Summary:
         """A parsed ``Summary``; ``results`` is :func:`results_bytes` of its plan."""
-        key = (tap, layer, point, output_index, call_index, unsampled)
+        key = (tap, layer, point, output_index, call_index, unsampled, output_key)
         header = self._headers.get(key)
         if header is None:
             if len(self._headers) >= MAX_HEADERS:
@@ -169,5 +169,7 @@ class SummaryWire:
             head = (_summary_field("tap", tap) + _summary_field("layer", layer) + _summary_field("point", point)
                     + _summary_field("output_index", output_index))
             rest = _summary_field("unsampled", unsampled) + _summary_field("call_index", call_index)
+            if output_key:  # proto3 writes no empty string: nor do we
+                rest += _summary_field("output_key", output_key)
             header = self._headers[key] = (head, rest)
         return pb.Summary.FromString(header[0] + pass_part + results + header[1] + rank_part)

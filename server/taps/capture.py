@@ -36,7 +36,7 @@ from layertap.server.errors import (
     Unsupported,
     echo,
 )
-from layertap.server.host.hooks import HookHandle, ParamGrad
+from layertap.server.host.hooks import CallArgs, HookHandle, ParamGrad
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
 from layertap.server.taps.capture_limits import CaptureBudget, CaptureLimits, CaptureSlots, Reservation
 from layertap.server.taps.capture_options import GRAD_POINTS, CaptureOptions, Selection, describe, parse_options
@@ -265,9 +265,13 @@ class CaptureSession:
         # parameters: its place is its position; the structure is settled
         # when the pass ends (_settle_gradients).
         offset = value.position if isinstance(value, ParamGrad) else 0
+        # Keyword tensors come back by name (a dict; positional ones keyed by
+        # position); a call with no keyword tensor is read as its args tuple.
+        keywords = isinstance(value, CallArgs) and value.positional < len(items)
         # A one-argument input comes back like an output; several as a list.
         is_container = not isinstance(value, (torch.Tensor, ParamGrad)) and not (
-            self.opts.point == pb.POINT_INPUT and isinstance(value, tuple) and len(items) == 1
+            self.opts.point == pb.POINT_INPUT and isinstance(value, (tuple, CallArgs)) and len(items) == 1
+            and not keywords
         )
         # A parameter's first dimension is no batch.
         max_batch = 0 if self.opts.point == pb.POINT_PARAM_GRAD else self.opts.max_batch
@@ -294,7 +298,7 @@ class CaptureSession:
         if not self._reserve(rec, layer, need, more):
             return
         rec.nbytes = need
-        keyed = isinstance(value, (dict, ParamGrad))
+        keyed = keywords or isinstance(value, (dict, ParamGrad))
         for i, (key, t, dtype, _n) in enumerate(planned):
             src = t.detach()
             if max_batch and src.dim():

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from layertap.server.errors import AlreadyExists, InvalidField, LimitExceeded, NotFound, Unsupported, echo
-from layertap.server.host.hooks import POINT_NAMES, ParamGrad
+from layertap.server.host.hooks import POINT_NAMES, CallArgs, ParamGrad
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
 from layertap.server.limits import check_name, check_ttl
 from layertap.server.reducers.compiled import COMPILED_STATS
@@ -248,9 +248,11 @@ class TapEngine:
             self._buffer = PassBuffer()
         # A parameter gradient reports its position among the module's parameters.
         offset = value.position if isinstance(value, ParamGrad) else 0
+        # Keyword tensors (after the positional ones) carry their path; nothing to build otherwise.
+        keyword_from = value.positional if isinstance(value, CallArgs) else None
         try:
             key = plan.reuse_key
-            for i, (_key, tensor) in enumerate(flatten_tensors(value)):
+            for i, (name, tensor) in enumerate(flatten_tensors(value)):
                 vec = self._reuse.get(key, tensor) if key is not None else None
                 if vec is None:
                     vec = plan.run(tensor)
@@ -258,7 +260,8 @@ class TapEngine:
                         self._reuse.put(key, tensor, vec)
                 self._buffer.add(len(self._pieces), vec)
                 self._pieces.append(Piece(tap, layer, offset + i, call, tuple(tensor.shape), plan, tap._sampled,
-                                           lap if plan.timed else None))
+                                           lap if plan.timed else None,
+                                           name if keyword_from is not None and i >= keyword_from else ""))
         except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
             self._fail(tap, layer, exc)
         finally:

@@ -23,13 +23,13 @@ KINDS = sorted(BASIC_REDUCERS)
 
 def by_messages(plan: ReducerPlan, values: list[float], shape: tuple[int, ...], *, tap: str, layer: str,
                 point: int, output_index: int, call_index: int, unsampled: bool, pass_index: int,
-                step: int | None, rank: int | None, wall: float) -> pb.Summary:
+                step: int | None, rank: int | None, wall: float, output_key: str = "") -> pb.Summary:
     """The engine's message path (``TapEngine._summary``), written out."""
     import numpy as np
 
     summary = pb.Summary(tap=tap, layer=layer, point=point, output_index=output_index, pass_index=pass_index,
                          wall_time=timestamp(wall), results=plan.decode(np.array(values), shape),
-                         unsampled=unsampled, call_index=call_index)
+                         unsampled=unsampled, call_index=call_index, output_key=output_key)
     if step is not None:
         summary.step, summary.has_step = step, True
     if rank is not None:
@@ -47,9 +47,10 @@ def by_messages(plan: ReducerPlan, values: list[float], shape: tuple[int, ...], 
     output_index=st.integers(0, 2**32 - 1), call_index=st.integers(0, 2**32 - 1), unsampled=st.booleans(),
     pass_index=st.integers(0, 2**64 - 1), step=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
     rank=st.one_of(st.none(), st.integers(0, 2**32 - 1)), wall=st.floats(0, 4e9),
+    output_key=st.one_of(st.just(""), st.text(max_size=40)),
 )
 def test_wire_summary_equals_the_message_built_one(kinds, data, shape, tap, layer, point, output_index, call_index,
-                                                   unsampled, pass_index, step, rank, wall) -> None:
+                                                   unsampled, pass_index, step, rank, wall, output_key) -> None:
     plan = ReducerPlan(build_reducers([pb.ReducerSpec(kind=k) for k in kinds]))
     assert plan.basic_layout is not None
     # The kernel's basic vector: counts are exact integers with nan + finite <= numel.
@@ -61,13 +62,13 @@ def test_wire_summary_equals_the_message_built_one(kinds, data, shape, tap, laye
     values = basic  # run()'s output for a basic-only plan: the basic vector itself
     expected = by_messages(plan, values, shape, tap=tap, layer=layer, point=point, output_index=output_index,
                            call_index=call_index, unsampled=unsampled, pass_index=pass_index, step=step, rank=rank,
-                           wall=wall)
+                           wall=wall, output_key=output_key)
     ts = timestamp(wall)
     wire = SummaryWire()
     got = wire.summary(tap, layer, point, output_index, call_index, unsampled,
                        SummaryWire.pass_part(pass_index, step, ts.seconds, ts.nanos),
                        results_bytes(plan.basic_layout, values, shape),
-                       SummaryWire.rank_part(rank))
+                       SummaryWire.rank_part(rank), output_key)
     assert got.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
     assert [x.WhichOneof("value") for x in got.results] == [r.result_field for r, _, _ in plan.basic_layout]
 
