@@ -8,6 +8,7 @@ from support.e2e import wait_for
 from support.kwargs_models import TOKENS, VOCAB, keyword_block, keyword_block_loaded, tiny_llama, tiny_llama_loaded
 
 import layertap
+from layertap.v1 import telemetry_pb2
 
 ATTN = "model.layers.0.self_attn"
 
@@ -100,3 +101,24 @@ def test_plain_module_keywords_positions_and_skipped_non_tensors(make_server):
     np.testing.assert_allclose(summaries[1].results["moments"].mean,
                                pos_kwargs["scale"].numpy().astype(np.float64).mean(), rtol=1e-5)
 
+
+
+def test_trigger_and_replay_on_a_keyword_input(make_server, tmp_path):
+    """The flight recorder reads keyword-input summaries and replays the pass to their tensors."""
+    import json
+
+    path = tmp_path / "taps.json"
+    path.write_text(json.dumps({"taps": [{"name": "guard", "selector": "kw", "point": "input",
+                                          "reducers": ["abs_max", "nonfinite"], "triggers": {"abs_max_above": 50.0}}]}))
+    srv = make_server(keyword_block_loaded(), incident_dir=str(tmp_path / "inc"), record_inputs=16,
+                      tap_config=str(path))
+    x = np.random.default_rng(3).standard_normal((3, 8)).astype(np.float32)
+    with layertap.Client(f"127.0.0.1:{srv.port}") as client:
+        client.infer(x)
+        client.infer(x * 1e4)
+    assert srv.state.taps.flush(10)
+    assert srv.state.recorder is not None and srv.state.recorder.wait_idle(30)
+    (rec,) = srv.state.recorder.store.entries()
+    assert rec.triggers == ["abs_max"] and rec.replayed, rec.replay_note
+    assert rec.tensor_count >= 1
+    assert srv.state.taps.get("guard").spec.point == telemetry_pb2.POINT_INPUT
