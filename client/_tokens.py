@@ -15,7 +15,7 @@ token.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -64,8 +64,12 @@ def _parse_expiry(text: str) -> float:
     return when.astimezone(timezone.utc).timestamp()
 
 
-def parse_line(raw: str) -> TokenLine | None:
+def parse_line(raw: str, taken: Container[str] = ()) -> TokenLine | None:
     """Reads one line of a token file.
+
+    Args:
+        taken: Ids of the file's earlier lines: a second one is refused (after the
+            digest and scopes are checked, before the expiry, as the server always has).
 
     Returns:
         The entry, or None for a blank or comment-only line.
@@ -87,6 +91,8 @@ def parse_line(raw: str) -> TokenLine | None:
     scopes = [s for s in scope_text.split(",") if s]
     if not scopes or any(s not in SCOPES for s in scopes):
         raise ValueError(f"scopes must be some of {','.join(SCOPES)}, got {scope_text!r}")
+    if tid in taken:
+        raise ValueError(f"token id {tid!r} appears twice")
     expires = None
     if len(parts) == 4:
         try:

@@ -18,6 +18,7 @@ from typing import Any, TypeAlias, Union
 
 import numpy.typing as npt
 
+from ._results import *  # noqa: F403 - the result dataclasses lived here before layertap 0.3: old pickles still load
 from ._results import RESULTS, ReducerResult
 
 __all__ = [

@@ -34,7 +34,7 @@ from layertap.server.host.sources import LoadedModel, ModelLoadError, load_model
 from layertap.server.record.wiring import start_recorder
 from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.rpc.admission import PrincipalAdmission, StreamAdmission, rpc_limit
-from layertap.server.rpc.auth import OPEN_SERVICES, SERVER_OWNER, Authenticator, principal_of
+from layertap.server.rpc.auth import OPEN_SERVICES, Authenticator, principal_of
 from layertap.server.rpc.health import HealthServicer
 from layertap.server.rpc.health_listener import start_health_listener
 from layertap.server.rpc.inference import InferenceService
@@ -47,6 +47,7 @@ from layertap.server.stream.broker import Broker
 from layertap.server.stream.publisher import Publisher
 from layertap.server.stream.sinks import Sinks
 from layertap.server.taps.engine import TapEngine
+from layertap.server.taps.tap import SERVER_OWNER
 from layertap.server.taps.tap_files import load_tap_config
 from layertap.server.tls import TlsFiles
 from layertap.server.version import server_version

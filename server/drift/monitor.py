@@ -14,13 +14,12 @@ the sliding window that drift is scored on. Everything arrives as ordinary
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from layertap.server.drift.exchange import (
 )
 from layertap.server.drift.files import baseline_filename, load_baselines, save_baseline
 from layertap.server.drift.layer import SAVE_RETRY_FIRST_SECONDS, SAVE_RETRY_MAX_SECONDS, LayerEntry, layer_reducers
-from layertap.server.drift.names import BASELINE_PREFIX, baseline_tap_id, check_not_baseline_name
+from layertap.server.drift.names import baseline_tap_id, check_not_baseline_name
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.drift.window import SlidingWindow
@@ -48,6 +47,7 @@ from layertap.server.limits import check_name
 from layertap.server.stream.sinks import Sink, TapView
 from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.selectors import select_layers
+from layertap.server.taps.tap import SERVER_OWNER
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")
@@ -83,7 +83,6 @@ class DriftMonitor(Sink):
         """
         self.engine = engine
         self._on_score = on_score
-        self._creating = threading.local()
         self.baseline_dir = baseline_dir
         self.default_window = default_window
         self._on_load_error = on_load_error
@@ -109,20 +108,12 @@ class DriftMonitor(Sink):
         return None
 
     # -- spec checks (any thread creating a tap) ---------------------------------
-    def check_spec(self, spec: pb.TapSpec, *, durable: bool, field_prefix: str) -> None:
-        """Baseline ids are this monitor's: no other tap may take one, or a principal
-        could squat the id another's SetBaseline will use."""
-        if spec.name.startswith(BASELINE_PREFIX) and not getattr(self._creating, "own", False):
-            check_not_baseline_name(spec.name, f"{field_prefix}.name")
-
-    @contextlib.contextmanager
-    def _own_creation(self) -> Iterator[None]:
-        """Marks this thread's ``engine.create`` as the monitor's own, for :meth:`check_spec`."""
-        self._creating.own = True
-        try:
-            yield
-        finally:
-            self._creating.own = False
+    def check_name(self, name: str, *, owner: str, field: str) -> None:
+        """Baseline ids are this monitor's: a principal's tap may not take one, or it
+        could squat the id another's SetBaseline will use. The server's own taps
+        (``--taps``, this monitor's) may."""
+        if owner != SERVER_OWNER:
+            check_not_baseline_name(name, field)
 
     # -- requests ------------------------------------------------------------
     def set_baseline(self, req: pb.SetBaselineRequest) -> tuple[str, list[str]]:
@@ -161,8 +152,7 @@ class DriftMonitor(Sink):
         with self._lock:
             self._layers.update({(tap_id, layer): e for layer, e in entries.items()})
         try:
-            with self._own_creation():
-                tap = self.engine.create(spec, forever=True)
+            tap = self.engine.create(spec, forever=True)
         except Exception:
             with self._lock:
                 for layer in layers:
@@ -307,8 +297,7 @@ class DriftMonitor(Sink):
                 for b in group:
                     self._layers[(tap_id, b.layer)] = LayerEntry(tap_id, b.layer, point, b.passes, b.window, b.thresholds)
             try:
-                with self._own_creation():
-                    tap = self.engine.create(spec, forever=True, trusted_selector=True)
+                tap = self.engine.create(spec, forever=True, trusted_selector=True)
                 self._own.add(tap_id)
             except Exception as exc:  # noqa: BLE001 - one bad group must not stop start-up
                 msg = f"{tap_id}: cannot recreate its tap: {exc}"

@@ -47,7 +47,7 @@ class BasicReducer(Reducer):
     Its result is one flat message of numbers: :meth:`numbers` computes them
     from the slots, in the order of the message's fields, and both
     :meth:`decode` and the publisher's wire encoder
-    (:mod:`~layertap.server.taps.summary_wire`) build on it.
+    (:mod:`~layertap.server.stream.summary_wire`) build on it.
     """
 
     slots: ClassVar[tuple[int, int]]

@@ -85,8 +85,6 @@ class Principal:
 
 #: Every caller when auth is off: all scopes, including admin.
 ANONYMOUS = Principal("anonymous", frozenset(SCOPES))
-#: The owner of taps the server creates itself (``--taps``, reloaded baselines).
-SERVER_OWNER = ""
 
 
 def new_token(token_id: str, scopes: Iterable[str]) -> tuple[str, str]:
@@ -109,13 +107,11 @@ def parse_token_file(path: str | Path) -> list[tuple[Principal, str]]:
     seen: set[str] = set()
     for n, raw in enumerate(text.splitlines(), 1):
         try:
-            entry = parse_line(raw)
+            entry = parse_line(raw, taken=seen)
         except ValueError as exc:
             raise TokenFileError(f"{path}:{n}: {exc}") from None
         if entry is None:
             continue
-        if entry.id in seen:
-            raise TokenFileError(f"{path}:{n}: token id {entry.id!r} appears twice")
         seen.add(entry.id)
         entries.append((Principal(entry.id, entry.scopes, entry.expires), entry.digest))
     return entries

@@ -11,8 +11,8 @@ table built from the proto's descriptor (see
 :func:`~layertap.server.rpc.method_handlers.service_handlers`), so reflection
 lists one ``TelemetryService`` and the interceptors key on the proto's method
 paths and kinds, whichever servicer answers. A method the proto gains is
-served by defining it on one servicer (and giving it a scope in
-``auth.METHOD_SCOPES``); until a servicer defines it the server does not start.
+served by defining it on one servicer (its scope is the proto's
+``required_scope`` option); until a servicer defines it the server does not start.
 """
 
 from __future__ import annotations

@@ -6,12 +6,14 @@ drift, the flight recorder) is a :class:`Sink` that overrides only the events
 it needs, so the wiring is visible in one place (``layertap.server.app``) and
 a new consumer is one ``sinks.add(...)``.
 
-Sinks also answer :meth:`Sink.check_spec` before a tap is created: a stage
-downstream (the recorder's triggers, drift's reserved names) refuses a spec it
-cannot serve without the tap engine importing that stage.
+Sinks also answer :meth:`Sink.check_name` and :meth:`Sink.check_spec` before a
+tap is created: a stage downstream (drift's reserved names first, then the
+recorder's triggers) refuses a spec it cannot serve without the tap engine
+importing that stage. The assembler adds the sinks that answer: an engine with
+no ``TriggerCheck`` or ``Recorder`` among its sinks does not validate triggers.
 
 Threads: ``on_summaries`` runs on the host-transfer thread, ``on_hook_time``
-and ``on_pass_skipped`` on the model thread, ``check_spec`` and the tap events
+and ``on_pass_skipped`` on the model thread, the checks and the tap events
 on whichever thread changed the tap, and ``on_delivery`` and ``on_budget`` on
 the publishing (or unsubscribing) thread. None may block; an event handler that
 raises is logged and the others still run, so a broken consumer never stalls
@@ -51,8 +53,11 @@ class TapView(Protocol):
 class Sink:
     """A consumer of pipeline events; every method is a no-op by default."""
 
+    def check_name(self, name: str, *, owner: str, field: str) -> None:
+        """Refuse a tap name for ``owner`` by raising (naming ``field``); runs before anything else is checked."""
+
     def check_spec(self, spec: pb.TapSpec, *, durable: bool, field_prefix: str) -> None:
-        """Refuse ``spec`` by raising (an ``errors.ServiceError`` naming the field); runs before the tap exists."""
+        """Refuse ``spec`` by raising (an error naming the field); runs once the spec's own fields are valid."""
 
     def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
         """All summaries of one finished pass (published to the broker already)."""
@@ -103,8 +108,12 @@ class Sinks(Sink):
             except Exception:  # one broken consumer must not stop the others
                 log.exception("sink %s failed", type(sink).__name__)
 
-    def check_spec(self, spec: pb.TapSpec, *, durable: bool, field_prefix: str) -> None:
+    def check_name(self, name: str, *, owner: str, field: str) -> None:
         for sink in self._members:  # not _each: a refusal is the answer, not a failure
+            sink.check_name(name, owner=owner, field=field)
+
+    def check_spec(self, spec: pb.TapSpec, *, durable: bool, field_prefix: str) -> None:
+        for sink in self._members:
             sink.check_spec(spec, durable=durable, field_prefix=field_prefix)
 
     def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:

@@ -34,7 +34,7 @@ from layertap.server.stream.sinks import Sinks
 from layertap.server.taps.reuse import PassReuse, passthrough_parents
 from layertap.server.taps.sampling import Clock, Sampler
 from layertap.server.taps.selectors import MAX_SELECTOR_BYTES, select_layers
-from layertap.server.taps.tap import Tap
+from layertap.server.taps.tap import SERVER_OWNER, Tap
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")
@@ -84,7 +84,7 @@ class TapEngine:
     # -- registry ------------------------------------------------------------
     def create(self, spec: pb.TapSpec, *, kind: pb.TapKind.ValueType = pb.TAP_KIND_DURABLE, ttl: float | None = None,
                forever: bool = False, field_prefix: str = "spec", trusted_selector: bool = False,
-               owner: str = "") -> Tap:
+               owner: str = SERVER_OWNER) -> Tap:
         """Validate ``spec``, install hooks and return the new tap.
 
         ``trusted_selector`` lifts the selector size cap for selectors the
@@ -95,6 +95,8 @@ class TapEngine:
             NotFound: the selector matches no layer.
             LimitExceeded: too many taps.
         """
+        if spec.name:  # first, as the RPCs checked it before any other field
+            self.sinks.check_name(spec.name, owner=owner, field=f"{field_prefix}.name")
         if not self.host.loaded.hooks_supported:
             raise Unsupported(f"model source {self.host.loaded.source!r} does not support module hooks")
         layers = select_layers(spec.selector, self.host.layer_names, f"{field_prefix}.selector",

@@ -16,6 +16,9 @@ from layertap.server.stream.summary_wire import timestamp
 from layertap.server.taps.sampling import Sampler
 from layertap.v1 import telemetry_pb2 as pb
 
+#: The owner of taps the server creates itself (``--taps``, baselines): no principal.
+SERVER_OWNER = ""
+
 
 @dataclass
 class Tap:
@@ -36,8 +39,8 @@ class Tap:
     errors: int = 0
     last_error: str = ""
     disabled: bool = False
-    #: The principal that created it ("" for the server's own: --taps, baselines).
-    owner: str = ""
+    #: The principal that created it (SERVER_OWNER for the server's own: --taps, baselines).
+    owner: str = SERVER_OWNER
     handles: list[HookHandle] = field(default_factory=list)
     #: Calls of each layer (point) seen in the current pass.
     calls: dict[str | tuple[str, int], int] = field(default_factory=dict)

@@ -307,6 +307,13 @@ def test_malformed_file_names_the_line(tmp_path, bad, where):
         auth.parse_token_file(path)
 
 
+def test_a_repeated_id_is_reported_before_the_line_s_expiry(tmp_path):
+    """As the server always checked: digest and scopes, then a repeated id, then the expiry."""
+    path = write_tokens(tmp_path / "tokens", line("alice", "read"), line("alice", "read", "tomorrow"))
+    with pytest.raises(auth.TokenFileError, match=":4: token id 'alice' appears twice"):
+        auth.parse_token_file(path)
+
+
 def test_malformed_file_stops_serve(tmp_path, serve_process):
     import subprocess
     import sys
