@@ -177,8 +177,9 @@ def load_pretrained(ref: str, *, hf_class: str | None = None, trust_remote_code:
         config = tf.AutoConfig.from_pretrained(ref, trust_remote_code=trust_remote_code)
     except OSError as exc:
         raise _not_found(ref, exc) from None
-    except (ValueError, KeyError) as exc:  # an unknown model_type
-        raise HFLoadError(f"--model hf:{ref}: transformers cannot read its config ({_first_line(exc)})") from None
+    except Exception as exc:  # noqa: BLE001 - an unknown model_type, or remote code that raised
+        raise HFLoadError(f"--model hf:{ref}: transformers cannot read its config "
+                          f"({exc.__class__.__name__}: {_first_line(exc)})") from None
     cls = _model_class(tf, ref, config, hf_class, remote)
     try:
         model = cls.from_pretrained(ref, config=config, trust_remote_code=trust_remote_code, **(kwargs or {}))

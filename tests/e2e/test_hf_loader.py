@@ -112,6 +112,9 @@ def test_remote_code_does_not_run_without_the_flag(make_server, tmp_path) -> Non
     hf_models.mark_remote_code(path)
     with pytest.raises(ModelLoadError, match=r"auto_map: .*modeling_tiny\.TinyModel.*only with --trust-remote-code"):
         make_server(model=f"hf:{path}")
+    # With the flag, transformers runs the directory's code (which here raises, as a start-up error).
+    with pytest.raises(ModelLoadError, match="remote code ran"):
+        make_server(model=f"hf:{path}", trust_remote_code=True)
 
 
 def test_an_uncached_hub_id_fails_offline_naming_the_id_and_the_switch(serve_process, tmp_path) -> None:
