@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: Dtypes a model can be served in (``--dtype``).
 MODEL_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
@@ -24,6 +24,12 @@ class ServerConfig:
     weights: str | None = None
     input_shape: str | None = None
     input_dtype: str = "float32"
+    #: ``--model-arg key=value``: keyword arguments of a factory or of ``from_pretrained``.
+    model_args: list[str] = field(default_factory=list)
+    #: ``--hf-class``: the transformers class of an ``hf:`` model (default: its config's architectures).
+    hf_class: str | None = None
+    #: Run an ``hf:`` model's own Python code (its config's ``auto_map``).
+    trust_remote_code: bool = False
     device: str | None = None
     dtype: str = "float32"
     max_request_bytes: int = 256 << 20

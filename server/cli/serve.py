@@ -19,7 +19,13 @@ log = logging.getLogger("layertap.server")
 def build_parser() -> argparse.ArgumentParser:
     d = ServerConfig()
     p = argparse.ArgumentParser(prog="layertap serve", description="Serve a PyTorch model with layer telemetry over gRPC.")
-    p.add_argument("--model", default=d.model, help="demo | torchvision name | file.pt2 | file.pt (TorchScript) | package.module:factory")
+    p.add_argument("--model", default=d.model, help="demo | torchvision name | file.pt2 | file.pt (TorchScript) | "
+                   "package.module:factory | path/to/file.py:factory | hf:DIR (save_pretrained directory or hub id)")
+    p.add_argument("--model-arg", dest="model_args", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument of the factory or of from_pretrained (repeatable; Python literals, else strings)")
+    p.add_argument("--hf-class", help="hf: models: the transformers class to load (default: the config's architectures)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="hf: models: run the Python code the model's config names (auto_map); never without it")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the demo model's weights")
     p.add_argument("--weights", help="state_dict file, loaded with torch.load(weights_only=True)")
     p.add_argument("--input-shape", help="input shape for factory/export/TorchScript models, -1 for the batch (e.g. -1,3,224,224)")

@@ -1,4 +1,4 @@
-"""Loading the model to host: the demo, torchvision, torch.export, TorchScript, factories.
+"""Loading the model to host: the demo, torchvision, torch.export, TorchScript, factories, Hugging Face.
 
 Every source resolves to a :class:`LoadedModel`: the module, its input
 signature and whether module hooks work on it. Loading errors are raised as
@@ -7,7 +7,10 @@ signature and whether module hooks work on it. Loading errors are raised as
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import torch
 from torch import nn
 
 from layertap.server.codec import DTYPE_BY_NAME
+from layertap.server.host import hf
 from layertap.server.host.demo_model import DEMO_INPUT_SHAPE, build_demo_model
 
 
@@ -41,6 +45,9 @@ class LoadedModel:
     inputs: list[InputSpec]
     hooks_supported: bool = True
     notes: list[str] = field(default_factory=list)
+    #: Inputs ``forward`` also takes by keyword (an ``hf:`` model's ``attention_mask``,
+    #: ``token_type_ids``): declared by the loader, bound by name when the host binds names.
+    keyword_inputs: list[InputSpec] = field(default_factory=list)
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -68,6 +75,15 @@ def _declared_inputs(input_shape: str | None, input_dtype: str, what: str) -> li
     return [InputSpec("input", _torch_dtype(input_dtype, "--input-dtype"), parse_shape(input_shape))]
 
 
+#: Keys of each kind a --weights mismatch lists.
+LISTED_KEYS = 20
+
+
+def _key_list(what: str, keys: list[str]) -> str:
+    more = f" and {len(keys) - LISTED_KEYS} more" if len(keys) > LISTED_KEYS else ""
+    return f"{len(keys)} {what} ({', '.join(keys[:LISTED_KEYS])}{more})"
+
+
 def _load_weights(module: nn.Module, weights: str) -> None:
     path = Path(weights)
     if not path.is_file():
@@ -78,11 +94,21 @@ def _load_weights(module: nn.Module, weights: str) -> None:
         raise ModelLoadError(f"--weights {weights!r}: cannot load state_dict ({exc.__class__.__name__}: {str(exc).splitlines()[0]})") from None
     if not isinstance(state, dict):
         raise ModelLoadError(f"--weights {weights!r}: expected a state_dict, got {type(state).__name__}")
+    # Compared by key first: torch's own error puts the missing keys on a line of their own.
+    own = module.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items()
+             if k in own and isinstance(v, torch.Tensor) and v.shape != own[k].shape]
+    parts = [_key_list(what, keys) for what, keys in
+             (("missing", missing), ("unexpected", unexpected), ("of the wrong shape (file vs model)", wrong)) if keys]
+    if parts:
+        raise ModelLoadError(f"--weights {weights!r} does not fit the model: {'; '.join(parts)}")
     try:
         module.load_state_dict(state)
     except RuntimeError as exc:
-        first = str(exc).splitlines()[0] if str(exc) else "mismatch"
-        raise ModelLoadError(f"--weights {weights!r} does not fit the model: {first}") from None
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise ModelLoadError(f"--weights {weights!r} does not fit the model: {' '.join(lines) or 'mismatch'}") from None
 
 
 def _load_torchvision(name: str) -> nn.Module | None:
@@ -139,23 +165,70 @@ def _load_torchscript(path: Path, input_shape: str | None, input_dtype: str) -> 
     return LoadedModel(module, path.stem, "torchscript", inputs, hooks_supported=False, notes=[note])
 
 
-def _load_factory(ref: str, input_shape: str | None, input_dtype: str) -> LoadedModel:
-    mod_name, _, attr = ref.partition(":")
+def parse_model_args(pairs: list[str] | None) -> dict[str, object]:
+    """``--model-arg key=value`` pairs: values are Python literals where they parse, else strings."""
+    kwargs: dict[str, object] = {}
+    for pair in pairs or []:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ModelLoadError(f"--model-arg {pair!r}: expected key=value with key a Python identifier")
+        try:
+            value: object = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        kwargs[key.strip()] = value
+    return kwargs
+
+
+def _import_factory_module(ref: str, source: str) -> object:
+    """``pkg.mod`` from ``sys.path`` (PYTHONPATH), or ``path/to/file.py`` by its path."""
+    if source.endswith(".py"):
+        path = Path(source)
+        if not path.is_file():
+            raise ModelLoadError(f"--model {ref!r}: no such file {source!r}")
+        spec = importlib.util.spec_from_file_location(f"layertap_factory_{path.stem}", path)
+        if spec is None or spec.loader is None:
+            raise ModelLoadError(f"--model {ref!r}: cannot import {source!r} as a module")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses and pickling look their module up there
+        try:
+            spec.loader.exec_module(mod)
+        except Exception as exc:  # noqa: BLE001 - the user's file may raise anything at import
+            del sys.modules[spec.name]
+            raise ModelLoadError(f"--model {ref!r}: importing {source!r} raised {exc.__class__.__name__}: {exc}") from None
+        return mod
     try:
-        mod = importlib.import_module(mod_name)
+        return importlib.import_module(source)
     except ImportError as exc:
-        raise ModelLoadError(f"--model {ref!r}: cannot import {mod_name!r} ({exc})") from None
+        raise ModelLoadError(f"--model {ref!r}: cannot import {source!r} ({exc}); put the folder that holds it on "
+                             f"PYTHONPATH, or pass a file path (path/to/{source.rpartition('.')[2]}.py:factory)") from None
+
+
+def _load_factory(ref: str, input_shape: str | None, input_dtype: str, kwargs: dict[str, object]) -> LoadedModel:
+    mod_name, _, attr = ref.rpartition(":")
+    mod = _import_factory_module(ref, mod_name)
     factory = getattr(mod, attr, None)
     if not callable(factory):
         raise ModelLoadError(f"--model {ref!r}: {mod_name!r} has no callable {attr!r}")
     try:
-        module = factory()
+        module = factory(**kwargs)
     except Exception as exc:  # noqa: BLE001 - a user factory may raise anything
         raise ModelLoadError(f"--model {ref!r}: factory raised {exc.__class__.__name__}: {exc}") from None
     if not isinstance(module, nn.Module):
         raise ModelLoadError(f"--model {ref!r}: factory returned {type(module).__name__}, not nn.Module")
     inputs = _declared_inputs(input_shape, input_dtype, f"factory {ref!r}")
     return LoadedModel(module, attr, "factory", inputs)
+
+
+def _load_hf(ref: str, hf_class: str | None, trust_remote_code: bool, kwargs: dict[str, object]) -> LoadedModel:
+    try:
+        got = hf.load_pretrained(ref, hf_class=hf_class, trust_remote_code=trust_remote_code, kwargs=kwargs)
+    except hf.HFLoadError as exc:
+        raise ModelLoadError(str(exc)) from None
+    main, *keyword = [InputSpec(name, dtype, shape) for name, dtype, shape in got.inputs]
+    # The host binds inputs by position today: only the main input is positional
+    # in every model's forward (GPT-2's second parameter is its cache).
+    return LoadedModel(got.module, got.name, "hf", [main], notes=got.notes, keyword_inputs=keyword)
 
 
 def load_model(
@@ -165,14 +238,29 @@ def load_model(
     weights: str | None = None,
     input_shape: str | None = None,
     input_dtype: str = "float32",
+    model_args: list[str] | None = None,
+    hf_class: str | None = None,
+    trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Resolve ``--model`` into a :class:`LoadedModel` on the CPU in eval mode.
 
     ``model`` is ``demo``, a torchvision model name, a ``.pt2`` export, a
-    TorchScript file (``.pt``/``.ts``/``.jit``) or ``package.module:factory``.
+    TorchScript file (``.pt``/``.ts``/``.jit``), ``package.module:factory``,
+    ``path/to/file.py:factory`` or ``hf:DIR`` (a ``save_pretrained`` directory
+    or a hub id). ``model_args`` (``key=value``) go to the factory or to
+    ``from_pretrained``.
     """
     path = Path(model)
-    if model == "demo":
+    kwargs = parse_model_args(model_args)
+    if kwargs and not (model.startswith("hf:") or ":" in model):
+        raise ModelLoadError(f"--model-arg applies to factories and hf: models, not to --model {model!r}")
+    if (hf_class or trust_remote_code) and not model.startswith("hf:"):
+        raise ModelLoadError("--hf-class and --trust-remote-code apply to --model hf:DIR only")
+    if model.startswith("hf:"):
+        loaded = _load_hf(model[3:], hf_class, trust_remote_code, kwargs)
+        if weights:
+            _load_weights(loaded.module, weights)
+    elif model == "demo":
         loaded = LoadedModel(
             build_demo_model(seed), "demo", "demo", [InputSpec("input", torch.float32, DEMO_INPUT_SHAPE)]
         )
@@ -187,14 +275,14 @@ def load_model(
             raise ModelLoadError(f"--model {model!r}: no such file")
         loaded = _load_torchscript(path, input_shape, input_dtype)
     elif ":" in model:
-        loaded = _load_factory(model, input_shape, input_dtype)
+        loaded = _load_factory(model, input_shape, input_dtype, kwargs)
         if weights:
             _load_weights(loaded.module, weights)
     else:
         tv = _load_torchvision(model)
         if tv is None:
             raise ModelLoadError(
-                f"--model {model!r}: not 'demo', a .pt2/.pt file, 'package.module:factory', "
+                f"--model {model!r}: not 'demo', a .pt2/.pt file, 'package.module:factory', 'hf:DIR', "
                 "or a torchvision model name (is torchvision installed?)"
             )
         if weights:
