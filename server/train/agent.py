@@ -32,7 +32,8 @@ from layertap.server.train.steps import StepTracker, step_number
 log = logging.getLogger("layertap.server")
 
 #: ServerConfig fields that describe a model to load: an agent hosts the caller's.
-_MODEL_FIELDS = frozenset({"model", "seed", "weights", "input_shape", "input_dtype", "device", "dtype"})
+_MODEL_FIELDS = frozenset({"model", "seed", "weights", "input_shape", "input_dtype", "device", "dtype",
+                           "model_args", "hf_class", "trust_remote_code"})
 _CONFIG_FIELDS = frozenset(f.name for f in fields(ServerConfig)) - _MODEL_FIELDS
 #: Seconds attach() waits for the statistics kernel (compile_reducers=True):
 #: 12 s with an empty cache on 2 cores, 1.1 s from the package cache.
