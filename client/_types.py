@@ -54,7 +54,7 @@ Structured: TypeAlias = Union[npt.NDArray[Any], list["Structured"], dict[str, "S
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A declared model input; ``-1`` marks a free dimension (the batch)."""
+    """A declared model input: ``forward``'s argument name; ``-1`` marks a free dimension (batch, sequence)."""
 
     name: str
     dtype: str

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: Dtypes a model can be served in (``--dtype``).
 MODEL_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
@@ -24,6 +24,8 @@ class ServerConfig:
     weights: str | None = None
     input_shape: str | None = None
     input_dtype: str = "float32"
+    #: ``--input NAME:DTYPE:SHAPE`` declarations, one per model input (factories, exports, TorchScript).
+    inputs: list[str] = field(default_factory=list)
     device: str | None = None
     dtype: str = "float32"
     max_request_bytes: int = 256 << 20

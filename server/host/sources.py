@@ -8,6 +8,8 @@ signature and whether module hooks work on it. Loading errors are raised as
 from __future__ import annotations
 
 import importlib
+import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +26,8 @@ class ModelLoadError(Exception):
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One positional input: ``-1`` in ``shape`` marks the free batch dimension."""
+    """One declared input: ``name`` is ``forward``'s parameter (or the program's
+    placeholder); ``-1`` in ``shape`` marks a free dimension (batch, sequence)."""
 
     name: str
     dtype: torch.dtype
@@ -40,6 +43,9 @@ class LoadedModel:
     source: str
     inputs: list[InputSpec]
     hooks_supported: bool = True
+    #: False when ``forward`` takes its inputs by position only (a ``.pt2``
+    #: program): named inputs are then passed in declared order.
+    keywords: bool = True
     notes: list[str] = field(default_factory=list)
 
 
@@ -51,7 +57,7 @@ def parse_shape(text: str) -> tuple[int, ...]:
     except ValueError:
         raise ModelLoadError(f"--input-shape {text!r} is not a comma-separated list of ints") from None
     if not shape or any(d < -1 or d == 0 for d in shape):
-        raise ModelLoadError(f"--input-shape {text!r}: dims must be positive, or -1 for the batch")
+        raise ModelLoadError(f"--input-shape {text!r}: dims must be positive, or -1 for a free dimension")
     return shape
 
 
@@ -62,10 +68,50 @@ def _torch_dtype(name: str, flag: str) -> torch.dtype:
         raise ModelLoadError(f"{flag} {name!r}: expected one of {', '.join(DTYPE_BY_NAME)}") from None
 
 
-def _declared_inputs(input_shape: str | None, input_dtype: str, what: str) -> list[InputSpec]:
+def parse_input(text: str) -> InputSpec:
+    """Parse ``--input NAME:DTYPE:SHAPE``, e.g. ``input_ids:int64:-1,-1``."""
+    parts = text.split(":")
+    if len(parts) != 3 or not parts[0].isidentifier():
+        raise ModelLoadError(f"--input {text!r}: expected NAME:DTYPE:SHAPE, e.g. input_ids:int64:-1,-1")
+    name, dtype, shape = parts
+    try:
+        dims = parse_shape(shape)
+    except ModelLoadError as exc:
+        raise ModelLoadError(str(exc).replace("--input-shape", f"--input {name}")) from None
+    return InputSpec(name, _torch_dtype(dtype, f"--input {name}"), dims)
+
+
+def forward_parameters(module: nn.Module) -> tuple[list[str], bool]:
+    """``forward``'s parameter names that can take a tensor, and whether it takes ``**kwargs``."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or scripted forward has no Python signature
+        return [], True
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return names, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _declared_inputs(input_shape: str | None, input_dtype: str, what: str,
+                     module: nn.Module | None = None, inputs: Sequence[str] = ()) -> list[InputSpec]:
+    """``--input`` declarations, or ``--input-shape``/``--input-dtype`` for one input named after ``forward``'s first parameter."""
+    names, var_keyword = forward_parameters(module) if module is not None else ([], True)
+    if inputs:
+        if input_shape is not None:
+            raise ModelLoadError("--input declares every input; drop --input-shape (its shorthand for one input)")
+        specs = [parse_input(text) for text in inputs]
+        seen: set[str] = set()
+        for spec in specs:
+            if spec.name in seen:
+                raise ModelLoadError(f"--input {spec.name!r} is declared twice")
+            seen.add(spec.name)
+            if names and not var_keyword and spec.name not in names:
+                raise ModelLoadError(f"--input {spec.name!r}: {what}'s forward takes no such argument; "
+                                     f"it takes {', '.join(names)}")
+        return specs
     if input_shape is None:
-        raise ModelLoadError(f"{what} needs --input-shape (e.g. -1,3,224,224) to declare its input")
-    return [InputSpec("input", _torch_dtype(input_dtype, "--input-dtype"), parse_shape(input_shape))]
+        raise ModelLoadError(f"{what} needs --input NAME:DTYPE:SHAPE (repeatable) or --input-shape "
+                             "(e.g. -1,3,224,224) to declare its inputs")
+    return [InputSpec(names[0] if names else "input", _torch_dtype(input_dtype, "--input-dtype"), parse_shape(input_shape))]
 
 
 def _load_weights(module: nn.Module, weights: str) -> None:
@@ -98,6 +144,11 @@ def _load_torchvision(name: str) -> nn.Module | None:
     return model
 
 
+def _first_parameter(module: nn.Module) -> str:
+    names, _ = forward_parameters(module)
+    return names[0] if names else "input"
+
+
 def _export_signature(program: torch.export.ExportedProgram) -> list[InputSpec]:
     """User inputs of an exported program; dynamic dims (SymInts) become -1."""
     user = set(program.graph_signature.user_inputs)
@@ -107,12 +158,10 @@ def _export_signature(program: torch.export.ExportedProgram) -> list[InputSpec]:
         if isinstance(val, torch.Tensor):
             shape = tuple(d if isinstance(d, int) else -1 for d in val.shape)
             specs.append(InputSpec(node.name, val.dtype, shape))
-    if len(specs) == 1:
-        specs[0] = InputSpec("input", specs[0].dtype, specs[0].shape)
     return specs
 
 
-def _load_export(path: Path, input_shape: str | None, input_dtype: str) -> LoadedModel:
+def _load_export(path: Path, input_shape: str | None, input_dtype: str, inputs: Sequence[str] = ()) -> LoadedModel:
     try:
         program = torch.export.load(str(path))
     except Exception as exc:  # noqa: BLE001 - any failure is a start-up error naming the file
@@ -120,26 +169,28 @@ def _load_export(path: Path, input_shape: str | None, input_dtype: str) -> Loade
     # Module hooks never fire on ExportedProgram.module(); unflatten restores
     # the original module hierarchy, whose submodules do run their hooks.
     module = torch.export.unflatten(program)
-    if input_shape is not None:
-        inputs = _declared_inputs(input_shape, input_dtype, "a torch.export program")
+    if input_shape is not None or inputs:
+        specs = _declared_inputs(input_shape, input_dtype, "a torch.export program", inputs=inputs)
+        if input_shape is not None and (placeholders := _export_signature(program)):
+            specs = [InputSpec(placeholders[0].name, specs[0].dtype, specs[0].shape)]
     else:
-        inputs = _export_signature(program)
-        if not inputs:
-            raise ModelLoadError(f"{path}: cannot read the program's input signature; pass --input-shape")
-    return LoadedModel(module, path.stem, "export", inputs)
+        specs = _export_signature(program)
+        if not specs:
+            raise ModelLoadError(f"{path}: cannot read the program's input signature; pass --input")
+    return LoadedModel(module, path.stem, "export", specs, keywords=False)
 
 
-def _load_torchscript(path: Path, input_shape: str | None, input_dtype: str) -> LoadedModel:
+def _load_torchscript(path: Path, input_shape: str | None, input_dtype: str, inputs: Sequence[str] = ()) -> LoadedModel:
     try:
         module = torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call]  # unannotated in torch
     except Exception as exc:  # noqa: BLE001 - any failure is a start-up error naming the file
         raise ModelLoadError(f"{path}: not a loadable TorchScript file ({exc.__class__.__name__})") from None
-    inputs = _declared_inputs(input_shape, input_dtype, "a TorchScript model")
+    specs = _declared_inputs(input_shape, input_dtype, "a TorchScript model", inputs=inputs)
     note = "TorchScript modules refuse Python hooks: Infer works, Capture and taps do not"
-    return LoadedModel(module, path.stem, "torchscript", inputs, hooks_supported=False, notes=[note])
+    return LoadedModel(module, path.stem, "torchscript", specs, hooks_supported=False, notes=[note])
 
 
-def _load_factory(ref: str, input_shape: str | None, input_dtype: str) -> LoadedModel:
+def _load_factory(ref: str, input_shape: str | None, input_dtype: str, inputs: Sequence[str] = ()) -> LoadedModel:
     mod_name, _, attr = ref.partition(":")
     try:
         mod = importlib.import_module(mod_name)
@@ -154,8 +205,8 @@ def _load_factory(ref: str, input_shape: str | None, input_dtype: str) -> Loaded
         raise ModelLoadError(f"--model {ref!r}: factory raised {exc.__class__.__name__}: {exc}") from None
     if not isinstance(module, nn.Module):
         raise ModelLoadError(f"--model {ref!r}: factory returned {type(module).__name__}, not nn.Module")
-    inputs = _declared_inputs(input_shape, input_dtype, f"factory {ref!r}")
-    return LoadedModel(module, attr, "factory", inputs)
+    specs = _declared_inputs(input_shape, input_dtype, f"factory {ref!r}", module, inputs)
+    return LoadedModel(module, attr, "factory", specs)
 
 
 def load_model(
@@ -165,29 +216,32 @@ def load_model(
     weights: str | None = None,
     input_shape: str | None = None,
     input_dtype: str = "float32",
+    inputs: Sequence[str] = (),
 ) -> LoadedModel:
     """Resolve ``--model`` into a :class:`LoadedModel` on the CPU in eval mode.
 
     ``model`` is ``demo``, a torchvision model name, a ``.pt2`` export, a
     TorchScript file (``.pt``/``.ts``/``.jit``) or ``package.module:factory``.
+    ``inputs`` are ``--input NAME:DTYPE:SHAPE`` declarations (factories,
+    exports, TorchScript); ``input_shape``/``input_dtype`` declare one input.
     """
     path = Path(model)
     if model == "demo":
         loaded = LoadedModel(
-            build_demo_model(seed), "demo", "demo", [InputSpec("input", torch.float32, DEMO_INPUT_SHAPE)]
+            build_demo_model(seed), "demo", "demo", [InputSpec("x", torch.float32, DEMO_INPUT_SHAPE)]
         )
         if weights:
             _load_weights(loaded.module, weights)
     elif model.endswith(".pt2"):
         if not path.is_file():
             raise ModelLoadError(f"--model {model!r}: no such file")
-        loaded = _load_export(path, input_shape, input_dtype)
+        loaded = _load_export(path, input_shape, input_dtype, inputs)
     elif path.suffix in {".pt", ".ts", ".jit", ".pth"} and ":" not in model:
         if not path.is_file():
             raise ModelLoadError(f"--model {model!r}: no such file")
-        loaded = _load_torchscript(path, input_shape, input_dtype)
+        loaded = _load_torchscript(path, input_shape, input_dtype, inputs)
     elif ":" in model:
-        loaded = _load_factory(model, input_shape, input_dtype)
+        loaded = _load_factory(model, input_shape, input_dtype, inputs)
         if weights:
             _load_weights(loaded.module, weights)
     else:
@@ -200,6 +254,6 @@ def load_model(
         if weights:
             _load_weights(tv, weights)
         shape = parse_shape(input_shape) if input_shape else (-1, 3, 224, 224)
-        loaded = LoadedModel(tv, model, "torchvision", [InputSpec("input", torch.float32, shape)])
+        loaded = LoadedModel(tv, model, "torchvision", [InputSpec(_first_parameter(tv), torch.float32, shape)])
     loaded.module.eval()
     return loaded
