@@ -6,15 +6,21 @@ Models come from factories (``--model support.named_models:...``) declared with
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from support.named_models import VOCAB, conv_with_dict_output, tiny_bert, tiny_gpt2, tuple_with_none
 
-from layertap import Client, InvalidArgument, SkippedOutput
+from layertap import Client, Incidents, InvalidArgument, SkippedOutput
+from layertap.server.host.sources import InputSpec, LoadedModel
 
 pytest.importorskip("transformers")
-
-from support.named_models import VOCAB, tiny_bert, tiny_gpt2, tuple_with_none  # after the skip
 
 TOKEN_INPUTS = ["input_ids:int64:-1,-1", "attention_mask:int64:-1,-1"]
 
@@ -119,3 +125,48 @@ def test_a_tuple_keeps_its_none_in_place(make_server):
     np.testing.assert_allclose(out[0], a.numpy(), rtol=1e-6)
     np.testing.assert_allclose(out[2], b.numpy(), rtol=1e-6)
     assert out.skipped == (SkippedOutput("output1", "NoneType"),)
+
+
+def test_explain_takes_logits_or_the_named_output(make_server):
+    model = conv_with_dict_output()
+    srv = make_server(LoadedModel(model, "dict", "factory", [InputSpec("x", torch.float32, (-1, 3, 8, 8))]))
+    x = np.random.default_rng(3).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    with torch.no_grad():
+        out = model(torch.from_numpy(x))
+    with Client(f"127.0.0.1:{srv.port}") as c:
+        by_default = c.explain(x, "body")
+        np.testing.assert_allclose(by_default.scores, out["logits"].max(dim=1).values.numpy(), rtol=1e-5)
+        other = c.explain({"x": x}, "body", output_name="other")
+        np.testing.assert_allclose(other.scores, out["other"].max(dim=1).values.numpy(), rtol=1e-5)
+        with pytest.raises(InvalidArgument, match="no tensor output 'nope'.*logits, other"):
+            c.explain(x, "body", output_name="nope")
+
+
+def test_smoke_serves_a_token_model_with_a_dict_output(tmp_path):
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "layertap.cli", "serve", "--smoke", "--port", "0", "--no-metrics",
+                           "--model", "support.named_models:tiny_gpt2", *[f"--input={i}" for i in TOKEN_INPUTS]],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"infer output (2, 2, {VOCAB})" in done.stdout, done.stdout  # logits: (batch, tokens, vocab)
+
+
+def test_the_flight_recorder_replays_keyword_inputs(make_server, tmp_path):
+    taps = tmp_path / "taps.json"
+    taps.write_text(json.dumps({"taps": [{
+        "name": "guard", "selector": "encoder.layer.1.output", "reducers": ["moments", "minmax", "abs_max"],
+        "triggers": {"abs_max_above": 0.5}}]}))
+    srv = make_server(model="support.named_models:tiny_bert", inputs=TOKEN_INPUTS, tap_config=str(taps),
+                      incident_dir=str(tmp_path / "incidents"), record_inputs=16)
+    ids, mask = _batch()
+    with Client(f"127.0.0.1:{srv.port}") as c:
+        c.infer(input_ids=ids, attention_mask=mask)
+        assert srv.state.taps.flush(10) and srv.state.recorder.wait_idle(30)
+        (info, *_) = Incidents(c).list()
+        # The padded row depends on the mask: a replay that dropped the keyword would not match.
+        assert info.replayed and info.replay_matches, info.replay_note
+        inc = Incidents(c).get(info.id)
+    assert len(inc.inputs) == 2
+    np.testing.assert_array_equal(inc.inputs[0], ids)
+    np.testing.assert_array_equal(inc.inputs[1], mask)

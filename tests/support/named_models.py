@@ -46,3 +46,22 @@ class TupleWithNone(nn.Module):
 def tuple_with_none() -> nn.Module:
     torch.manual_seed(0)
     return TupleWithNone().eval()
+
+
+class ConvWithDictOutput(nn.Module):
+    """An image classifier returning ``{"logits": ..., "other": ...}``, as a ModelOutput would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4, 5)
+        self.other_head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        pooled = self.body(x).mean(dim=(2, 3))
+        return {"logits": self.head(pooled), "other": self.other_head(pooled)}
+
+
+def conv_with_dict_output() -> nn.Module:
+    torch.manual_seed(0)
+    return ConvWithDictOutput().eval()
