@@ -32,6 +32,7 @@ from ._errors import (
 from ._explain import Explanation
 from ._fleet import Fleet, FleetError, FleetItem, FleetResult, FleetStream
 from ._incidents import Incident, IncidentInfo, Incidents
+from ._io import SkippedOutput
 from ._results import *  # noqa: F403 - the result dataclasses and ReducerResult: one per kind, listed in the table module
 from ._taps import SummaryStream, TapHandle
 from ._types import (
@@ -112,6 +113,7 @@ __all__ = [
     "DriftThresholds",
     "LayerDrift",
     "Explanation",
+    "SkippedOutput",
     # type aliases of public signatures
     "ReducerSpec",
     "Structured",

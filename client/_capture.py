@@ -18,9 +18,10 @@ from typing import Any, TypedDict
 import numpy as np
 
 from ._capture_wire import CaptureMessage, WireChunk
-from ._codec import Array, DType, TensorValue, decode_array, dtype_code, dtype_name, encode_tensor, layout, require_torch
+from ._codec import Array, DType, TensorValue, decode_array, dtype_code, dtype_name, layout, require_torch
 from ._convert import point_code, point_name
 from ._errors import InvalidArgument, ProtocolError
+from ._io import encode_inputs, split_input
 from ._types import Structured
 from .v1 import telemetry_pb2, tensor_pb2
 
@@ -63,8 +64,9 @@ def capture_request(
 
     Exact names go in ``layers``, which every server understands; when any
     entry is a glob or regex, all go in ``selectors``, keeping their order.
-    ``input`` is an active capture's model input: an array, or a tuple or
-    list of them for a multi-argument model (None: a passive capture).
+    ``input`` is an active capture's model input: an array, a tuple or
+    list of them for a multi-argument model, or a dict name -> array for
+    named inputs (None: a passive capture).
 
     Raises:
         InvalidArgument: Empty layer list, n < 1, negative max_batch, an
@@ -86,7 +88,7 @@ def capture_request(
             raise InvalidArgument(f"capture dtype must be 'float16' or 'bfloat16', got {dtype!r}")
         req.dtype = dcode
     if input is not None:
-        req.inputs.extend(encode_tensor(x) for x in (input if isinstance(input, (tuple, list)) else [input]))
+        req.inputs.extend(encode_inputs(*split_input(input), what="capture input"))
     return req
 
 

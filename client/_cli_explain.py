@@ -62,7 +62,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     if not isinstance(x, np.ndarray):
         raise ValueError(f"--input {args.input}: expected one array in a .npy file")
     with Client(args.host, timeout=args.timeout, token=args.token, tls=args.tls_ca or args.tls) as client:
-        found = client.explain(x, args.layer, args.target, normalize=True, upsample=True)
+        found = client.explain(x, args.layer, args.target, normalize=True, upsample=True,
+                               output_name=args.output_name)
     if found.maps.ndim != 3:
         raise ValueError(f"the maps of {args.layer!r} are shaped {found.maps.shape[1:]}; a PNG needs 2 spatial dims")
     image_like = x.ndim == 4 and x.shape[2:] == found.maps.shape[1:]
@@ -78,6 +79,8 @@ def add_explain_command(command: Callable[[str, str], argparse.ArgumentParser]) 
     p.add_argument("--input", type=Path, required=True, help="model input .npy, shaped (N, C, H, W) for an image model")
     p.add_argument("--layer", required=True, help="module to explain, e.g. layer4 (see 'layertap layers')")
     p.add_argument("--target", type=int, help="output index (class) to explain (default: each sample's top class)")
+    p.add_argument("--output-name", default="", help="the model output to explain when it returns several (a key, "
+                                                     "or outputN for a tuple; default: the tensor, else logits)")
     p.add_argument("-o", "--output", type=Path, required=True,
                    help="PNG file; with N > 1 samples, NAME-0.png, NAME-1.png, ...")
     p.set_defaults(func=_cmd_explain)

@@ -22,6 +22,7 @@ from ._errors import DeadlineExceeded, InvalidArgument, NotFound
 from ._explain import Explanation
 from ._fleet_baseline import Baselines
 from ._incidents import Incidents
+from ._io import decode_outputs, encode_inputs
 from ._taps import DurableTapOptions, SummaryStream, TapHandle, TapOptions, Unpack, tap_spec
 from ._transport import LIST_LAYERS, ServerStream, Streaming, Transport, Unary
 from ._types import BaselineInfo, DriftThresholds, LayerDrift, LayerInfo, ModelMetadata, ServerStats, Structured, TapInfo, TapSpec
@@ -155,33 +156,36 @@ class Client:
         return _convert.metadata_from_proto(resp)
 
     @overload
-    def infer(
-        self, x: Any, *more: Any, as_torch: Literal[False] = ..., timeout: float | None = ...
-    ) -> Array | list[Array]: ...
+    def infer(self, *inputs: Any, as_torch: Literal[False] = ..., timeout: float | None = ...,
+              **named: Any) -> Array | list[Array | None] | dict[str, Array]: ...
     @overload
-    def infer(self, x: Any, *more: Any, as_torch: bool, timeout: float | None = ...) -> Any: ...
+    def infer(self, *inputs: Any, as_torch: bool, timeout: float | None = ..., **named: Any) -> Any: ...
 
-    def infer(self, x: Any, *more: Any, as_torch: bool = False, timeout: float | None = None) -> Any:
-        """Runs one forward pass.
+    def infer(self, *inputs: Any, as_torch: bool = False, timeout: float | None = None, **named: Any) -> Any:
+        """Runs one forward pass: ``infer(x)``, ``infer(input_ids=ids, attention_mask=mask)`` or ``infer({...})``.
 
         Args:
-            x: First model input: a numpy array (or array-like) or a torch
-                tensor. ``torch.bfloat16`` is sent as bfloat16.
-            *more: Further positional inputs.
+            *inputs: Positional model inputs: numpy arrays (or array-likes) or
+                torch tensors (``torch.bfloat16`` is sent as bfloat16); or one
+                dict, name -> input, for named inputs.
             as_torch: Return torch tensors (bf16 outputs stay bf16).
             timeout: Deadline override in seconds.
+            **named: Inputs by ``forward``'s argument names (see ``metadata().inputs``).
 
         Returns:
-            One output: an array. Several: a list of arrays. numpy bf16 outputs
+            What the model returned (see ``layertap._io``): one tensor, an
+            array; a tuple, a list with ``None`` where no tensor was; a dict
+            or ``ModelOutput``, a dict name -> array. The list and dict list
+            non-tensor outputs (a cache) in ``.skipped``. numpy bf16 outputs
             arrive as float32 (exact widening).
 
         Raises:
-            InvalidArgument: Wrong dtype, shape or byte count for the model.
+            InvalidArgument: A missing or unexpected input name, wrong count,
+                dtype, shape or byte count for the model.
         """
-        req = _convert.infer_request((x, *more))
+        req = inference_pb2.InferRequest(inputs=encode_inputs(inputs, named))
         resp = self._transport.unary(INFER, req, timeout=timeout)
-        outputs = _convert.infer_outputs(resp, as_torch=as_torch)
-        return outputs[0] if len(outputs) == 1 else outputs
+        return decode_outputs(resp, as_torch=as_torch)
 
     # ------------------------------------------------------------------ layers, capture
 
@@ -306,6 +310,7 @@ class Client:
         *,
         normalize: bool = False,
         upsample: bool = False,
+        output_name: str = "",
         timeout: float | None = None,
     ) -> Explanation:
         """Grad-CAM: which parts of ``x`` the layer's features for a class come from.
@@ -314,8 +319,8 @@ class Client:
         in eval mode and leaves the model as it was.
 
         Args:
-            x: Model input: an array, or a tuple or list of arrays for a
-                multi-argument model.
+            x: Model input: an array, a tuple or list of arrays for a
+                multi-argument model, or a dict name -> array.
             layer: Exact module name whose output, ``(N, channels, *spatial)``,
                 is explained; usually the last convolutional block.
             target: Output index to explain: None for each sample's top class,
@@ -324,6 +329,8 @@ class Client:
                 flattened output.
             normalize: Min-max each map to ``[0, 1]``.
             upsample: Resize the maps bilinearly to the input's spatial size.
+            output_name: The output to explain (a key, or ``output{i}``); default
+                the one tensor, else ``logits``, else the only tensor output.
             timeout: Deadline override in seconds.
 
         Returns:
@@ -338,7 +345,7 @@ class Client:
                 whose map has no spatial dims to resize (e.g. a Linear head).
         """
         return _explain.explain(self._transport, x, layer, target, normalize=normalize, upsample=upsample,
-                                timeout=timeout)
+                                output_name=output_name, timeout=timeout)
 
     # ------------------------------------------------------------------ taps
 

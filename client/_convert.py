@@ -137,7 +137,7 @@ def _from_fields(cls: type[_D], msg: Any, **overrides: Any) -> _D:
 
 def metadata_from_proto(m: inference_pb2.GetModelMetadataResponse) -> ModelMetadata:
     """Converts GetModelMetadataResponse."""
-    inputs = [TensorSpec(s.name, dtype_name(s.dtype), tuple(s.shape)) for s in m.inputs]
+    inputs = [TensorSpec(s.name, dtype_name(s.dtype), tuple(s.shape), s.optional) for s in m.inputs]
     return _from_fields(ModelMetadata, m, dtype=dtype_name(m.dtype), inputs=inputs,
                         rank=m.rank if m.has_rank else None, world_size=m.world_size if m.has_rank else None)
 

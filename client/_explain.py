@@ -12,8 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from ._codec import Array, decode_tensor, encode_tensor
+from ._codec import Array, decode_tensor
 from ._errors import InvalidArgument
+from ._io import encode_inputs, split_input
 from ._transport import Transport, Unary
 from .v1 import telemetry_pb2
 
@@ -42,9 +43,12 @@ class Explanation:
 
 
 def explain_request(
-    x: Any, layer: str, target: int | Sequence[int] | None = None, *, normalize: bool = False, upsample: bool = False
+    x: Any, layer: str, target: int | Sequence[int] | None = None, *, normalize: bool = False, upsample: bool = False,
+    output_name: str = "",
 ) -> telemetry_pb2.ExplainRequest:
-    """Builds an ExplainRequest; ``x`` is an array, or a tuple or list of arrays for a multi-argument model."""
+    """Builds an ExplainRequest; ``x`` is an array, a tuple or list of arrays for a multi-argument model,
+    or a dict name -> array for named inputs. ``output_name`` picks the output to explain (default: the
+    one tensor, else ``logits``, else the only tensor output)."""
     if not isinstance(layer, str) or not layer:
         raise InvalidArgument("layer: name the layer to explain (see Client.layers())")
     if target is None:
@@ -53,9 +57,9 @@ def explain_request(
         targets = [int(target)]
     else:
         targets = [int(t) for t in target]
-    inputs = x if isinstance(x, (tuple, list)) else [x]
-    return telemetry_pb2.ExplainRequest(inputs=[encode_tensor(t) for t in inputs], layer=layer, targets=targets,
-                                        normalize=normalize, upsample=upsample)
+    return telemetry_pb2.ExplainRequest(inputs=encode_inputs(*split_input(x), what="explain input"), layer=layer,
+                                        targets=targets, normalize=normalize, upsample=upsample,
+                                        output_name=output_name)
 
 
 def explain(
@@ -66,10 +70,11 @@ def explain(
     *,
     normalize: bool = False,
     upsample: bool = False,
+    output_name: str = "",
     timeout: float | None = None,
 ) -> Explanation:
     """Makes the Explain call of ``Client.explain`` (see there) on ``transport``."""
-    req = explain_request(x, layer, target, normalize=normalize, upsample=upsample)
+    req = explain_request(x, layer, target, normalize=normalize, upsample=upsample, output_name=output_name)
     resp = transport.unary(EXPLAIN, req, timeout=timeout, layer_hint=True)
     maps = np.asarray(decode_tensor(resp.maps), dtype=np.float32)
     return Explanation(layer, maps, list(resp.targets), list(resp.scores))

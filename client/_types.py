@@ -55,11 +55,13 @@ Structured: TypeAlias = Union[npt.NDArray[Any], list["Structured"], dict[str, "S
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A declared model input; ``-1`` marks a free dimension (the batch)."""
+    """A declared model input: ``forward``'s argument name; ``-1`` marks a free dimension (batch, sequence)."""
 
     name: str
     dtype: str
     shape: Shape
+    #: The model runs without it (an ``attention_mask`` it defaults).
+    optional: bool = False
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("layers", nargs="+", metavar="LAYER",
                    help="module name(s), globs ('layer*') or re:regex; several or a pattern give an .npz keyed by layer")
     p.add_argument("-o", "--output", required=True, type=Path, help="output .npy or .npz file")
-    p.add_argument("--input", type=Path, help="run this .npy (or multi-argument .npz) input instead of waiting for live traffic")
+    p.add_argument("--input", type=Path, help="run this .npy (or multi-argument .npz, whose keys name the inputs) input instead of waiting for live traffic")
     p.add_argument("--n", type=positive_int, default=1, help="live passes to capture (default 1)")
     p.add_argument("--point", choices=("output", "input"), default="output")
     p.add_argument("--max-batch", type=positive_int, help="keep at most this many batch rows")
@@ -199,11 +199,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- helpers
 
 
-def _load_input(path: Path) -> list[np.ndarray[Any, Any]]:
+def _load_input(path: Path) -> list[np.ndarray[Any, Any]] | dict[str, np.ndarray[Any, Any]]:
+    """A .npy is one input; a .npz's keys are input names (``np.savez(f, input_ids=..., attention_mask=...)``),
+    except numpy's own ``arr_0``, ``arr_1``... of unnamed arrays, which stay positional."""
     loaded = np.load(path, allow_pickle=False)
     if isinstance(loaded, np.lib.npyio.NpzFile):
         with loaded:
-            return [loaded[key] for key in loaded.files]
+            if all(key == f"arr_{i}" for i, key in enumerate(loaded.files)):
+                return [loaded[key] for key in loaded.files]
+            return {key: loaded[key] for key in loaded.files}
     return [np.asarray(loaded)]
 
 
@@ -244,7 +248,7 @@ def _cmd_capture(args: argparse.Namespace) -> int:
         with _client(args) as client:
             result = client.capture(
                 list(args.layers),
-                input=tuple(inputs) if inputs is not None else None,
+                input=inputs if isinstance(inputs, dict) else tuple(inputs) if inputs is not None else None,
                 n=args.n,
                 point=args.point,
                 max_batch=args.max_batch,

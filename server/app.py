@@ -190,7 +190,7 @@ class LayertapServer:
 def _load_host(config: ServerConfig, loaded: LoadedModel | None) -> ModelHost:
     if loaded is None:
         loaded = load_model(config.model, seed=config.seed, weights=config.weights,
-                            input_shape=config.input_shape, input_dtype=config.input_dtype,
+                            input_shape=config.input_shape, input_dtype=config.input_dtype, inputs=config.inputs,
                             model_args=config.model_args, hf_class=config.hf_class,
                             trust_remote_code=config.trust_remote_code)
     return ModelHost(loaded, device=pick_device(config.device), dtype=DTYPE_BY_NAME[config.dtype])

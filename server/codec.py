@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ from google.protobuf.internal import api_implementation
 
 from layertap.server.errors import InvalidField
 from layertap.server.limits import MAX_TENSOR_DIMS, MAX_TENSOR_ELEMENTS
-from layertap.v1 import tensor_pb2
+from layertap.v1 import inference_pb2, tensor_pb2
 
 DataType = tensor_pb2.DataType
 
@@ -151,12 +152,39 @@ def tensor_to_proto(t: torch.Tensor, name: str = "") -> tensor_pb2.Tensor:
     )
 
 
-def flatten_outputs(out: object) -> list[tuple[str, torch.Tensor]]:
-    """Model outputs as ``(name, tensor)``: one tensor, a tuple/list, or a dict."""
+@dataclass
+class FlatOutputs:
+    """A forward's result as the wire carries it (``InferResponse``)."""
+
+    #: ``(name, tensor)``: ``"output"`` for one tensor, ``output{i}`` for a
+    #: tuple/list position, the key for a dict or ``ModelOutput``.
+    tensors: list[tuple[str, torch.Tensor]]
+    #: An ``OutputStructure`` value.
+    structure: int
+    #: ``(name, type name)`` of each entry that is not a tensor: None, a cache object, a nested container.
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+def flatten_outputs(out: object) -> FlatOutputs:
+    """Model outputs with their names: one tensor, a tuple/list, or a dict (``ModelOutput`` is one).
+
+    Raises:
+        InvalidField: The model returned something with no tensor at all.
+    """
     if isinstance(out, torch.Tensor):
-        return [("output", out)]
+        return FlatOutputs([("output", out)], inference_pb2.OUTPUT_STRUCTURE_TENSOR)
     if isinstance(out, dict):
-        return [(str(k), v) for k, v in out.items() if isinstance(v, torch.Tensor)]
-    if isinstance(out, (tuple, list)):
-        return [(f"output{i}", v) for i, v in enumerate(out) if isinstance(v, torch.Tensor)]
-    raise InvalidField("outputs", f"model returned {type(out).__name__}, which has no tensors to send")
+        items = [(str(k), v) for k, v in out.items()]
+        structure = inference_pb2.OUTPUT_STRUCTURE_MAPPING
+    elif isinstance(out, (tuple, list)):
+        items = [(f"output{i}", v) for i, v in enumerate(out)]
+        structure = inference_pb2.OUTPUT_STRUCTURE_SEQUENCE
+    else:
+        raise InvalidField("outputs", f"model returned {type(out).__name__}, which has no tensors to send")
+    flat = FlatOutputs([], structure)
+    for name, value in items:
+        if isinstance(value, torch.Tensor):
+            flat.tensors.append((name, value))
+        else:
+            flat.skipped.append((name, type(value).__name__))
+    return flat

@@ -30,6 +30,8 @@ class ServerConfig:
     hf_class: str | None = None
     #: Run an ``hf:`` model's own Python code (its config's ``auto_map``).
     trust_remote_code: bool = False
+    #: ``--input NAME:DTYPE:SHAPE`` declarations, one per model input (factories, exports, TorchScript).
+    inputs: list[str] = field(default_factory=list)
     device: str | None = None
     dtype: str = "float32"
     max_request_bytes: int = 256 << 20

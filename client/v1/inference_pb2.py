@@ -26,7 +26,7 @@ from layertap.v1 import options_pb2 as layertap_dot_v1_dot_options__pb2
 from layertap.v1 import tensor_pb2 as layertap_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1blayertap/v1/inference.proto\x12\x0blayertap.v1\x1a\x19layertap/v1/options.proto\x1a\x18layertap/v1/tensor.proto\"3\n\x0cInferRequest\x12#\n\x06inputs\x18\x01 \x03(\x0b\x32\x13.layertap.v1.Tensor\"I\n\rInferResponse\x12$\n\x07outputs\x18\x01 \x03(\x0b\x32\x13.layertap.v1.Tensor\x12\x12\n\npass_index\x18\x02 \x01(\x04\"\x19\n\x17GetModelMetadataRequest\"\xc6\x02\n\x18GetModelMetadataResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12$\n\x05\x64type\x18\x04 \x01(\x0e\x32\x15.layertap.v1.DataType\x12\x17\n\x0fparameter_count\x18\x05 \x01(\x03\x12\'\n\x06inputs\x18\x06 \x03(\x0b\x32\x17.layertap.v1.TensorSpec\x12\x16\n\x0eserver_version\x18\x07 \x01(\t\x12\x13\n\x0b\x61pi_version\x18\x08 \x01(\t\x12\x14\n\x0c\x61\x63tive_hooks\x18\t \x01(\r\x12\x17\n\x0fhooks_supported\x18\n \x01(\x08\x12\x0c\n\x04rank\x18\x14 \x01(\r\x12\x12\n\nworld_size\x18\x15 \x01(\r\x12\x10\n\x08has_rank\x18\x16 \x01(\x08\x32\xbf\x01\n\x10InferenceService\x12\x44\n\x05Infer\x12\x19.layertap.v1.InferRequest\x1a\x1a.layertap.v1.InferResponse\"\x04\x88\xb5\x18\x01\x12\x65\n\x10GetModelMetadata\x12$.layertap.v1.GetModelMetadataRequest\x1a%.layertap.v1.GetModelMetadataResponse\"\x04\x88\xb5\x18\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1blayertap/v1/inference.proto\x12\x0blayertap.v1\x1a\x19layertap/v1/options.proto\x1a\x18layertap/v1/tensor.proto\"3\n\x0cInferRequest\x12#\n\x06inputs\x18\x01 \x03(\x0b\x32\x13.layertap.v1.Tensor\"+\n\rSkippedOutput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\"\xa7\x01\n\rInferResponse\x12$\n\x07outputs\x18\x01 \x03(\x0b\x32\x13.layertap.v1.Tensor\x12\x12\n\npass_index\x18\x02 \x01(\x04\x12/\n\tstructure\x18\x03 \x01(\x0e\x32\x1c.layertap.v1.OutputStructure\x12+\n\x07skipped\x18\x04 \x03(\x0b\x32\x1a.layertap.v1.SkippedOutput\"\x19\n\x17GetModelMetadataRequest\"\xc6\x02\n\x18GetModelMetadataResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12$\n\x05\x64type\x18\x04 \x01(\x0e\x32\x15.layertap.v1.DataType\x12\x17\n\x0fparameter_count\x18\x05 \x01(\x03\x12\'\n\x06inputs\x18\x06 \x03(\x0b\x32\x17.layertap.v1.TensorSpec\x12\x16\n\x0eserver_version\x18\x07 \x01(\t\x12\x13\n\x0b\x61pi_version\x18\x08 \x01(\t\x12\x14\n\x0c\x61\x63tive_hooks\x18\t \x01(\r\x12\x17\n\x0fhooks_supported\x18\n \x01(\x08\x12\x0c\n\x04rank\x18\x14 \x01(\r\x12\x12\n\nworld_size\x18\x15 \x01(\r\x12\x10\n\x08has_rank\x18\x16 \x01(\x08*\x8d\x01\n\x0fOutputStructure\x12 \n\x1cOUTPUT_STRUCTURE_UNSPECIFIED\x10\x00\x12\x1b\n\x17OUTPUT_STRUCTURE_TENSOR\x10\x01\x12\x1d\n\x19OUTPUT_STRUCTURE_SEQUENCE\x10\x02\x12\x1c\n\x18OUTPUT_STRUCTURE_MAPPING\x10\x03\x32\xbf\x01\n\x10InferenceService\x12\x44\n\x05Infer\x12\x19.layertap.v1.InferRequest\x1a\x1a.layertap.v1.InferResponse\"\x04\x88\xb5\x18\x01\x12\x65\n\x10GetModelMetadata\x12$.layertap.v1.GetModelMetadataRequest\x1a%.layertap.v1.GetModelMetadataResponse\"\x04\x88\xb5\x18\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,14 +37,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFERENCESERVICE'].methods_by_name['Infer']._serialized_options = b'\210\265\030\001'
   _globals['_INFERENCESERVICE'].methods_by_name['GetModelMetadata']._loaded_options = None
   _globals['_INFERENCESERVICE'].methods_by_name['GetModelMetadata']._serialized_options = b'\210\265\030\001'
+  _globals['_OUTPUTSTRUCTURE']._serialized_start=722
+  _globals['_OUTPUTSTRUCTURE']._serialized_end=863
   _globals['_INFERREQUEST']._serialized_start=97
   _globals['_INFERREQUEST']._serialized_end=148
-  _globals['_INFERRESPONSE']._serialized_start=150
-  _globals['_INFERRESPONSE']._serialized_end=223
-  _globals['_GETMODELMETADATAREQUEST']._serialized_start=225
-  _globals['_GETMODELMETADATAREQUEST']._serialized_end=250
-  _globals['_GETMODELMETADATARESPONSE']._serialized_start=253
-  _globals['_GETMODELMETADATARESPONSE']._serialized_end=579
-  _globals['_INFERENCESERVICE']._serialized_start=582
-  _globals['_INFERENCESERVICE']._serialized_end=773
+  _globals['_SKIPPEDOUTPUT']._serialized_start=150
+  _globals['_SKIPPEDOUTPUT']._serialized_end=193
+  _globals['_INFERRESPONSE']._serialized_start=196
+  _globals['_INFERRESPONSE']._serialized_end=363
+  _globals['_GETMODELMETADATAREQUEST']._serialized_start=365
+  _globals['_GETMODELMETADATAREQUEST']._serialized_end=390
+  _globals['_GETMODELMETADATARESPONSE']._serialized_start=393
+  _globals['_GETMODELMETADATARESPONSE']._serialized_end=719
+  _globals['_INFERENCESERVICE']._serialized_start=866
+  _globals['_INFERENCESERVICE']._serialized_end=1057
 # @@protoc_insertion_point(module_scope)

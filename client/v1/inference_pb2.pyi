@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from layertap.v1 import tensor_pb2 as _tensor_pb2
 import builtins as _builtins
 import sys
@@ -19,6 +20,38 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _OutputStructure:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _OutputStructureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_OutputStructure.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    OUTPUT_STRUCTURE_UNSPECIFIED: _OutputStructure.ValueType  # 0
+    """An older server: outputs is a flat list."""
+    OUTPUT_STRUCTURE_TENSOR: _OutputStructure.ValueType  # 1
+    """One tensor, named "output"."""
+    OUTPUT_STRUCTURE_SEQUENCE: _OutputStructure.ValueType  # 2
+    """A tuple or list: each tensor is named output{i}, i its position; a
+    position with no tensor (None, a cache object) is absent from outputs.
+    """
+    OUTPUT_STRUCTURE_MAPPING: _OutputStructure.ValueType  # 3
+    """A dict or a ModelOutput: each tensor is named by its key."""
+
+class OutputStructure(_OutputStructure, metaclass=_OutputStructureEnumTypeWrapper):
+    """The shape of what the model's forward returned."""
+
+OUTPUT_STRUCTURE_UNSPECIFIED: OutputStructure.ValueType  # 0
+"""An older server: outputs is a flat list."""
+OUTPUT_STRUCTURE_TENSOR: OutputStructure.ValueType  # 1
+"""One tensor, named "output"."""
+OUTPUT_STRUCTURE_SEQUENCE: OutputStructure.ValueType  # 2
+"""A tuple or list: each tensor is named output{i}, i its position; a
+position with no tensor (None, a cache object) is absent from outputs.
+"""
+OUTPUT_STRUCTURE_MAPPING: OutputStructure.ValueType  # 3
+"""A dict or a ModelOutput: each tensor is named by its key."""
+Global___OutputStructure: _TypeAlias = OutputStructure  # noqa: Y015
+
 @_typing.final
 class InferRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -26,7 +59,11 @@ class InferRequest(_message.Message):
     INPUTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]:
-        """Positional model inputs, in the order of GetModelMetadataResponse.inputs."""
+        """Model inputs. An unnamed tensor is positional and takes the next input of
+        GetModelMetadataResponse.inputs in order; a tensor whose name is one of
+        those inputs' names reaches forward as that keyword argument. Unnamed
+        tensors come first; every input is given exactly once.
+        """
 
     def __init__(
         self,
@@ -42,24 +79,59 @@ class InferRequest(_message.Message):
 Global___InferRequest: _TypeAlias = InferRequest  # noqa: Y015
 
 @_typing.final
+class SkippedOutput(_message.Message):
+    """An output that is not a tensor (a cache object, None, a nested container),
+    so it is not sent.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Its key, or output{i} for a position."""
+    type: _builtins.str
+    """Its Python type name, e.g. DynamicCache or NoneType."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        type: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SkippedOutput: _TypeAlias = SkippedOutput  # noqa: Y015
+
+@_typing.final
 class InferResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     OUTPUTS_FIELD_NUMBER: _builtins.int
     PASS_INDEX_FIELD_NUMBER: _builtins.int
+    STRUCTURE_FIELD_NUMBER: _builtins.int
+    SKIPPED_FIELD_NUMBER: _builtins.int
     pass_index: _builtins.int
     """Index of the forward pass that served this request."""
+    structure: Global___OutputStructure.ValueType
     @_builtins.property
     def outputs(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]: ...
+    @_builtins.property
+    def skipped(self) -> _containers.RepeatedCompositeFieldContainer[Global___SkippedOutput]: ...
     def __init__(
         self,
         *,
         outputs: _abc.Iterable[_tensor_pb2.Tensor] | None = ...,
         pass_index: _builtins.int = ...,
+        structure: Global___OutputStructure.ValueType = ...,
+        skipped: _abc.Iterable[Global___SkippedOutput] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["outputs", b"outputs", "pass_index", b"pass_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outputs", b"outputs", "pass_index", b"pass_index", "skipped", b"skipped", "structure", b"structure"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

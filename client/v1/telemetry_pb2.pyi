@@ -1520,6 +1520,7 @@ class ExplainRequest(_message.Message):
     TARGETS_FIELD_NUMBER: _builtins.int
     NORMALIZE_FIELD_NUMBER: _builtins.int
     UPSAMPLE_FIELD_NUMBER: _builtins.int
+    OUTPUT_NAME_FIELD_NUMBER: _builtins.int
     layer: _builtins.str
     """Exact module name, as listed by ListLayers. It must run once per pass and
     output one tensor shaped (N, channels, *spatial).
@@ -1530,9 +1531,16 @@ class ExplainRequest(_message.Message):
     """Resize each map to the first input's spatial size (dims after N and C):
     linear, bilinear or trilinear by the map's rank, corners not aligned.
     """
+    output_name: _builtins.str
+    """The output to explain when the model returns several: a dict or
+    ModelOutput key, or output{i} for a tuple position. Empty: the one
+    tensor, else the "logits" field, else the only tensor output.
+    """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]:
-        """Positional model inputs, as InferRequest.inputs (same checks and byte cap)."""
+        """Model inputs, positional or named, as InferRequest.inputs (same checks
+        and byte cap).
+        """
 
     @_builtins.property
     def targets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -1550,10 +1558,11 @@ class ExplainRequest(_message.Message):
         targets: _abc.Iterable[_builtins.int] | None = ...,
         normalize: _builtins.bool = ...,
         upsample: _builtins.bool = ...,
+        output_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "layer", b"layer", "normalize", b"normalize", "targets", b"targets", "upsample", b"upsample"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "layer", b"layer", "normalize", b"normalize", "output_name", b"output_name", "targets", b"targets", "upsample", b"upsample"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

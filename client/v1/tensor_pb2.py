@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18layertap/v1/tensor.proto\x12\x0blayertap.v1\"]\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05\x64type\x18\x02 \x01(\x0e\x32\x15.layertap.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x10\n\x08raw_data\x18\x04 \x01(\x0c\"O\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05\x64type\x18\x02 \x01(\x0e\x32\x15.layertap.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x15\n\x05Shape\x12\x0c\n\x04\x64ims\x18\x01 \x03(\x03*\xfe\x01\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x01\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT16\x10\x02\x12\x16\n\x12\x44\x41TA_TYPE_BFLOAT16\x10\x03\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT64\x10\x04\x12\x12\n\x0e\x44\x41TA_TYPE_INT8\x10\x05\x12\x13\n\x0f\x44\x41TA_TYPE_INT16\x10\x06\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x07\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x08\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\t\x12\x12\n\x0e\x44\x41TA_TYPE_BOOL\x10\nb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18layertap/v1/tensor.proto\x12\x0blayertap.v1\"]\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05\x64type\x18\x02 \x01(\x0e\x32\x15.layertap.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x10\n\x08raw_data\x18\x04 \x01(\x0c\"a\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05\x64type\x18\x02 \x01(\x0e\x32\x15.layertap.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x10\n\x08optional\x18\x04 \x01(\x08\"\x15\n\x05Shape\x12\x0c\n\x04\x64ims\x18\x01 \x03(\x03*\xfe\x01\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x01\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT16\x10\x02\x12\x16\n\x12\x44\x41TA_TYPE_BFLOAT16\x10\x03\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT64\x10\x04\x12\x12\n\x0e\x44\x41TA_TYPE_INT8\x10\x05\x12\x13\n\x0f\x44\x41TA_TYPE_INT16\x10\x06\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x07\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x08\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\t\x12\x12\n\x0e\x44\x41TA_TYPE_BOOL\x10\nb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'layertap.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DATATYPE']._serialized_start=241
-  _globals['_DATATYPE']._serialized_end=495
+  _globals['_DATATYPE']._serialized_start=259
+  _globals['_DATATYPE']._serialized_end=513
   _globals['_TENSOR']._serialized_start=41
   _globals['_TENSOR']._serialized_end=134
   _globals['_TENSORSPEC']._serialized_start=136
-  _globals['_TENSORSPEC']._serialized_end=215
-  _globals['_SHAPE']._serialized_start=217
-  _globals['_SHAPE']._serialized_end=238
+  _globals['_TENSORSPEC']._serialized_end=233
+  _globals['_SHAPE']._serialized_start=235
+  _globals['_SHAPE']._serialized_end=256
 # @@protoc_insertion_point(module_scope)

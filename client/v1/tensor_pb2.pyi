@@ -95,8 +95,11 @@ class TensorSpec(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
+    OPTIONAL_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     dtype: Global___DataType.ValueType
+    optional: _builtins.bool
+    """The model runs without it (an attention_mask it defaults); an input left out is not an error."""
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -105,10 +108,11 @@ class TensorSpec(_message.Message):
         name: _builtins.str = ...,
         dtype: Global___DataType.ValueType = ...,
         shape: _abc.Iterable[_builtins.int] | None = ...,
+        optional: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "shape", b"shape"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "optional", b"optional", "shape", b"shape"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -28,9 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf: models: run the Python code the model's config names (auto_map); never without it")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the demo model's weights")
     p.add_argument("--weights", help="state_dict file, loaded with torch.load(weights_only=True)")
-    p.add_argument("--input-shape", help="input shape for factory/export/TorchScript models, -1 for the batch (e.g. -1,3,224,224)")
+    p.add_argument("--input", dest="inputs", action="append", default=[], metavar="NAME:DTYPE:SHAPE",
+                   help="declare one model input by forward's argument name, repeatable, for factory/export/TorchScript "
+                        "models; -1 marks a free dimension (e.g. input_ids:int64:-1,-1 attention_mask:int64:-1,-1)")
+    p.add_argument("--input-shape", help="shorthand for one input: its shape, -1 for any free dimension such as the "
+                                         "batch (e.g. -1,3,224,224)")
     p.add_argument("--input-dtype", default=d.input_dtype,
                    help="input dtype for factory/export/TorchScript models, with --input-shape (default float32)")
+    p.add_argument("--output-name", default="", help="--smoke: the output to check when the model returns several "
+                                                     "(default: the tensor, else logits, else the only one)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", default=d.dtype, choices=MODEL_DTYPES)
     p.add_argument("--host", default=d.host, help="bind address (default loopback; 0.0.0.0 exposes the server)")
@@ -130,22 +136,44 @@ def hint(server: LayertapServer, layer: str | None) -> str:
     return f"layertap: try `layertap capture {address} {layer} -o {layer}.npy{flags}`{token}"
 
 
-def smoke(address: str, layer: str) -> int:
-    """Capture ``layer`` from the running server with the real client and print it."""
+def smoke(address: str, layer: str, output_name: str = "") -> int:
+    """Capture ``layer`` from the running server with the real client and print it.
+
+    The input fits every declared input (random floats, zeros for integer
+    ids, ones for a mask); the output checked is ``output_name``, else the
+    one tensor, ``logits``, or the only output.
+    """
     import numpy as np
 
     from layertap import Client
 
+    rng = np.random.default_rng(0)
     with Client(address) as client:
         meta = client.metadata()
-        shape = [2 if d == -1 else d for d in meta.inputs[0].shape]
-        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-        act = client.capture(layer, input=x)
-        passive_out = client.infer(x)
+        inputs = {}
+        for spec in meta.inputs:
+            shape = [2 if d == -1 else d for d in spec.shape]
+            if spec.dtype.startswith(("float", "bfloat")):
+                inputs[spec.name] = rng.standard_normal(shape).astype(np.float32)
+            else:
+                fill = 1 if "mask" in spec.name else 0
+                inputs[spec.name] = np.full(shape, fill, dtype=spec.dtype if spec.dtype != "bool" else np.bool_)
+        act = client.capture(layer, input=inputs)
+        out = client.infer(inputs)
+        if isinstance(out, dict):
+            name = output_name or ("logits" if "logits" in out else next(iter(out), ""))
+            if name not in out:
+                print(f"layertap serve: error: --output-name {name!r}: the outputs are {', '.join(out)}", file=sys.stderr)
+                return 2
+            picked = out[name]
+        elif isinstance(out, list):
+            picked = out[int(output_name.removeprefix("output") or 0)]
+        else:
+            picked = out
         print(f"layertap: model={meta.model_name} source={meta.source} device={meta.device} "
               f"params={meta.parameter_count}")
         print(f"layertap: captured {layer} {tuple(act.shape)} {act.dtype} mean={float(np.mean(act)):.6f} "
-              f"std={float(np.std(act)):.6f}; infer output {tuple(passive_out.shape)}")
+              f"std={float(np.std(act)):.6f}; infer output {tuple(np.shape(picked))}")
     return 0
 
 
@@ -181,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if layer is None:
                 print("layertap serve: error: --smoke needs a model with hookable child modules", file=sys.stderr)
                 return 2
-            return smoke(f"{config.host}:{server.port}", layer)
+            return smoke(f"{config.host}:{server.port}", layer, args.output_name)
         finally:
             server.stop(0)
     # Before the hint: a supervisor that reads it may signal at once.

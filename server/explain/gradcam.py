@@ -40,7 +40,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from layertap.server.errors import InvalidField, LimitExceeded, Unsupported
+from layertap.server.host.inputs import ModelInputs
 from layertap.server.host.model_host import ModelHost, model_raised
+from layertap.server.host.outputs import pick_output
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ class GradCamOptions:
     targets: tuple[int, ...] = ()
     normalize: bool = False
     upsample: bool = False
+    #: The output to explain (see ``pick_output``): empty picks the tensor, ``logits`` or the only one.
+    output_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,7 @@ def require_hooks(host: ModelHost) -> None:
                           "refuses Python hooks); Explain needs an eager, export or factory model")
 
 
-def grad_cam(host: ModelHost, inputs: Sequence[torch.Tensor], opts: GradCamOptions) -> Explanation:
+def grad_cam(host: ModelHost, inputs: ModelInputs, opts: GradCamOptions) -> Explanation:
     """Grad-CAM maps of ``opts.layer`` for validated CPU ``inputs`` (see :func:`decode_inputs`).
 
     Raises:
@@ -175,7 +179,8 @@ def grad_cam(host: ModelHost, inputs: Sequence[torch.Tensor], opts: GradCamOptio
         LimitExceeded: The device ran out of memory.
     """
     require_hooks(host)
-    n = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 0
+    tensors = inputs.tensors()
+    n = int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 0
     if n < 1:
         raise InvalidField("inputs[0].shape", "Explain needs a batch of at least one sample")
     _check_targets(opts.targets, n)
@@ -187,8 +192,7 @@ def grad_cam(host: ModelHost, inputs: Sequence[torch.Tensor], opts: GradCamOptio
         try:
             model.eval()
             try:
-                moved = [t.to(host.device, dtype=s.dtype) for t, s in zip(inputs, host.inputs)]
-                out = model(*moved)
+                out = host.forward(host.to_device(inputs))
             except torch.OutOfMemoryError:
                 raise LimitExceeded("the device ran out of memory for this pass; send a smaller batch") from None
             except Exception as exc:  # noqa: BLE001 - the caller's input made the model raise
@@ -196,7 +200,8 @@ def grad_cam(host: ModelHost, inputs: Sequence[torch.Tensor], opts: GradCamOptio
                     raise Unsupported(_CACHED_INFERENCE_TENSOR, reason="INFERENCE_TENSOR_CACHED") from None
                 raise model_raised(exc) from None
             leaf = _layer_output(grab, opts.layer, n)
-            index, score = _scores(out, n, opts.targets)
+            _, picked = pick_output(out, opts.output_name)
+            index, score = _scores(picked, n, opts.targets)
             if not score.requires_grad:
                 raise Unsupported(f"layer: the model's output does not depend on {opts.layer!r}", field="layer")
             (grad,) = torch.autograd.grad(score.sum(), leaf, allow_unused=True)
@@ -210,7 +215,7 @@ def grad_cam(host: ModelHost, inputs: Sequence[torch.Tensor], opts: GradCamOptio
     spatial = tuple(range(2, act.dim()))
     weights = g.mean(dim=spatial, keepdim=True) if spatial else g
     cam = torch.relu((weights * act).sum(dim=1))
-    maps = _finish(cam, opts, inputs[0].shape[2:])
+    maps = _finish(cam, opts, tensors[0].shape[2:])
     log.info("explain: layer=%s n=%d map=%s", opts.layer, n, list(maps.shape))
     return Explanation(maps, index, score.detach().float())
 

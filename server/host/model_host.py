@@ -13,6 +13,7 @@ the model lock, so it never waits for an RPC that holds it to add hooks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -28,6 +29,7 @@ from torch import nn
 from layertap.server.codec import dtype_name
 from layertap.server.errors import InvalidField, LimitExceeded, Unsupported
 from layertap.server.host.hooks import CallArgs, HookRegistry, ParamGrad
+from layertap.server.host.inputs import ModelInputs, as_positional, bind_inputs
 from layertap.server.host.model_thread import ModelThread
 from layertap.server.host.sources import InputSpec, LoadedModel
 
@@ -65,6 +67,9 @@ class PassContext:
     wall_time: float = field(default_factory=time.time)
     #: Set when the forward (or backward) raised: observers drop the pass.
     failed: bool = False
+    #: The inputs of a server-side pass (Infer, an active capture, a replay);
+    #: None for a training loop's pass.
+    inputs: ModelInputs | None = field(default=None, repr=False)
     #: The host's observers when the pass began: only they are told it finished.
     observers: tuple[PassObserver, ...] = field(default=(), repr=False)
 
@@ -137,8 +142,7 @@ class ModelHost:
             module = module.to(self.device)
         self.module: nn.Module = module
         self.inputs: list[InputSpec] = [
-            InputSpec(s.name, dtype if s.dtype.is_floating_point else s.dtype, s.shape)
-            for s in loaded.inputs
+            dataclasses.replace(s, dtype=dtype if s.dtype.is_floating_point else s.dtype) for s in loaded.inputs
         ]
         self._lock = threading.RLock()
         #: Runs the server's own passes (Infer, captures, replays, Explain): see model_thread.
@@ -194,10 +198,18 @@ class ModelHost:
         self._probe_armed = self.loaded.hooks_supported
 
     # -- passes --------------------------------------------------------------
-    def validate_inputs(self, inputs: Sequence[torch.Tensor], field_name: str = "inputs") -> None:
-        """Check count, dtype and shape against the declared signature.
+    def validate_inputs(self, inputs: Sequence[torch.Tensor | tuple[str, torch.Tensor]] | ModelInputs,
+                        field_name: str = "inputs") -> ModelInputs:
+        """Bind the tensors to the declared inputs (see :mod:`.inputs`) and
+        check count, names, dtype and shape against them.
+
+        ``inputs`` are bare tensors (positional), ``(name, tensor)`` pairs
+        (``""`` is positional), or already bound :class:`ModelInputs`.
 
         Raises:
+            InvalidField: A missing, unexpected or repeated name, a wrong
+                count, dtype or shape; the field names ``inputs[i]`` (or the
+                input's name, for a named one).
             Unsupported: On a training host (FAILED_PRECONDITION): a pass of a
                 client's input would run the training model, changing its
                 BatchNorm statistics, dropout's RNG and its autograd graph.
@@ -206,24 +218,46 @@ class ModelHost:
             raise Unsupported(f"{field_name}: this is a training agent (layertap.attach); it observes the training "
                               "loop's own steps only, and Infer or an active capture would change the training "
                               "model's state", reason="TRAINING_AGENT", field=field_name)
-        if len(inputs) != len(self.inputs):
-            raise InvalidField(field_name, f"expected {len(self.inputs)} input tensor(s), got {len(inputs)}")
-        for i, (t, spec) in enumerate(zip(inputs, self.inputs)):
-            where = f"{field_name}[{i}]"
+        pairs = list(inputs.named()) if isinstance(inputs, ModelInputs) else [
+            p if isinstance(p, tuple) else ("", p) for p in inputs]
+        bound, specs = bind_inputs(pairs, self.inputs, field_name)
+        for i, ((name, t), spec) in enumerate(zip(pairs, specs)):
+            where = f"{field_name}[{i}]" if not name else f"{field_name}[{i}] ({name})"
             if t.dtype != spec.dtype and not _castable(t.dtype, spec.dtype):
                 also = " (or float32, cast on the server)" if _castable(torch.float32, spec.dtype) else ""
-                raise InvalidField(f"{where}.dtype", f"expected {dtype_name(spec.dtype)}{also}, got {dtype_name(t.dtype)}")
+                raise InvalidField(f"{field_name}[{i}].dtype",
+                                   f"{where}: expected {dtype_name(spec.dtype)}{also}, got {dtype_name(t.dtype)}")
             if t.dim() != len(spec.shape) or any(
                 want != -1 and got != want for got, want in zip(t.shape, spec.shape)
             ):
-                raise InvalidField(f"{where}.shape", f"expected {list(spec.shape)} (-1 = any), got {list(t.shape)}")
+                raise InvalidField(f"{field_name}[{i}].shape",
+                                   f"{where}: expected {list(spec.shape)} (-1 = any), got {list(t.shape)}")
+        return bound
+
+    def _spec_of(self, inputs: ModelInputs) -> list[InputSpec]:
+        """The declared spec of each tensor, in :meth:`ModelInputs.tensors` order."""
+        by_name = {s.name: s for s in self.inputs}
+        return [*self.inputs[:len(inputs.args)], *(by_name[k] for k in inputs.kwargs)]
+
+    def to_device(self, inputs: ModelInputs, *, copy: bool = False) -> ModelInputs:
+        """The inputs on the model's device in their declared dtypes, ready for :meth:`forward`."""
+        specs = self._spec_of(inputs)
+        return inputs.map(lambda t, i: t.to(self.device, dtype=specs[i].dtype, non_blocking=True, copy=copy))
+
+    def forward(self, inputs: ModelInputs) -> Any:
+        """Call the module: positional, then keyword inputs (in declared order for a positional-only model)."""
+        if not self.loaded.keywords:
+            inputs = as_positional(inputs, self.inputs)
+        return inputs.call(self.module)
 
     @contextlib.contextmanager
-    def pass_context(self, *, step: int | None = None, active_owner: object | None = None) -> Iterator[PassContext]:
+    def pass_context(self, *, step: int | None = None, active_owner: object | None = None,
+                     inputs: ModelInputs | None = None) -> Iterator[PassContext]:
         """Hold the model for one pass. In-process users (training loops) run
         forward and backward inside; observers are told when it exits."""
         with self._lock:
             ctx = self.begin_pass(step=step, active_owner=active_owner)
+            ctx.inputs = inputs
             try:
                 yield ctx
             except BaseException:
@@ -268,7 +302,8 @@ class ModelHost:
         server-side pass; inline for a caller already holding the model lock."""
         return self.model_thread.call(fn, *args, inline=self._lock._is_owned())  # type: ignore[attr-defined]
 
-    def run(self, inputs: Sequence[torch.Tensor], *, active_owner: object | None = None) -> tuple[Any, PassContext]:
+    def run(self, inputs: Sequence[torch.Tensor | tuple[str, torch.Tensor]] | ModelInputs, *,
+            active_owner: object | None = None) -> tuple[Any, PassContext]:
         """Validate, then move to the device and run one inference pass on the model thread.
 
         The move happens under the model lock: requests waiting for the model
@@ -279,14 +314,13 @@ class ModelHost:
                 the client's input would run the training model, changing
                 BatchNorm statistics, dropout's RNG and the autograd graph.
         """
-        self.validate_inputs(inputs)
-        return self.on_model_thread(self._run_here, inputs, active_owner)
+        bound = self.validate_inputs(inputs)
+        return self.on_model_thread(self._run_here, bound, active_owner)
 
-    def _run_here(self, inputs: Sequence[torch.Tensor], active_owner: object | None) -> tuple[Any, PassContext]:
+    def _run_here(self, inputs: ModelInputs, active_owner: object | None) -> tuple[Any, PassContext]:
         try:
-            with self.pass_context(active_owner=active_owner) as ctx, torch.inference_mode():
-                moved = [t.to(self.device, dtype=spec.dtype, non_blocking=True) for t, spec in zip(inputs, self.inputs)]
-                out = self.module(*moved)
+            with self.pass_context(active_owner=active_owner, inputs=inputs) as ctx, torch.inference_mode():
+                out = self.forward(self.to_device(inputs))
         except torch.OutOfMemoryError:
             raise LimitExceeded("the device ran out of memory for this pass; send a smaller batch") from None
         except Exception as exc:  # noqa: BLE001 - the caller's input made the model raise
@@ -313,12 +347,15 @@ class ModelHost:
             return  # the training loop's first step records them
         if any(d < -1 for spec in self.inputs for d in spec.shape):
             return
-        dummy = [torch.zeros([1 if d == -1 else d for d in s.shape], dtype=s.dtype) for s in self.inputs]
+        zeros = {s.name: torch.zeros([1 if d == -1 else d for d in s.shape], dtype=s.dtype)
+                 for s in self.inputs if s.required}
+        # One input goes positionally, as before names existed; several by name, as a client sends them.
+        dummy = ModelInputs.positional(list(zeros.values())) if len(zeros) == 1 else ModelInputs((), zeros)
         self._probe_armed = self.loaded.hooks_supported
         self.on_model_thread(self._warm_up_here, dummy)
 
-    def _warm_up_here(self, dummy: list[torch.Tensor]) -> None:
+    def _warm_up_here(self, dummy: ModelInputs) -> None:
         with self.pass_context(active_owner="warm-up"), torch.inference_mode():
-            self.module(*[d.to(self.device) for d in dummy])
+            self.forward(self.to_device(dummy))
 
 

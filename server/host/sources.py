@@ -10,7 +10,9 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import inspect
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,11 +30,18 @@ class ModelLoadError(Exception):
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One positional input: ``-1`` in ``shape`` marks the free batch dimension."""
+    """One declared input: ``name`` is ``forward``'s parameter (or the program's
+    placeholder); ``-1`` in ``shape`` marks a free dimension (batch, sequence)."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    #: False for an input ``forward`` defaults (an ``hf:`` model's ``attention_mask``).
+    required: bool = True
+    #: Reaches ``forward`` by keyword even when sent unnamed: its position in
+    #: ``forward`` is not its place among the declared inputs (GPT-2's second
+    #: parameter is its cache, not the mask).
+    keyword: bool = False
 
 
 @dataclass
@@ -44,10 +53,10 @@ class LoadedModel:
     source: str
     inputs: list[InputSpec]
     hooks_supported: bool = True
+    #: False when ``forward`` takes its inputs by position only (a ``.pt2``
+    #: program): named inputs are then passed in declared order.
+    keywords: bool = True
     notes: list[str] = field(default_factory=list)
-    #: Inputs ``forward`` also takes by keyword (an ``hf:`` model's ``attention_mask``,
-    #: ``token_type_ids``): declared by the loader, bound by name when the host binds names.
-    keyword_inputs: list[InputSpec] = field(default_factory=list)
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -58,7 +67,7 @@ def parse_shape(text: str) -> tuple[int, ...]:
     except ValueError:
         raise ModelLoadError(f"--input-shape {text!r} is not a comma-separated list of ints") from None
     if not shape or any(d < -1 or d == 0 for d in shape):
-        raise ModelLoadError(f"--input-shape {text!r}: dims must be positive, or -1 for the batch")
+        raise ModelLoadError(f"--input-shape {text!r}: dims must be positive, or -1 for a free dimension")
     return shape
 
 
@@ -69,10 +78,50 @@ def _torch_dtype(name: str, flag: str) -> torch.dtype:
         raise ModelLoadError(f"{flag} {name!r}: expected one of {', '.join(DTYPE_BY_NAME)}") from None
 
 
-def _declared_inputs(input_shape: str | None, input_dtype: str, what: str) -> list[InputSpec]:
+def parse_input(text: str) -> InputSpec:
+    """Parse ``--input NAME:DTYPE:SHAPE``, e.g. ``input_ids:int64:-1,-1``."""
+    parts = text.split(":")
+    if len(parts) != 3 or not parts[0].isidentifier():
+        raise ModelLoadError(f"--input {text!r}: expected NAME:DTYPE:SHAPE, e.g. input_ids:int64:-1,-1")
+    name, dtype, shape = parts
+    try:
+        dims = parse_shape(shape)
+    except ModelLoadError as exc:
+        raise ModelLoadError(str(exc).replace("--input-shape", f"--input {name}")) from None
+    return InputSpec(name, _torch_dtype(dtype, f"--input {name}"), dims)
+
+
+def forward_parameters(module: nn.Module) -> tuple[list[str], bool]:
+    """``forward``'s parameter names that can take a tensor, and whether it takes ``**kwargs``."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or scripted forward has no Python signature
+        return [], True
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return names, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _declared_inputs(input_shape: str | None, input_dtype: str, what: str,
+                     module: nn.Module | None = None, inputs: Sequence[str] = ()) -> list[InputSpec]:
+    """``--input`` declarations, or ``--input-shape``/``--input-dtype`` for one input named after ``forward``'s first parameter."""
+    names, var_keyword = forward_parameters(module) if module is not None else ([], True)
+    if inputs:
+        if input_shape is not None:
+            raise ModelLoadError("--input declares every input; drop --input-shape (its shorthand for one input)")
+        specs = [parse_input(text) for text in inputs]
+        seen: set[str] = set()
+        for spec in specs:
+            if spec.name in seen:
+                raise ModelLoadError(f"--input {spec.name!r} is declared twice")
+            seen.add(spec.name)
+            if names and not var_keyword and spec.name not in names:
+                raise ModelLoadError(f"--input {spec.name!r}: {what}'s forward takes no such argument; "
+                                     f"it takes {', '.join(names)}")
+        return specs
     if input_shape is None:
-        raise ModelLoadError(f"{what} needs --input-shape (e.g. -1,3,224,224) to declare its input")
-    return [InputSpec("input", _torch_dtype(input_dtype, "--input-dtype"), parse_shape(input_shape))]
+        raise ModelLoadError(f"{what} needs --input NAME:DTYPE:SHAPE (repeatable) or --input-shape "
+                             "(e.g. -1,3,224,224) to declare its inputs")
+    return [InputSpec(names[0] if names else "input", _torch_dtype(input_dtype, "--input-dtype"), parse_shape(input_shape))]
 
 
 #: Keys of each kind a --weights mismatch lists.
@@ -124,6 +173,11 @@ def _load_torchvision(name: str) -> nn.Module | None:
     return model
 
 
+def _first_parameter(module: nn.Module) -> str:
+    names, _ = forward_parameters(module)
+    return names[0] if names else "input"
+
+
 def _export_signature(program: torch.export.ExportedProgram) -> list[InputSpec]:
     """User inputs of an exported program; dynamic dims (SymInts) become -1."""
     user = set(program.graph_signature.user_inputs)
@@ -133,12 +187,10 @@ def _export_signature(program: torch.export.ExportedProgram) -> list[InputSpec]:
         if isinstance(val, torch.Tensor):
             shape = tuple(d if isinstance(d, int) else -1 for d in val.shape)
             specs.append(InputSpec(node.name, val.dtype, shape))
-    if len(specs) == 1:
-        specs[0] = InputSpec("input", specs[0].dtype, specs[0].shape)
     return specs
 
 
-def _load_export(path: Path, input_shape: str | None, input_dtype: str) -> LoadedModel:
+def _load_export(path: Path, input_shape: str | None, input_dtype: str, inputs: Sequence[str] = ()) -> LoadedModel:
     try:
         program = torch.export.load(str(path))
     except Exception as exc:  # noqa: BLE001 - any failure is a start-up error naming the file
@@ -146,23 +198,25 @@ def _load_export(path: Path, input_shape: str | None, input_dtype: str) -> Loade
     # Module hooks never fire on ExportedProgram.module(); unflatten restores
     # the original module hierarchy, whose submodules do run their hooks.
     module = torch.export.unflatten(program)
-    if input_shape is not None:
-        inputs = _declared_inputs(input_shape, input_dtype, "a torch.export program")
+    if input_shape is not None or inputs:
+        specs = _declared_inputs(input_shape, input_dtype, "a torch.export program", inputs=inputs)
+        if input_shape is not None and (placeholders := _export_signature(program)):
+            specs = [InputSpec(placeholders[0].name, specs[0].dtype, specs[0].shape)]
     else:
-        inputs = _export_signature(program)
-        if not inputs:
-            raise ModelLoadError(f"{path}: cannot read the program's input signature; pass --input-shape")
-    return LoadedModel(module, path.stem, "export", inputs)
+        specs = _export_signature(program)
+        if not specs:
+            raise ModelLoadError(f"{path}: cannot read the program's input signature; pass --input")
+    return LoadedModel(module, path.stem, "export", specs, keywords=False)
 
 
-def _load_torchscript(path: Path, input_shape: str | None, input_dtype: str) -> LoadedModel:
+def _load_torchscript(path: Path, input_shape: str | None, input_dtype: str, inputs: Sequence[str] = ()) -> LoadedModel:
     try:
         module = torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call]  # unannotated in torch
     except Exception as exc:  # noqa: BLE001 - any failure is a start-up error naming the file
         raise ModelLoadError(f"{path}: not a loadable TorchScript file ({exc.__class__.__name__})") from None
-    inputs = _declared_inputs(input_shape, input_dtype, "a TorchScript model")
+    specs = _declared_inputs(input_shape, input_dtype, "a TorchScript model", inputs=inputs)
     note = "TorchScript modules refuse Python hooks: Infer works, Capture and taps do not"
-    return LoadedModel(module, path.stem, "torchscript", inputs, hooks_supported=False, notes=[note])
+    return LoadedModel(module, path.stem, "torchscript", specs, hooks_supported=False, notes=[note])
 
 
 def parse_model_args(pairs: list[str] | None) -> dict[str, object]:
@@ -204,7 +258,8 @@ def _import_factory_module(ref: str, source: str) -> object:
                              f"PYTHONPATH, or pass a file path (path/to/{source.rpartition('.')[2]}.py:factory)") from None
 
 
-def _load_factory(ref: str, input_shape: str | None, input_dtype: str, kwargs: dict[str, object]) -> LoadedModel:
+def _load_factory(ref: str, input_shape: str | None, input_dtype: str, kwargs: dict[str, object],
+                  inputs: Sequence[str] = ()) -> LoadedModel:
     mod_name, _, attr = ref.rpartition(":")
     mod = _import_factory_module(ref, mod_name)
     factory = getattr(mod, attr, None)
@@ -216,8 +271,8 @@ def _load_factory(ref: str, input_shape: str | None, input_dtype: str, kwargs: d
         raise ModelLoadError(f"--model {ref!r}: factory raised {exc.__class__.__name__}: {exc}") from None
     if not isinstance(module, nn.Module):
         raise ModelLoadError(f"--model {ref!r}: factory returned {type(module).__name__}, not nn.Module")
-    inputs = _declared_inputs(input_shape, input_dtype, f"factory {ref!r}")
-    return LoadedModel(module, attr, "factory", inputs)
+    specs = _declared_inputs(input_shape, input_dtype, f"factory {ref!r}", module, inputs)
+    return LoadedModel(module, attr, "factory", specs)
 
 
 def _load_hf(ref: str, hf_class: str | None, trust_remote_code: bool, kwargs: dict[str, object]) -> LoadedModel:
@@ -225,10 +280,11 @@ def _load_hf(ref: str, hf_class: str | None, trust_remote_code: bool, kwargs: di
         got = hf.load_pretrained(ref, hf_class=hf_class, trust_remote_code=trust_remote_code, kwargs=kwargs)
     except hf.HFLoadError as exc:
         raise ModelLoadError(str(exc)) from None
-    main, *keyword = [InputSpec(name, dtype, shape) for name, dtype, shape in got.inputs]
-    # The host binds inputs by position today: only the main input is positional
-    # in every model's forward (GPT-2's second parameter is its cache).
-    return LoadedModel(got.module, got.name, "hf", [main], notes=got.notes, keyword_inputs=keyword)
+    (main, *rest) = got.inputs
+    # Only the main input is positional in every model's forward; the others
+    # (attention_mask, token_type_ids) are optional and go by keyword.
+    specs = [InputSpec(*main), *(InputSpec(name, dtype, shape, required=False, keyword=True) for name, dtype, shape in rest)]
+    return LoadedModel(got.module, got.name, "hf", specs, notes=got.notes)
 
 
 def load_model(
@@ -238,6 +294,7 @@ def load_model(
     weights: str | None = None,
     input_shape: str | None = None,
     input_dtype: str = "float32",
+    inputs: Sequence[str] = (),
     model_args: list[str] | None = None,
     hf_class: str | None = None,
     trust_remote_code: bool = False,
@@ -249,6 +306,8 @@ def load_model(
     ``path/to/file.py:factory`` or ``hf:DIR`` (a ``save_pretrained`` directory
     or a hub id). ``model_args`` (``key=value``) go to the factory or to
     ``from_pretrained``.
+    ``inputs`` are ``--input NAME:DTYPE:SHAPE`` declarations (factories,
+    exports, TorchScript); ``input_shape``/``input_dtype`` declare one input.
     """
     path = Path(model)
     kwargs = parse_model_args(model_args)
@@ -262,20 +321,20 @@ def load_model(
             _load_weights(loaded.module, weights)
     elif model == "demo":
         loaded = LoadedModel(
-            build_demo_model(seed), "demo", "demo", [InputSpec("input", torch.float32, DEMO_INPUT_SHAPE)]
+            build_demo_model(seed), "demo", "demo", [InputSpec("x", torch.float32, DEMO_INPUT_SHAPE)]
         )
         if weights:
             _load_weights(loaded.module, weights)
     elif model.endswith(".pt2"):
         if not path.is_file():
             raise ModelLoadError(f"--model {model!r}: no such file")
-        loaded = _load_export(path, input_shape, input_dtype)
+        loaded = _load_export(path, input_shape, input_dtype, inputs)
     elif path.suffix in {".pt", ".ts", ".jit", ".pth"} and ":" not in model:
         if not path.is_file():
             raise ModelLoadError(f"--model {model!r}: no such file")
-        loaded = _load_torchscript(path, input_shape, input_dtype)
+        loaded = _load_torchscript(path, input_shape, input_dtype, inputs)
     elif ":" in model:
-        loaded = _load_factory(model, input_shape, input_dtype, kwargs)
+        loaded = _load_factory(model, input_shape, input_dtype, kwargs, inputs)
         if weights:
             _load_weights(loaded.module, weights)
     else:
@@ -288,6 +347,6 @@ def load_model(
         if weights:
             _load_weights(tv, weights)
         shape = parse_shape(input_shape) if input_shape else (-1, 3, 224, 224)
-        loaded = LoadedModel(tv, model, "torchvision", [InputSpec("input", torch.float32, shape)])
+        loaded = LoadedModel(tv, model, "torchvision", [InputSpec(_first_parameter(tv), torch.float32, shape)])
     loaded.module.eval()
     return loaded

@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from layertap.server.codec import tensor_to_bytes, wire_dtype
 from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.host.hooks import POINT_NAMES
+from layertap.server.host.inputs import ModelInputs
 from layertap.server.host.model_host import PassContext, flatten_tensors
 from layertap.server.host.priority import telemetry_thread
 from layertap.server.record.replay import Share, anomalous_rows, replay
@@ -57,7 +58,7 @@ class _Job:
     """One pass that set off triggers: every tap that fired, and its input."""
 
     ctx: PassContext
-    inputs: list[torch.Tensor] | None
+    inputs: ModelInputs | None
     firings: list[tuple[TapView, Firing]] = field(default_factory=list)
 
 
@@ -125,13 +126,14 @@ class Recorder(Sink):
     def _keep_input(self, ctx: PassContext, args: object) -> None:
         if ctx.active or self.retention is None:
             return
-        tensors = [t for _k, t in flatten_tensors(args)]
-        if sum(t.nbytes for t in tensors) <= self.retention.max_bytes:
+        # A server-side pass knows its positional and keyword inputs; a training step only its arguments.
+        inputs = ctx.inputs if ctx.inputs is not None else ModelInputs.positional([t for _k, t in flatten_tensors(args)])
+        if inputs.nbytes <= self.retention.max_bytes:
             # A copy, taken before the forward runs: a model may write to its input in place.
             # On CUDA it is asynchronous (pinned); it is read only from on_summaries, after the
             # host-transfer thread waited on the pass's event, recorded later on the same stream.
-            tensors = [t.detach().to("cpu", non_blocking=True, copy=True) for t in tensors]
-        self.retention.keep(ctx.index, tensors)
+            inputs = inputs.map(lambda t, _i: t.detach().to("cpu", non_blocking=True, copy=True))
+        self.retention.keep(ctx.index, inputs)
 
     def on_pass_skipped(self, ctx: PassContext) -> None:
         """A pass that publishes no summaries is never evaluated: let its input go."""
@@ -203,7 +205,7 @@ class Recorder(Sink):
     def _record(self, job: _Job) -> list[pb.Incident]:
         """One replay for the pass, then one incident per tap that fired."""
         ctx, cap = job.ctx, self.store.limits.max_incident_bytes
-        input_bytes = sum(t.nbytes for t in job.inputs or [])
+        input_bytes = job.inputs.nbytes if job.inputs is not None else 0
         shares = [Share(tap, firing.summaries, cap - input_bytes, self._rows_finder(tap, firing),
                         rows={layer: set() for layer in firing.layers}) for tap, firing in job.firings]
         captured: dict[tuple[str, int, int, int], torch.Tensor] = {}
@@ -224,7 +226,7 @@ class Recorder(Sink):
         point = tap.spec.point or pb.POINT_OUTPUT
         return lambda layer, t: anomalous_rows(t, tap.spec.triggers, firing.layers[layer], self._baseline(layer, point))
 
-    def _write(self, ctx: PassContext, firing: Firing, share: Share, inputs: list[torch.Tensor] | None,
+    def _write(self, ctx: PassContext, firing: Firing, share: Share, inputs: ModelInputs | None,
                captured: dict[tuple[str, int, int, int], torch.Tensor], note: str) -> pb.Incident:
         tap = share.tap
         rec = pb.Incident(id=new_id(time.time()), tap=tap.id, triggers=firing.triggers, pass_index=ctx.index,
@@ -235,7 +237,7 @@ class Recorder(Sink):
             rec.replay_matches = not share.problems
             rec.replay_note = "; ".join(share.problems)[:NOTE_CHARS]
             rec.tensors_dropped = share.dropped
-            tensors = [_stored(t, "", pb.POINT_INPUT, i, 0, ctx) for i, t in enumerate(inputs)]
+            tensors = [_stored(t, "", pb.POINT_INPUT, i, 0, ctx) for i, t in enumerate(inputs.tensors())]
             tensors += [_stored(captured[key], key[0], key[1], key[3], key[2], ctx) for key in share.kept]
         rec.layers.extend(pb.IncidentLayer(layer=layer, point=share.point, triggers=names,
                                            rows=sorted(share.rows[layer]))

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from layertap.server.host.inputs import ModelInputs
 from layertap.server.host.model_host import ModelHost, flatten_tensors
+from layertap.server.record.retention import as_inputs
 from layertap.server.record.triggers import ABS_MAX, MEAN_SIGMA, NONFINITE
 from layertap.server.taps.tap import Tap
 from layertap.v1 import telemetry_pb2 as pb
@@ -86,7 +88,8 @@ class Share:
             for s in self.summaries if (s.layer, s.call_index, s.output_index) not in self._reached)
 
 
-def replay(host: ModelHost, shares: Sequence[Share], inputs: Sequence[torch.Tensor]) -> dict[Key, torch.Tensor]:
+def replay(host: ModelHost, shares: Sequence[Share],
+           inputs: ModelInputs | Sequence[torch.Tensor]) -> dict[Key, torch.Tensor]:
     """Run a copy of ``inputs`` through the model once, with hooks on every share's layers.
 
     The model gets a copy: it may write to its input in place, and the caller
@@ -95,6 +98,7 @@ def replay(host: ModelHost, shares: Sequence[Share], inputs: Sequence[torch.Tens
     Raises:
         Exception: Whatever the forward raises (the caller records it).
     """
+    recorded = as_inputs(inputs)
     captured: dict[Key, torch.Tensor] = {}
     calls: dict[tuple[str, int], int] = {}
     owner = _Owner()
@@ -119,7 +123,7 @@ def replay(host: ModelHost, shares: Sequence[Share], inputs: Sequence[torch.Tens
                        for layer, point in sites]
             try:
                 with host.pass_context(active_owner=owner), torch.inference_mode():
-                    host.module(*[t.to(host.device, copy=True) for t in inputs])
+                    host.forward(host.to_device(recorded, copy=True))
             finally:
                 for h in handles:
                     h.remove()

@@ -10,7 +10,8 @@ pushed out by the byte bound, are counted as lost.
 An input taken for a replay stays counted against the bound until the replay
 is done (:meth:`InputRetention.release`): queued replays hold memory too.
 The caller keeps a copy, not the request's tensors: a model may write to its
-input in place.
+input in place. An input is a pass's positional and keyword tensors
+(:class:`ModelInputs`), so a replay calls the model as the pass did.
 """
 
 from __future__ import annotations
@@ -21,13 +22,20 @@ from collections.abc import Sequence
 
 import torch
 
+from layertap.server.host.inputs import ModelInputs
+
+
+def as_inputs(inputs: ModelInputs | Sequence[torch.Tensor]) -> ModelInputs:
+    """Bare tensors are positional inputs."""
+    return inputs if isinstance(inputs, ModelInputs) else ModelInputs.positional(inputs)
+
 
 class InputRetention:
     """Pass index -> input tensors, at most ``max_bytes`` held together."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._held: OrderedDict[int, tuple[list[torch.Tensor], int]] = OrderedDict()
+        self._held: OrderedDict[int, tuple[ModelInputs, int]] = OrderedDict()
         self._bytes = 0
         #: Bytes of inputs taken for a replay and not yet released.
         self._queued = 0
@@ -45,9 +53,10 @@ class InputRetention:
         """Inputs taken for a replay and not yet released; the bound covers both."""
         return self._queued
 
-    def keep(self, index: int, tensors: Sequence[torch.Tensor]) -> None:
+    def keep(self, index: int, tensors: ModelInputs | Sequence[torch.Tensor]) -> None:
         """Pin pass ``index``'s inputs (model thread): the oldest go when over the bound."""
-        size = sum(t.nbytes for t in tensors)
+        inputs = as_inputs(tensors)
+        size = inputs.nbytes
         with self._lock:
             if size + self._queued > self.max_bytes:
                 self.lost += 1  # cannot be held (queued replays keep their inputs): lost before evaluation
@@ -56,7 +65,7 @@ class InputRetention:
                 _, (_, old) = self._held.popitem(last=False)
                 self._bytes -= old
                 self.lost += 1
-            self._held[index] = ([t.detach() for t in tensors], size)
+            self._held[index] = (inputs.map(lambda t, _i: t.detach()), size)
             self._bytes += size
 
     def forget(self, index: int) -> None:
@@ -66,7 +75,7 @@ class InputRetention:
             if entry is not None:
                 self._bytes -= entry[1]
 
-    def take(self, index: int) -> list[torch.Tensor] | None:
+    def take(self, index: int) -> ModelInputs | None:
         """Unpin pass ``index`` now that it is evaluated; older passes still held were lost.
 
         The input stays counted until :meth:`release`.
@@ -86,11 +95,11 @@ class InputRetention:
             self._queued += entry[1]
             return entry[0]
 
-    def release(self, tensors: Sequence[torch.Tensor] | None) -> None:
+    def release(self, tensors: ModelInputs | Sequence[torch.Tensor] | None) -> None:
         """An input from :meth:`take` is no longer needed (its replay is done, or never ran)."""
         if tensors is None:
             return
-        size = sum(t.nbytes for t in tensors)
+        size = as_inputs(tensors).nbytes
         with self._lock:
             self._queued -= size
 

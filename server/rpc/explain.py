@@ -28,7 +28,7 @@ def explain_options(request: pb.ExplainRequest, state: ServerState) -> GradCamOp
     require_hooks(host)  # before the name: a TorchScript model lists no modules
     if name not in host.modules:
         raise unknown_layer(name, host.layer_names, field="layer")
-    return GradCamOptions(name, tuple(request.targets), request.normalize, request.upsample)
+    return GradCamOptions(name, tuple(request.targets), request.normalize, request.upsample, request.output_name)
 
 
 class ExplainServicer(StateBacked):

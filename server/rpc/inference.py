@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 
 import grpc
-import torch
 
 from layertap.server.codec import flatten_outputs, tensor_from_proto, tensor_to_proto, wire_dtype
 from layertap.server.errors import InvalidField, LimitExceeded, grpc_errors, status_for
+from layertap.server.host.inputs import ModelInputs
 from layertap.server.rpc.state import ServerState, StateBacked
 from layertap.v1 import inference_pb2 as ipb
 from layertap.v1 import inference_pb2_grpc, tensor_pb2
@@ -16,8 +16,11 @@ from layertap.v1 import inference_pb2_grpc, tensor_pb2
 API_VERSION = "layertap.v1"
 
 
-def decode_inputs(inputs: list[tensor_pb2.Tensor], state: ServerState, field: str = "inputs") -> list[torch.Tensor]:
-    """Wire tensors -> validated CPU tensors, enforcing the request byte cap.
+def decode_inputs(inputs: list[tensor_pb2.Tensor], state: ServerState, field: str = "inputs") -> ModelInputs:
+    """Wire tensors -> validated CPU tensors bound to the model's inputs, enforcing the request byte cap.
+
+    A tensor's ``name`` binds it to the declared input of that name, passed
+    to ``forward`` as a keyword; unnamed tensors are positional and come first.
 
     Each tensor's bytes are copied once (reading ``raw_data`` copies, so it is
     read once) and the tensors are views of those copies; the model host
@@ -31,8 +34,7 @@ def decode_inputs(inputs: list[tensor_pb2.Tensor], state: ServerState, field: st
             field=field, metadata={"max_bytes": str(state.config.max_request_bytes)},
         )
     tensors = [tensor_from_proto(t, f"{field}[{i}]", raw) for i, (t, raw) in enumerate(zip(inputs, raws))]
-    state.host.validate_inputs(tensors, field)
-    return tensors
+    return state.host.validate_inputs([(t.name, x) for t, x in zip(inputs, tensors)], field)
 
 
 class InferenceService(StateBacked, inference_pb2_grpc.InferenceServiceServicer):
@@ -48,8 +50,11 @@ class InferenceService(StateBacked, inference_pb2_grpc.InferenceServiceServicer)
                 raise InvalidField("inputs", "send at least one input tensor (see GetModelMetadata)")
             tensors = decode_inputs(list(request.inputs), self.state)
             out, ctx = self.state.host.run(tensors)
-            outputs = [tensor_to_proto(t, name) for name, t in flatten_outputs(out)]
-            return ipb.InferResponse(outputs=outputs, pass_index=ctx.index)
+            flat = flatten_outputs(out)
+            return ipb.InferResponse(
+                outputs=[tensor_to_proto(t, name) for name, t in flat.tensors], pass_index=ctx.index,
+                structure=flat.structure,
+                skipped=[ipb.SkippedOutput(name=name, type=kind) for name, kind in flat.skipped])
         except Exception as exc:
             status = status_for(exc)[0].name
             raise
@@ -66,7 +71,8 @@ class InferenceService(StateBacked, inference_pb2_grpc.InferenceServiceServicer)
             device=str(host.device),
             dtype=wire_dtype(host.dtype),
             parameter_count=host.parameter_count,
-            inputs=[tensor_pb2.TensorSpec(name=s.name, dtype=wire_dtype(s.dtype), shape=list(s.shape)) for s in host.inputs],
+            inputs=[tensor_pb2.TensorSpec(name=s.name, dtype=wire_dtype(s.dtype), shape=list(s.shape), optional=not s.required)
+                    for s in host.inputs],
             server_version=self.state.version,
             api_version=API_VERSION,
             active_hooks=host.hooks.active,

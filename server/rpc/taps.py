@@ -6,11 +6,10 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
-import torch
 
 from layertap.server.errors import (
     AlreadyExists,
@@ -22,6 +21,7 @@ from layertap.server.errors import (
     grpc_errors,
     status_for,
 )
+from layertap.server.host.inputs import ModelInputs
 from layertap.server.rpc.auth import principal_of, require
 from layertap.server.rpc.inference import decode_inputs
 from layertap.server.rpc.method_handlers import sends_wire_bytes
@@ -206,7 +206,7 @@ class CaptureCall:
             self.state.count_capture(self.code, self.sent)
             log.info("capture end: code=%s bytes=%d", self.code, self.sent)
 
-    def stream(self, context: grpc.ServicerContext, inputs: Sequence[torch.Tensor] | None) -> Iterator[bytes]:
+    def stream(self, context: grpc.ServicerContext, inputs: ModelInputs | None) -> Iterator[bytes]:
         """Run the capture and yield its serialized messages; sets ``code`` to OK when every pass was sent."""
         session, opts = self.session, self.session.opts
         if not session.open():

@@ -168,6 +168,7 @@ def test_explain_is_a_method_with_its_old_signature(scripted: tuple[Scripted, st
         ("target", inspect.Parameter.POSITIONAL_OR_KEYWORD, None),
         ("normalize", inspect.Parameter.KEYWORD_ONLY, False),
         ("upsample", inspect.Parameter.KEYWORD_ONLY, False),
+        ("output_name", inspect.Parameter.KEYWORD_ONLY, ""),  # added with structured outputs: keyword-only
         ("timeout", inspect.Parameter.KEYWORD_ONLY, None),
     ]
     found = client.explain(np.zeros((2, 3), np.float32), "layer4", [1, 2], normalize=True)

@@ -61,6 +61,7 @@ EXPECTED_ALL = {
     "DriftThresholds",
     "LayerDrift",
     "Explanation",
+    "SkippedOutput",
     "ReducerSpec",
     "ReducerResult",
     "Structured",

@@ -34,12 +34,12 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, tor
     return {kind: hf_models.save(kind, root) for kind in KINDS}
 
 
-def _local(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """Where ``logits`` comes back among the served outputs (the server names them as ``flatten_outputs``), and its value."""
+def _local(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The local model's ``logits``, which the served model returns by that name."""
     with torch.no_grad():
         out = model(x)
-    names = [name for name, _ in flatten_outputs(out)]
-    return names.index("logits"), out.logits
+    assert "logits" in [name for name, _ in flatten_outputs(out).tensors]
+    return out.logits
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -48,7 +48,10 @@ def test_served_model_declares_its_inputs_and_matches_the_local_model(make_serve
     server = make_server(model=f"hf:{path}")
     loaded = server.state.host.loaded
     assert loaded.source == "hf" and type(loaded.module).__name__ == hf_models.TINY[kind][1]
-    side = [(s.name, s.dtype, s.shape) for s in loaded.keyword_inputs]
+    main = loaded.inputs[0]
+    assert main.required and not main.keyword
+    assert all(not s.required and s.keyword for s in loaded.inputs[1:])
+    side = [(s.name, s.dtype, s.shape) for s in loaded.inputs[1:]]
     if kind == "vit":
         want_main = ("pixel_values", "float32", [-1, 3, 16, 16])
         assert side == []
@@ -57,14 +60,15 @@ def test_served_model_declares_its_inputs_and_matches_the_local_model(make_serve
         want_side = ["attention_mask"] + (["token_type_ids"] if kind in ("gpt2", "bert") else [])
         assert side == [(n, torch.int64, (-1, -1)) for n in want_side]
     x = hf_models.example_input(kind)
-    index, logits = _local(model, x)
+    logits = _local(model, x)
     with Client(f"127.0.0.1:{server.port}") as client:
         meta = client.metadata()
-        assert [(s.name, s.dtype, list(s.shape)) for s in meta.inputs] == [want_main]
+        assert [(s.name, s.dtype, list(s.shape), s.optional) for s in meta.inputs] == [
+            (*want_main, False), *((name, "int64", [-1, -1], True) for name, _dtype, _shape in side)]
         assert meta.source == "hf"
         outputs = client.infer(x.numpy())
-    got = outputs[index] if isinstance(outputs, list) else outputs
-    np.testing.assert_allclose(got, logits.numpy(), rtol=1e-5, atol=1e-6)
+    assert isinstance(outputs, dict), "a ModelOutput comes back by name"
+    np.testing.assert_allclose(outputs["logits"], logits.numpy(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -164,3 +168,28 @@ def test_a_weights_mismatch_lists_missing_and_unexpected_keys(make_server, saved
     assert "1 missing (lm_head.weight)" in msg
     assert "25 unexpected (extra.0.weight, " in msg and "extra.19.weight and 5 more" in msg
     assert "extra.20.weight" not in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
+def test_a_padded_batch_with_its_mask_equals_the_local_model_by_name_or_position(make_server, saved, kind) -> None:
+    """attention_mask is optional and goes by keyword, also when sent second and unnamed
+    (GPT-2's second forward parameter is its cache, not the mask)."""
+    path, model = saved[kind]
+    ids = hf_models.example_input(kind)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # row 0 is left-padded
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits.numpy()
+    server = make_server(model=f"hf:{path}")
+    with Client(f"127.0.0.1:{server.port}") as client:
+        by_name = client.infer(input_ids=ids.numpy(), attention_mask=mask.numpy())
+        by_position = client.infer(ids.numpy(), mask.numpy())
+    with torch.no_grad():
+        unmasked = model(input_ids=ids).logits.numpy()
+    mask_effect = np.abs(unmasked - want).max()
+    assert mask_effect > 0, "the padding changes the local model's logits"
+    for got in (by_name, by_position):
+        assert isinstance(got, dict)
+        np.testing.assert_allclose(got["logits"], want, rtol=1e-5, atol=1e-5)
+        # The served model saw the mask: it is far closer to the masked run than the unmasked one is.
+        assert np.abs(got["logits"] - want).max() < mask_effect / 10
