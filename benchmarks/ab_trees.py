@@ -14,7 +14,7 @@ per-variant ratio (variant / the unhooked base timed next to it in the same
 process), so steady load from neighbours largely cancels inside each run and
 the ABBA order cancels slow drift between runs; the honest measure is new
 ratio - old ratio, read against the benchmark's A/A row and against a variant
-the change cannot touch. Bursty load does not cancel: see docs/bench_refactor.md.
+the change cannot touch. Bursty load does not cancel: see docs/benchmarks.md, "Issue 22 refactor".
 For a benchmark that prints times (``scrape.py``: ``ms: median=``), it
 compares the median time and prints new/old.
 
