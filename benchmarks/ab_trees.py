@@ -22,7 +22,7 @@ Every process that imported ``layertap`` logs, at exit, the files that
 ``layertap`` and ``layertap.server`` came from; a run whose log names another
 tree (or none) stops the harness.
 
-    python benchmarks/ab_trees.py --old /work/wt-old --new /work/main --at-head --rounds 4 \
+    python benchmarks/ab_trees.py --old ../old --new . --at-head --rounds 4 \
         benchmarks/overhead.py -- --repeats 9 --steps 10
 """
 
