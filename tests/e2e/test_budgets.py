@@ -283,7 +283,7 @@ def test_decode_copies_a_request_once(demo_server):
     try:
         base = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
-        (tensor,) = decode_inputs([msg], demo_server.state)
+        (tensor,) = decode_inputs([msg], demo_server.state).tensors()
         held, peak = (m - base for m in tracemalloc.get_traced_memory())
     finally:
         tracemalloc.stop()

@@ -207,13 +207,15 @@ def hostile(desc: Descriptor) -> st.SearchStrategy[Message]:
 
 # -- tensors -------------------------------------------------------------------
 def valid_input(max_batch: int = 8) -> st.SearchStrategy[tensor_pb2.Tensor]:
-    """A demo-model input: float32 [n, 3, 32, 32], any bit pattern (NaN/inf included) or normal values."""
+    """A demo-model input: float32 [n, 3, 32, 32], any bit pattern (NaN/inf included) or normal values,
+    unnamed (positional) or named ``x`` (the demo's forward parameter: any other name is refused)."""
     def build(t: tuple[int, int, bool, str]) -> tensor_pb2.Tensor:
         n, seed, raw, name = t
         rng = np.random.default_rng(seed)
         data = rng.bytes(n * 3 * 32 * 32 * 4) if raw else rng.standard_normal((n, 3, 32, 32), np.float32).tobytes()
         return tensor_pb2.Tensor(name=name, dtype=tensor_pb2.DATA_TYPE_FLOAT32, shape=[n, 3, 32, 32], raw_data=data)
-    return st.tuples(st.integers(0, max_batch), st.integers(0, 2**32 - 1), st.booleans(), texts(False)).map(build)
+    return st.tuples(st.integers(0, max_batch), st.integers(0, 2**32 - 1), st.booleans(),
+                     st.sampled_from(["", "x"])).map(build)
 
 
 SHAPES = st.one_of(
