@@ -21,8 +21,11 @@ from rich.console import Console
 
 from ._channel import normalize_target
 from ._cli_args import positive_float, positive_int
+from ._cli_errors import error_line
 from ._cli_explain import add_explain_command
 from ._cli_incidents import add_incidents_command
+from ._cli_infer import add_infer_command
+from ._cli_input import add_vocab_flag, load_input, random_inputs
 from ._cli_json import write_json_lines
 from ._cli_profile import add_profile_command
 from ._cli_table import drift_table, layers_table, stats_table, taps_table
@@ -98,7 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("layers", nargs="+", metavar="LAYER",
                    help="module name(s), globs ('layer*') or re:regex; several or a pattern give an .npz keyed by layer")
     p.add_argument("-o", "--output", required=True, type=Path, help="output .npy or .npz file")
-    p.add_argument("--input", type=Path, help="run this .npy (or multi-argument .npz, whose keys name the inputs) input instead of waiting for live traffic")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--input", type=Path, help="run this .npy (or multi-argument .npz, whose keys name the inputs) input instead of waiting for live traffic")
+    source.add_argument("--random-input", action="store_true",
+                        help="run a random input that fits the model's metadata instead of waiting for live traffic "
+                             "(works on a fresh server; see 'layertap infer --help')")
+    add_vocab_flag(p)
     p.add_argument("--n", type=positive_int, default=1, help="live passes to capture (default 1)")
     p.add_argument("--point", choices=("output", "input"), default="output")
     p.add_argument("--max-batch", type=positive_int, help="keep at most this many batch rows")
@@ -148,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     _json_flag(p)
     p.set_defaults(func=_cmd_stats)
 
+    add_infer_command(command)
     add_explain_command(command)
     add_profile_command(command)
     add_tensorboard_command(command)
@@ -199,18 +208,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- helpers
 
 
-def _load_input(path: Path) -> list[np.ndarray[Any, Any]] | dict[str, np.ndarray[Any, Any]]:
-    """A .npy is one input; a .npz's keys are input names (``np.savez(f, input_ids=..., attention_mask=...)``),
-    except numpy's own ``arr_0``, ``arr_1``... of unnamed arrays, which stay positional."""
-    loaded = np.load(path, allow_pickle=False)
-    if isinstance(loaded, np.lib.npyio.NpzFile):
-        with loaded:
-            if all(key == f"arr_{i}" for i, key in enumerate(loaded.files)):
-                return [loaded[key] for key in loaded.files]
-            return {key: loaded[key] for key in loaded.files}
-    return [np.asarray(loaded)]
-
-
 def _flatten(value: Any, prefix: str, out: dict[str, np.ndarray[Any, Any]]) -> None:
     if isinstance(value, dict):
         for key, item in value.items():
@@ -242,10 +239,12 @@ def _cmd_layers(args: argparse.Namespace) -> int:
 
 def _cmd_capture(args: argparse.Namespace) -> int:
     stderr = Console(stderr=True)
-    inputs = _load_input(args.input) if args.input is not None else None
+    inputs = load_input(args.input) if args.input is not None else None
     progress = CaptureProgress(stderr)
     try:
         with _client(args) as client:
+            if args.random_input:
+                inputs = random_inputs(client.metadata().inputs, vocab_size=args.vocab_size)
             result = client.capture(
                 list(args.layers),
                 input=inputs if isinstance(inputs, dict) else tuple(inputs) if inputs is not None else None,
@@ -422,8 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (LayertapError, OSError, ValueError) as exc:
-        message = " ".join(str(exc).split())
-        print(f"{PROG}: error: {message}", file=sys.stderr)
+        print(f"{PROG}: error: {error_line(exc)}", file=sys.stderr)
         return 1
 
 

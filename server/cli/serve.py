@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from layertap._cli_input import DEFAULT_VOCAB_SIZE
 from layertap.server.config import MODEL_DTYPES, ServerConfig, check_exposure
 
 if TYPE_CHECKING:
@@ -124,8 +125,33 @@ def suggested_layer(server: LayertapServer) -> str | None:
     return suggest_layer(host.module, set(host.layer_shapes))
 
 
+def vocab_size(server: LayertapServer) -> int | None:
+    """The served model's vocabulary size when it takes token ids, for the hint's ``--vocab-size``.
+
+    The metadata has no field for it, so the hint passes it: a Hugging Face
+    config's ``vocab_size``, else the input embedding's rows. None for a
+    model with no integer input, or no vocabulary to find.
+    """
+    import torch
+
+    host = server.state.host
+    if not any(not spec.dtype.is_floating_point and spec.dtype != torch.bool for spec in host.loaded.inputs):
+        return None
+    module = host.module
+    size = getattr(getattr(module, "config", None), "vocab_size", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    embedding = next((m for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
+    return None if embedding is None else int(embedding.num_embeddings)
+
+
 def hint(server: LayertapServer, layer: str | None) -> str:
-    """The first command to try (tests and scripts wait for a line starting ``layertap: try``)."""
+    """The first command to try: one that succeeds on a fresh server with no traffic.
+
+    An active capture of ``layer`` with a random input made from the
+    metadata (``--random-input``). Tests and scripts wait for a line
+    starting ``layertap: try``; the command is between backquotes.
+    """
     config = server.state.config
     address = f"{config.host}:{server.port}"
     # The flags the client needs against this server, so the printed command runs as is.
@@ -133,7 +159,10 @@ def hint(server: LayertapServer, layer: str | None) -> str:
     token = " with $LAYERTAP_TOKEN set" if config.auth_tokens else ""
     if layer is None:
         return f"layertap: try `layertap layers {address}{flags}`{token}"
-    return f"layertap: try `layertap capture {address} {layer} -o {layer}.npy{flags}`{token}"
+    vocab = vocab_size(server) if server.state.host.loaded.hooks_supported else None
+    if vocab is not None and vocab < DEFAULT_VOCAB_SIZE:
+        flags = f" --vocab-size {vocab}{flags}"
+    return f"layertap: try `layertap capture {address} {layer} --random-input -o {layer}.npy{flags}`{token}"
 
 
 def smoke(address: str, layer: str, output_name: str = "") -> int:

@@ -165,21 +165,20 @@ def test_layers_json_is_what_the_client_returns(encoder_server):
     assert [json.loads(line) for line in out.stdout.splitlines()] == [plain(layer) for layer in layers]
 
 
-def test_serve_suggests_a_layer_the_model_has_and_the_suggestion_works(encoder_server, traffic, tmp_path):
+def test_serve_suggests_a_layer_the_model_has_and_the_suggestion_works(encoder_server, tmp_path):
     (hint,) = [line for line in encoder_server.lines if line.startswith("layertap: try")]
     command = shlex.split(hint.split("`")[1])
     assert command[:3] == ["layertap", "capture", encoder_server.address]
     layer = command[3]
     assert layer == "encoder.layers.1"  # the last block, not the demo's layer4
-    # Run the hint as printed (a passive capture of live traffic), writing into tmp_path.
+    # Run the hint as printed, with no traffic: an active capture of a random input that fits the metadata.
+    assert "--random-input" in command
     out_file = tmp_path / command[command.index("-o") + 1]
-    args = [*command[1:command.index("-o")], "-o", str(out_file)]
-    done = subprocess.run([sys.executable, "-m", "layertap.cli", *args], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run([sys.executable, "-m", "layertap.cli", *command[1:]], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    with layertap.Client(encoder_server.address) as client:
-        expected = client.capture(layer, input=traffic)
-    np.testing.assert_array_equal(np.load(out_file), expected)
+    captured = np.load(out_file)
+    assert captured.shape == (1, 8, 32) and np.isfinite(captured).all()  # batch 1 for the free dim
 
 
 def test_watch_in_a_pipe_prints_each_summary_as_it_arrives(encoder_server, traffic):
