@@ -472,20 +472,27 @@ class PerChannelParams(_message.Message):
     DIM_FIELD_NUMBER: _builtins.int
     MAX_CHANNELS_FIELD_NUMBER: _builtins.int
     dim: _builtins.int
-    """Channel dimension (default 1)."""
+    """The channel (feature) axis; a negative value counts from the end (-1 is
+    the last). Unset: the model's feature axis, which is the last dimension of
+    a 3-d (batch, tokens, hidden) tensor of a token model (`--model hf:`), and
+    dim 1 for every other tensor and model (convolutional maps, (batch,
+    features)). `optional` tells an explicit 0 from unset.
+    """
     max_channels: _builtins.int
     """Most channels reported (default and cap set by the server)."""
     def __init__(
         self,
         *,
-        dim: _builtins.int = ...,
+        dim: _builtins.int | None = ...,
         max_channels: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_dim", b"_dim", "dim", b"dim"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dim", b"dim", "max_channels", b"max_channels"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dim", b"_dim", "dim", b"dim", "max_channels", b"max_channels"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__dim: _TypeAlias = _typing.Literal["dim"]  # noqa: Y015
+    _WhichOneofArgType__dim: _TypeAlias = _typing.Literal["_dim", b"_dim"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__dim) -> _WhichOneofReturnType__dim | None: ...
 
 Global___PerChannelParams: _TypeAlias = PerChannelParams  # noqa: Y015
 
@@ -978,6 +985,9 @@ class PerChannel(_message.Message):
     ABS_MAX_FIELD_NUMBER: _builtins.int
     CHANNELS_FIELD_NUMBER: _builtins.int
     dim: _builtins.int
+    """The axis reduced over: the spec's dim as given, or the default feature
+    axis resolved for this tensor (counted from 0).
+    """
     channels: _builtins.int
     """Channels in the tensor; more than len(mean) when capped."""
     @_builtins.property
