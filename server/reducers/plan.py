@@ -24,6 +24,7 @@ from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.distribution import HistogramReducer, PerChannelReducer, QuantilesReducer
 from layertap.server.reducers.kernels import BASIC_WIDTH, StatNeeds, fused_basic_stats
 from layertap.server.reducers.latency import LatencyReducer
+from layertap.server.reducers.logits import LogitsReducer
 from layertap.server.reducers.spec import SpecError, check_histogram, check_kind, check_per_channel, check_quantiles
 from layertap.server.reducers.workspace import F64, DeviceCache, Workspace, device_constant
 from layertap.v1 import telemetry_pb2 as pb
@@ -50,6 +51,8 @@ def _build_one(spec: pb.ReducerSpec, field: str, tokens: bool) -> Reducer:
         return PerChannelReducer(field, *check_per_channel(field, spec.per_channel), tokens=tokens)
     if kind == pb.REDUCER_KIND_LATENCY:
         return LatencyReducer(field)
+    if kind == pb.REDUCER_KIND_LOGITS:
+        return LogitsReducer(field)
     return BASIC_REDUCERS[kind](field)
 
 
