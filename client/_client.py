@@ -362,7 +362,7 @@ class Client:
                 or a whole :class:`TapSpec` (keyword arguments then override it).
             reducers: Names, one per result kind of ``layertap._results.RESULTS``
                 (moments, minmax, abs_max, zero_fraction, nonfinite, norm,
-                histogram, quantiles, per_channel, latency), or one-key dicts with
+                histogram, quantiles, per_channel, latency, logits), or one-key dicts with
                 parameters, e.g. ``{"histogram": {"bins": 32, "min": -4, "max": 4}}``.
                 Default: moments, minmax, nonfinite.
             point: ``"output"`` (default), ``"input"``, ``"grad_output"``,

@@ -22,6 +22,7 @@ __all__ = [
     "AbsMax",
     "Histogram",
     "Latency",
+    "Logits",
     "MinMax",
     "Moments",
     "Nonfinite",
@@ -123,9 +124,25 @@ class Latency:
     seconds: float
 
 
+@dataclass(frozen=True)
+class Logits:
+    """How confident a head's logits are: per row (a token, a sample), the softmax
+    entropy in nats, the top-1 probability and the top-1 minus top-2 margin, as
+    the mean over ``rows`` and the least confident row's value (NaN without rows)."""
+
+    rows: int
+    classes: int
+    entropy_mean: float
+    entropy_max: float
+    top1_mean: float
+    top1_min: float
+    margin_mean: float
+    margin_min: float
+
+
 #: One reducer's result in ``Summary.results``.
 ReducerResult: TypeAlias = Union[
-    Moments, MinMax, AbsMax, ZeroFraction, Nonfinite, Norm, Histogram, Quantiles, PerChannel, Latency
+    Moments, MinMax, AbsMax, ZeroFraction, Nonfinite, Norm, Histogram, Quantiles, PerChannel, Latency, Logits
 ]
 
 #: How a result updates its ``LayerSnapshot`` fields (the server's snapshot store implements each):
@@ -233,6 +250,19 @@ RESULTS: tuple[Result, ...] = (
     Result("per_channel", PerChannel),  # feeds the drift monitor, not a series of its own
     Result("latency", Latency, (("latency", "seconds"),), families=(
         _gauge("latency", "layertap_layer_latency_seconds", "Seconds the module's forward took in the latest sampled pass."),
+    )),
+    Result("logits", Logits, (("logits_entropy_mean", "entropy_mean"), ("logits_entropy_max", "entropy_max"),
+                              ("logits_top1_mean", "top1_mean"), ("logits_top1_min", "top1_min"),
+                              ("logits_margin_mean", "margin_mean"), ("logits_margin_min", "margin_min")), families=(
+        Family("layertap_logits_entropy_nats", "Softmax entropy of the logits' rows (tokens, samples) in the latest "
+               "sampled pass: their mean, and the largest.", ("logits_entropy_mean", "logits_entropy_max"),
+               label="stat", label_values=("mean", "max")),
+        Family("layertap_logits_top1_probability", "Top-1 softmax probability of the logits' rows in the latest "
+               "sampled pass: their mean, and the smallest.", ("logits_top1_mean", "logits_top1_min"),
+               label="stat", label_values=("mean", "min")),
+        Family("layertap_logits_margin", "Top-1 minus top-2 softmax probability of the logits' rows in the latest "
+               "sampled pass: their mean, and the smallest.", ("logits_margin_mean", "logits_margin_min"),
+               label="stat", label_values=("mean", "min")),
     )),
 )
 #: The rows by oneof field.

@@ -66,6 +66,10 @@ class _ReducerKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReducerKi
     """Wall time of the tapped module's forward (needs point OUTPUT): perf_counter
     on CPU, CUDA events read after the pass on GPU.
     """
+    REDUCER_KIND_LOGITS: _ReducerKind.ValueType  # 11
+    """Confidence of a classifier or language-model head: the last dimension is
+    the classes (vocabulary), every leading one a row (see Logits).
+    """
 
 class ReducerKind(_ReducerKind, metaclass=_ReducerKindEnumTypeWrapper): ...
 
@@ -82,6 +86,10 @@ REDUCER_KIND_PER_CHANNEL: ReducerKind.ValueType  # 9
 REDUCER_KIND_LATENCY: ReducerKind.ValueType  # 10
 """Wall time of the tapped module's forward (needs point OUTPUT): perf_counter
 on CPU, CUDA events read after the pass on GPU.
+"""
+REDUCER_KIND_LOGITS: ReducerKind.ValueType  # 11
+"""Confidence of a classifier or language-model head: the last dimension is
+the classes (vocabulary), every leading one a row (see Logits).
 """
 Global___ReducerKind: _TypeAlias = ReducerKind  # noqa: Y015
 
@@ -472,20 +480,27 @@ class PerChannelParams(_message.Message):
     DIM_FIELD_NUMBER: _builtins.int
     MAX_CHANNELS_FIELD_NUMBER: _builtins.int
     dim: _builtins.int
-    """Channel dimension (default 1)."""
+    """The channel (feature) axis; a negative value counts from the end (-1 is
+    the last). Unset: the model's feature axis, which is the last dimension of
+    a 3-d (batch, tokens, hidden) tensor of a token model (`--model hf:`), and
+    dim 1 for every other tensor and model (convolutional maps, (batch,
+    features)). `optional` tells an explicit 0 from unset.
+    """
     max_channels: _builtins.int
     """Most channels reported (default and cap set by the server)."""
     def __init__(
         self,
         *,
-        dim: _builtins.int = ...,
+        dim: _builtins.int | None = ...,
         max_channels: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_dim", b"_dim", "dim", b"dim"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dim", b"dim", "max_channels", b"max_channels"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dim", b"_dim", "dim", b"dim", "max_channels", b"max_channels"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__dim: _TypeAlias = _typing.Literal["dim"]  # noqa: Y015
+    _WhichOneofArgType__dim: _TypeAlias = _typing.Literal["_dim", b"_dim"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__dim) -> _WhichOneofReturnType__dim | None: ...
 
 Global___PerChannelParams: _TypeAlias = PerChannelParams  # noqa: Y015
 
@@ -978,6 +993,9 @@ class PerChannel(_message.Message):
     ABS_MAX_FIELD_NUMBER: _builtins.int
     CHANNELS_FIELD_NUMBER: _builtins.int
     dim: _builtins.int
+    """The axis reduced over: the spec's dim as given, or the default feature
+    axis resolved for this tensor (counted from 0).
+    """
     channels: _builtins.int
     """Channels in the tensor; more than len(mean) when capped."""
     @_builtins.property
@@ -1027,6 +1045,65 @@ class Latency(_message.Message):
 Global___Latency: _TypeAlias = Latency  # noqa: Y015
 
 @_typing.final
+class Logits(_message.Message):
+    """The confidence of a head's logits, `(batch, tokens, vocab)` or `(batch,
+    classes)`: each row (a token, or a sample) is softmaxed over the last
+    dimension in float32 (float64 for float64 input), and gives its entropy in
+    nats, its top-1 probability, and its margin (top-1 minus top-2 probability;
+    the top-1 probability itself for one class). The summary is the mean over
+    rows and the least confident row's value of each: seven numbers whatever the
+    batch, sequence and vocabulary, so a summary stays a few bytes and each
+    becomes one gauge series. The mean is what drifts when a model grows less
+    sure; the worst row is what one confused token or sample looks like. A
+    distribution over rows (quantiles) would need a sort per pass and a label
+    per value, for what a baseline's histogram of the mean already shows.
+    Rows with a NaN or +Inf logit, or only -Inf ones, are left out; -Inf logits
+    (masked classes) have probability 0. NaN everywhere when no row is left.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROWS_FIELD_NUMBER: _builtins.int
+    CLASSES_FIELD_NUMBER: _builtins.int
+    ENTROPY_MEAN_FIELD_NUMBER: _builtins.int
+    ENTROPY_MAX_FIELD_NUMBER: _builtins.int
+    TOP1_MEAN_FIELD_NUMBER: _builtins.int
+    TOP1_MIN_FIELD_NUMBER: _builtins.int
+    MARGIN_MEAN_FIELD_NUMBER: _builtins.int
+    MARGIN_MIN_FIELD_NUMBER: _builtins.int
+    rows: _builtins.int
+    """Rows summarized (finite), and the classes (the last dimension)."""
+    classes: _builtins.int
+    entropy_mean: _builtins.float
+    """Softmax entropy in nats: the mean, and the largest (least confident) row."""
+    entropy_max: _builtins.float
+    top1_mean: _builtins.float
+    """Top-1 probability: the mean, and the smallest."""
+    top1_min: _builtins.float
+    margin_mean: _builtins.float
+    """Top-1 minus top-2 probability: the mean, and the smallest."""
+    margin_min: _builtins.float
+    def __init__(
+        self,
+        *,
+        rows: _builtins.int = ...,
+        classes: _builtins.int = ...,
+        entropy_mean: _builtins.float = ...,
+        entropy_max: _builtins.float = ...,
+        top1_mean: _builtins.float = ...,
+        top1_min: _builtins.float = ...,
+        margin_mean: _builtins.float = ...,
+        margin_min: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["classes", b"classes", "entropy_max", b"entropy_max", "entropy_mean", b"entropy_mean", "margin_mean", b"margin_mean", "margin_min", b"margin_min", "rows", b"rows", "top1_mean", b"top1_mean", "top1_min", b"top1_min"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Logits: _TypeAlias = Logits  # noqa: Y015
+
+@_typing.final
 class ReducerResult(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1040,6 +1117,7 @@ class ReducerResult(_message.Message):
     QUANTILES_FIELD_NUMBER: _builtins.int
     PER_CHANNEL_FIELD_NUMBER: _builtins.int
     LATENCY_FIELD_NUMBER: _builtins.int
+    LOGITS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def moments(self) -> Global___Moments: ...
     @_builtins.property
@@ -1060,6 +1138,8 @@ class ReducerResult(_message.Message):
     def per_channel(self) -> Global___PerChannel: ...
     @_builtins.property
     def latency(self) -> Global___Latency: ...
+    @_builtins.property
+    def logits(self) -> Global___Logits: ...
     def __init__(
         self,
         *,
@@ -1073,12 +1153,13 @@ class ReducerResult(_message.Message):
         quantiles: Global___Quantiles | None = ...,
         per_channel: Global___PerChannel | None = ...,
         latency: Global___Latency | None = ...,
+        logits: Global___Logits | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abs_max", b"abs_max", "histogram", b"histogram", "latency", b"latency", "minmax", b"minmax", "moments", b"moments", "nonfinite", b"nonfinite", "norm", b"norm", "per_channel", b"per_channel", "quantiles", b"quantiles", "value", b"value", "zero_fraction", b"zero_fraction"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abs_max", b"abs_max", "histogram", b"histogram", "latency", b"latency", "logits", b"logits", "minmax", b"minmax", "moments", b"moments", "nonfinite", b"nonfinite", "norm", b"norm", "per_channel", b"per_channel", "quantiles", b"quantiles", "value", b"value", "zero_fraction", b"zero_fraction"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abs_max", b"abs_max", "histogram", b"histogram", "latency", b"latency", "minmax", b"minmax", "moments", b"moments", "nonfinite", b"nonfinite", "norm", b"norm", "per_channel", b"per_channel", "quantiles", b"quantiles", "value", b"value", "zero_fraction", b"zero_fraction"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abs_max", b"abs_max", "histogram", b"histogram", "latency", b"latency", "logits", b"logits", "minmax", b"minmax", "moments", b"moments", "nonfinite", b"nonfinite", "norm", b"norm", "per_channel", b"per_channel", "quantiles", b"quantiles", "value", b"value", "zero_fraction", b"zero_fraction"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_value: _TypeAlias = _typing.Literal["moments", "minmax", "abs_max", "zero_fraction", "nonfinite", "norm", "histogram", "quantiles", "per_channel", "latency"]  # noqa: Y015
+    _WhichOneofReturnType_value: _TypeAlias = _typing.Literal["moments", "minmax", "abs_max", "zero_fraction", "nonfinite", "norm", "histogram", "quantiles", "per_channel", "latency", "logits"]  # noqa: Y015
     _WhichOneofArgType_value: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_value) -> _WhichOneofReturnType_value | None: ...
 

@@ -36,7 +36,8 @@ def layer_reducers(*, per_channel: bool, edges: np.ndarray | None) -> list[pb.Re
         specs.append(pb.ReducerSpec(kind=pb.REDUCER_KIND_HISTOGRAM,
                                     histogram=pb.HistogramParams(edges=[float(e) for e in edges])))
     if per_channel:
-        specs.append(pb.ReducerSpec(kind=pb.REDUCER_KIND_PER_CHANNEL, per_channel=pb.PerChannelParams(dim=1)))
+        # No dim: the model's feature axis (hidden units of a token model, channels of a map).
+        specs.append(pb.ReducerSpec(kind=pb.REDUCER_KIND_PER_CHANNEL, per_channel=pb.PerChannelParams()))
     return specs
 
 

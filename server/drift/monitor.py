@@ -44,6 +44,7 @@ from layertap.server.errors import AlreadyExists, InvalidField, NotFound, Unsupp
 from layertap.server.host.hooks import POINT_BY_NAME, POINT_NAMES
 from layertap.server.host.model_host import PassContext
 from layertap.server.limits import check_name
+from layertap.server.reducers.spec import default_feature_axis
 from layertap.server.stream.sinks import Sink, TapView
 from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.selectors import select_layers
@@ -483,4 +484,5 @@ class DriftMonitor(Sink):
         shapes = self.engine.host.layer_shapes.get(layer)
         if shapes is None or not shapes.outputs or len(shapes.outputs[0]) < 2:
             return None
-        return int(shapes.outputs[0][1])
+        shape = shapes.outputs[0]
+        return int(shape[default_feature_axis(len(shape), tokens=self.engine.token_model)])

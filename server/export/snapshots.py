@@ -80,6 +80,14 @@ class LayerSnapshot:
     channel_drift_fraction: float | None = None
     #: Seconds the module's forward took in the latest sampled pass (latency reducer).
     latency: float | None = None
+    #: The logits reducer: entropy (nats), top-1 probability and top-1/top-2
+    #: margin of the rows, their mean and the least confident row's.
+    logits_entropy_mean: float | None = None
+    logits_entropy_max: float | None = None
+    logits_top1_mean: float | None = None
+    logits_top1_min: float | None = None
+    logits_margin_mean: float | None = None
+    logits_margin_min: float | None = None
 
     @property
     def key(self) -> tuple[str, str, str]:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from layertap.server.reducers.base import Reducer, shape_numel
-from layertap.server.reducers.spec import QUANTILE_DELTA, SpecError
+from layertap.server.reducers.spec import QUANTILE_DELTA, SpecError, default_feature_axis
 from layertap.server.reducers.workspace import F64, DeviceCache, Workspace, device_constant
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -159,31 +159,47 @@ def _interpolate(n: float, p: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.nd
 
 
 class PerChannelReducer(Reducer):
-    """Mean, std and abs_max of the finite elements of each channel."""
+    """Mean, std and abs_max of the finite elements of each channel.
+
+    Args:
+        dim: The channel axis (negative: from the end), or None for the
+            model's feature axis (:func:`~.spec.default_feature_axis`).
+        tokens: Whether the model is a token model, for the default axis.
+    """
 
     kind = pb.REDUCER_KIND_PER_CHANNEL
     reads_upcast = True
 
-    def __init__(self, field: str, dim: int, max_channels: int) -> None:
+    def __init__(self, field: str, dim: int | None, max_channels: int, *, tokens: bool = False) -> None:
         super().__init__(field)
-        self.dim = dim
+        # Other models' default is always dim 1: fill it in, so the spec echoes
+        # it and an explicit 1 is the same reducer. A token model's default
+        # depends on each tensor's shape and stays None.
+        self.dim = 1 if dim is None and not tokens else dim
         self.max_channels = max_channels
+        self.tokens = self.dim is None
 
     def spec(self) -> pb.ReducerSpec:
         params = pb.PerChannelParams(dim=self.dim, max_channels=self.max_channels)
         return pb.ReducerSpec(kind=self.kind, per_channel=params)
 
     def key(self) -> tuple[object, ...]:
-        return (self.kind, self.dim, self.max_channels)
+        return (self.kind, self.dim, self.tokens, self.max_channels)
+
+    def _dim(self, shape: Sequence[int]) -> int:
+        """The dim as asked, or the default feature axis of ``shape``."""
+        return self.dim if self.dim is not None else default_feature_axis(len(shape), tokens=self.tokens)
 
     def _axis(self, shape: Sequence[int]) -> int:
         ndim = len(shape)
-        if not -ndim <= self.dim < ndim:
+        dim = self._dim(shape)
+        if not -ndim <= dim < ndim:
+            said = f"dim {dim}" if self.dim is not None else f"the default feature axis (dim {dim})"
             raise SpecError(
                 f"{self.field}.per_channel.dim",
-                f"dim {self.dim} is out of range for a {ndim}-d tensor of shape {list(shape)}",
+                f"{said} is out of range for a {ndim}-d tensor of shape {list(shape)}",
             )
-        return self.dim % ndim
+        return dim % ndim
 
     def check(self, shape: Sequence[int]) -> None:
         self._axis(shape)
@@ -241,7 +257,7 @@ class PerChannelReducer(Reducer):
         c = len(values) // 3
         return pb.ReducerResult(
             per_channel=pb.PerChannel(
-                dim=self.dim,
+                dim=self._dim(shape),
                 mean=values[:c].tolist(),
                 std=values[c : 2 * c].tolist(),
                 abs_max=values[2 * c :].tolist(),

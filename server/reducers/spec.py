@@ -35,10 +35,12 @@ __all__ = [
     "PerChannelSettings",
     "QuantileSettings",
     "SpecError",
+    "TOKEN_MODEL_SOURCES",
     "check_histogram",
     "check_kind",
     "check_per_channel",
     "check_quantiles",
+    "default_feature_axis",
     "parse_reducer_names",
     "reducer_name",
 ]
@@ -59,6 +61,9 @@ MAX_CHANNELS = 4096
 DEFAULT_MAX_CHANNELS = MAX_CHANNELS
 #: Failure probability of the DKW rank-error bound reported by quantiles.
 QUANTILE_DELTA = 0.01
+#: Model sources (``LoadedModel.source``) whose 3-d activations are
+#: ``(batch, tokens, hidden)``: their feature axis is the last one.
+TOKEN_MODEL_SOURCES = frozenset({"hf"})
 
 #: ``ReducerKind`` value -> short name (``REDUCER_KIND_ABS_MAX`` -> ``"abs_max"``),
 #: in the enum's order (the order error messages list them in).
@@ -162,10 +167,25 @@ class QuantileSettings(NamedTuple):
 
 
 class PerChannelSettings(NamedTuple):
-    """Validated per-channel parameters, defaults filled in."""
+    """Validated per-channel parameters; ``dim`` is None for the default feature axis."""
 
-    dim: int
+    dim: int | None
     max_channels: int
+
+
+def default_feature_axis(ndim: int, *, tokens: bool) -> int:
+    """The per-channel axis of an ``ndim`` tensor when a spec names none.
+
+    A token model's 3-d tensors are ``(batch, tokens, hidden)``: its features
+    are the last axis, where dim 1 would be the token position. Every other
+    tensor keeps dim 1, the channels of an ``NCHW`` map or the features of a
+    ``(batch, features)`` row, as before there were token models.
+
+    Args:
+        ndim: The tensor's number of dimensions.
+        tokens: Whether the model is a token model (:data:`TOKEN_MODEL_SOURCES`).
+    """
+    return ndim - 1 if tokens and ndim == 3 else 1
 
 
 def _check_sample_size(field: str, size: int) -> int:
@@ -225,5 +245,5 @@ def check_per_channel(field: str, params: pb.PerChannelParams) -> PerChannelSett
     cap = params.max_channels or DEFAULT_MAX_CHANNELS
     if cap > MAX_CHANNELS:
         raise SpecError(f"{f}.max_channels", f"max_channels must be at most {MAX_CHANNELS}, got {cap}")
-    # proto3 cannot tell an unset dim from 0, and the contract's default is 1.
-    return PerChannelSettings(params.dim or 1, cap)
+    # dim is an `optional` field: unset means the model's feature axis, resolved per tensor.
+    return PerChannelSettings(params.dim if params.HasField("dim") else None, cap)

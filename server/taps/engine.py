@@ -26,7 +26,7 @@ from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.compiled_kernel import DENSE, Signature
 from layertap.server.reducers.latency import LayerTimer
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
-from layertap.server.reducers.spec import SpecError
+from layertap.server.reducers.spec import TOKEN_MODEL_SOURCES, SpecError
 from layertap.server.reducers.transfer import DEFAULT_TRANSFER_BYTES, HostTransfer, PassBuffer
 from layertap.server.stream.broker import Broker
 from layertap.server.stream.publisher import Piece, Publisher
@@ -59,6 +59,9 @@ class TapEngine:
         self.clock = clock
         self.wall = wall
         self.max_taps = max_taps
+        #: Whether the model's 3-d tensors are ``(batch, tokens, hidden)``: the
+        #: default feature axis of per-channel reducers and drift is then the last.
+        self.token_model = host.loaded.source in TOKEN_MODEL_SOURCES
         self._rng = rng or random.Random()
         self._lock = threading.RLock()
         self._taps: dict[str, Tap] = {}
@@ -107,7 +110,7 @@ class TapEngine:
         if not spec.reducers:
             raise InvalidField(f"{field_prefix}.reducers", "name at least one reducer, e.g. moments")
         try:
-            reducers = build_reducers(list(spec.reducers), f"{field_prefix}.reducers")
+            reducers = build_reducers(list(spec.reducers), f"{field_prefix}.reducers", tokens=self.token_model)
         except SpecError as exc:
             raise InvalidField(exc.field, exc.message) from None
         if ttl is not None:
@@ -185,7 +188,7 @@ class TapEngine:
         """
         current: Tap = tap if tap is not None else self.get(tap_id)
         try:
-            plan = ReducerPlan(build_reducers(reducers, f"{tap_id}.{layer}.reducers"))
+            plan = ReducerPlan(build_reducers(reducers, f"{tap_id}.{layer}.reducers", tokens=self.token_model))
         except SpecError as exc:
             raise InvalidField(exc.field, exc.message) from None
         with self.host.pass_lock(), self._lock:  # between passes: a pass never mixes plans

@@ -57,6 +57,7 @@ EXPECTED_ALL = {
     "Quantiles",
     "PerChannel",
     "Latency",
+    "Logits",
     "BaselineInfo",
     "DriftThresholds",
     "LayerDrift",

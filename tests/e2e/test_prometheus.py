@@ -209,7 +209,7 @@ def test_promtool_accepts_live_scrape_with_taps_baseline_and_drift(make_server, 
     with layertap.Client(f"127.0.0.1:{srv.port}") as client:
         # Every reducer the exporter maps, on a second durable tap, next to the baseline.
         client.create_tap("layer*", reducers=["moments", "minmax", "abs_max", "zero_fraction", "nonfinite", "norm",
-                                              "latency",
+                                              "latency", "logits",
                                               {"quantiles": {"probabilities": [0.05, 0.5, 0.95]}},
                                               {"histogram": {"bins": 8, "min": -4, "max": 4}}],
                           name="all-reducers", forever=True)
@@ -233,7 +233,7 @@ def test_promtool_accepts_live_scrape_with_taps_baseline_and_drift(make_server, 
                  "layertap_activation_value_bucket{", "layertap_activation_abs_max{",
                  "layertap_activation_zero_fraction{", "layertap_activation_nonfinite_total{",
                  "layertap_activation_last_update_timestamp_seconds{", "layertap_activation_l2{",
-                 "layertap_layer_latency_seconds{", 'tap="all-reducers"'):
+                 "layertap_layer_latency_seconds{", "layertap_logits_entropy_nats{", 'tap="all-reducers"'):
         assert name in body, name
     # docs/operations.md's metrics reference lists every family the server exports.
     reference = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()

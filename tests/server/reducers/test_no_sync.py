@@ -33,9 +33,12 @@ SPECS = [
     pb.ReducerSpec(kind=pb.REDUCER_KIND_HISTOGRAM, histogram=pb.HistogramParams(sample_size=SAMPLE)),
     pb.ReducerSpec(kind=pb.REDUCER_KIND_HISTOGRAM, histogram=pb.HistogramParams(edges=[-1, 0, 1], sample_size=512)),
     pb.ReducerSpec(kind=pb.REDUCER_KIND_QUANTILES, quantiles=pb.QuantileParams(sample_size=SAMPLE)),
+    pb.ReducerSpec(kind=pb.REDUCER_KIND_LOGITS),
     pb.ReducerSpec(kind=pb.REDUCER_KIND_PER_CHANNEL, per_channel=pb.PerChannelParams(max_channels=4)),
 ]
 NO_PER_CHANNEL = SPECS[:-1]
+#: A 0-d tensor has no classes axis for logits either.
+SCALAR_SPECS = SPECS[:-2]
 
 # name -> (base shape, view applied after NaN/Inf are planted in the base)
 SHAPES: dict[str, tuple[tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]]] = {
@@ -114,7 +117,7 @@ def test_guard_allows_ordinary_ops_and_integer_indexing() -> None:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_every_reducer_runs_without_sync(shape: str, dtype: torch.dtype) -> None:
     x = make(shape, dtype)
-    specs = SPECS if x.dim() >= 2 else NO_PER_CHANNEL
+    specs = SPECS if x.dim() >= 2 else NO_PER_CHANNEL if x.dim() == 1 else SCALAR_SPECS
     plan = ReducerPlan(build_reducers(specs))
     # Twice: the first run also builds per-device caches (edges, generator).
     for _ in range(2):

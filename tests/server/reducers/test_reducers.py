@@ -112,7 +112,7 @@ def quant_spec(ps: list[float] | None = None, sample_size: int = 0) -> pb.Reduce
     return pb.ReducerSpec(kind=pb.REDUCER_KIND_QUANTILES, quantiles=params)
 
 
-def pc_spec(dim: int = 0, max_channels: int = 0) -> pb.ReducerSpec:
+def pc_spec(dim: int | None = None, max_channels: int = 0) -> pb.ReducerSpec:
     params = pb.PerChannelParams(dim=dim, max_channels=max_channels)
     return pb.ReducerSpec(kind=pb.REDUCER_KIND_PER_CHANNEL, per_channel=params)
 
@@ -409,6 +409,28 @@ def test_per_channel_default_dim_is_one_and_channels_last() -> None:
     assert pc.per_channel.dim == 1 and pc.per_channel.channels == 5
     ref = x.double().mean(dim=(0, 2, 3)).numpy()
     np.testing.assert_allclose(pc.per_channel.mean, ref, rtol=0, atol=1e-12)
+
+
+def test_per_channel_default_axis_of_a_token_model_is_the_last_of_3d_only() -> None:
+    def tokens_run(x: torch.Tensor, spec: pb.ReducerSpec) -> pb.PerChannel:
+        plan = ReducerPlan(build_reducers([spec], tokens=True))
+        return plan.decode(plan.run(x).numpy(), x.shape)[0].per_channel
+
+    seq = torch.randn(2, 5, 3, generator=gen())  # (batch, tokens, hidden)
+    pc = tokens_run(seq, pc_spec())
+    assert pc.dim == 2 and pc.channels == 3
+    np.testing.assert_allclose(pc.mean, seq.double().mean(dim=(0, 1)).numpy(), rtol=0, atol=1e-12)
+    conv = torch.randn(2, 4, 3, 3, generator=gen())  # a map: channels stay dim 1
+    assert tokens_run(conv, pc_spec()).dim == 1 and tokens_run(conv, pc_spec()).channels == 4
+    assert tokens_run(torch.randn(2, 7, generator=gen()), pc_spec()).channels == 7
+    # An explicit dim wins, 0 included (the field is `optional`).
+    pc0 = tokens_run(seq, pc_spec(dim=0))
+    assert pc0.dim == 0 and pc0.channels == 2
+    # Unset and the same rule for every model: dim 1, as before token models.
+    (plain,) = run(seq, [pc_spec()])
+    assert plain.per_channel.dim == 1 and plain.per_channel.channels == 5
+    unset = build_reducers([pb.ReducerSpec(kind=pb.REDUCER_KIND_PER_CHANNEL)], tokens=True)[0]
+    assert not unset.spec().per_channel.HasField("dim")
 
 
 def test_per_channel_dim_out_of_range_is_a_spec_error() -> None:
