@@ -232,6 +232,19 @@ class ModelHost:
             ):
                 raise InvalidField(f"{field_name}[{i}].shape",
                                    f"{where}: expected {list(spec.shape)} (-1 = any), got {list(t.shape)}")
+        shapes = {spec.name: t.shape for (_name, t), spec in zip(pairs, specs)}
+        for i, ((name, t), spec) in enumerate(zip(pairs, specs)):
+            where = f"{field_name}[{i}]" if not name else f"{field_name}[{i}] ({name})"
+            if spec.shape_of is not None and spec.shape_of in shapes and t.shape != shapes[spec.shape_of]:
+                raise InvalidField(f"{field_name}[{i}].shape", f"{where}: {spec.name} must have {spec.shape_of}'s "
+                                                               f"shape {list(shapes[spec.shape_of])}, got {list(t.shape)}")
+            if spec.vocab is not None and t.numel():
+                # The request's own CPU copy, before the forward: not a pass's hot path.
+                lo, hi = int(t.min()), int(t.max())
+                if lo < 0 or hi >= spec.vocab:
+                    bad = lo if lo < 0 else hi
+                    raise InvalidField(f"{field_name}[{i}]", f"{where}: token id {bad} is outside the model's "
+                                                             f"vocabulary [0, {spec.vocab})")
         return bound
 
     def _spec_of(self, inputs: ModelInputs) -> list[InputSpec]:

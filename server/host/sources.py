@@ -42,6 +42,11 @@ class InputSpec:
     #: ``forward`` is not its place among the declared inputs (GPT-2's second
     #: parameter is its cache, not the mask).
     keyword: bool = False
+    #: Token ids must lie in ``[0, vocab)``: checked before the forward, where
+    #: an embedding lookup would fail with an opaque index error.
+    vocab: int | None = None
+    #: The input whose shape this one must have (an attention_mask, the ids').
+    shape_of: str | None = None
 
 
 @dataclass
@@ -275,15 +280,25 @@ def _load_factory(ref: str, input_shape: str | None, input_dtype: str, kwargs: d
     return LoadedModel(module, attr, "factory", specs)
 
 
+def _vocabulary(module: nn.Module) -> int | None:
+    """The number of token ids the model embeds, when it says (transformers' ``get_input_embeddings``)."""
+    get = getattr(module, "get_input_embeddings", None)
+    embeddings = get() if callable(get) else None
+    return int(embeddings.num_embeddings) if isinstance(embeddings, nn.Embedding) else None
+
+
 def _load_hf(ref: str, hf_class: str | None, trust_remote_code: bool, kwargs: dict[str, object]) -> LoadedModel:
     try:
         got = hf.load_pretrained(ref, hf_class=hf_class, trust_remote_code=trust_remote_code, kwargs=kwargs)
     except hf.HFLoadError as exc:
         raise ModelLoadError(str(exc)) from None
-    (main, *rest) = got.inputs
+    (main_name, main_dtype, main_shape), *rest = got.inputs
+    vocab = _vocabulary(got.module) if main_name == "input_ids" else None
     # Only the main input is positional in every model's forward; the others
-    # (attention_mask, token_type_ids) are optional and go by keyword.
-    specs = [InputSpec(*main), *(InputSpec(name, dtype, shape, required=False, keyword=True) for name, dtype, shape in rest)]
+    # (attention_mask, token_type_ids) are optional, go by keyword and take the ids' shape.
+    specs = [InputSpec(main_name, main_dtype, main_shape, vocab=vocab),
+             *(InputSpec(name, dtype, shape, required=False, keyword=True, shape_of=main_name if vocab else None)
+               for name, dtype, shape in rest)]
     return LoadedModel(got.module, got.name, "hf", specs, notes=got.notes)
 
 

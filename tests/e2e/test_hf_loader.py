@@ -20,7 +20,7 @@ if importlib.util.find_spec("transformers") is None and not os.environ.get("CI")
 
 from support import hf_models
 
-from layertap import Client
+from layertap import Client, InvalidArgument
 from layertap.server.codec import flatten_outputs
 from layertap.server.host.sources import ModelLoadError
 
@@ -193,3 +193,23 @@ def test_a_padded_batch_with_its_mask_equals_the_local_model_by_name_or_position
         np.testing.assert_allclose(got["logits"], want, rtol=1e-5, atol=1e-5)
         # The served model saw the mask: it is far closer to the masked run than the unmasked one is.
         assert np.abs(got["logits"] - want).max() < mask_effect / 10
+
+
+def test_token_ids_outside_the_vocabulary_and_a_misshapen_mask_are_invalid_arguments(make_server, saved) -> None:
+    """Refused before the forward, naming the input: an embedding lookup would fail with an opaque index error."""
+    path, _model = saved["llama"]
+    vocab = hf_models.TINY["llama"][2]["vocab_size"]
+    server = make_server(model=f"hf:{path}")
+    ids = hf_models.example_input("llama").numpy()
+    with Client(f"127.0.0.1:{server.port}") as client:
+        for bad in (vocab, -1):
+            wrong = ids.copy()
+            wrong[1, 2] = bad
+            with pytest.raises(InvalidArgument) as err:
+                client.infer(input_ids=wrong)
+            assert err.value.field == "inputs[0]" and f"token id {bad}" in str(err.value), err.value
+            assert f"[0, {vocab})" in str(err.value)
+        with pytest.raises(InvalidArgument) as err:
+            client.infer(input_ids=ids, attention_mask=np.ones((ids.shape[0], ids.shape[1] + 1), np.int64))
+        assert err.value.field == "inputs[1].shape" and "input_ids's shape" in str(err.value), err.value
+        assert isinstance(client.infer(input_ids=ids, attention_mask=np.ones_like(ids)), dict)  # the right mask passes
