@@ -23,6 +23,7 @@ from ._explain import Explanation
 from ._fleet_baseline import Baselines
 from ._incidents import Incidents
 from ._io import decode_outputs, encode_inputs
+from ._results import RESULTS
 from ._taps import DurableTapOptions, SummaryStream, TapHandle, TapOptions, Unpack, tap_spec
 from ._transport import LIST_LAYERS, ServerStream, Streaming, Transport, Unary
 from ._types import BaselineInfo, DriftThresholds, LayerDrift, LayerInfo, ModelMetadata, ServerStats, Structured, TapInfo, TapSpec
@@ -361,8 +362,7 @@ class Client:
             selector: Exact module name, glob (``layer*``, ``**``) or ``re:`` regex;
                 or a whole :class:`TapSpec` (keyword arguments then override it).
             reducers: Names, one per result kind of ``layertap._results.RESULTS``
-                (moments, minmax, abs_max, zero_fraction, nonfinite, norm,
-                histogram, quantiles, per_channel, latency, logits), or one-key dicts with
+                ({kinds}), or one-key dicts with
                 parameters, e.g. ``{"histogram": {"bins": 32, "min": -4, "max": 4}}``.
                 Default: moments, minmax, nonfinite.
             point: ``"output"`` (default), ``"input"``, ``"grad_output"``,
@@ -491,3 +491,7 @@ class Client:
     def drift(self, selector: str = "", *, timeout: float | None = None) -> list[LayerDrift]:
         """Returns the current drift scores, optionally filtered by a layer selector: ``client.baselines.drift``."""
         return self.baselines.drift(selector, timeout=timeout)
+
+
+# The kinds, from the table: adding a reducer never edits this docstring.
+Client.create_tap.__doc__ = (Client.create_tap.__doc__ or "").replace("{kinds}", ", ".join(r.field for r in RESULTS))
