@@ -69,8 +69,15 @@ class Subscription:
         return durable if self.tap_ids is None else tap_id in self.tap_ids
 
     def put(self, batch: Batch) -> int:
-        """Enqueue; returns how many old messages were dropped to make room."""
+        """Enqueue; returns how many old messages were dropped to make room.
+
+        A closed subscription takes nothing: a pass published while its stream
+        ended (the broker's snapshot of subscribers still named it) would
+        otherwise sit in a queue no one reads or clears, held against the budget.
+        """
         with self._cond:
+            if self.closed:
+                return 0
             dropped = freed = 0
             while self._queue and (len(self._queue) >= self.queue_size
                                    or self._bytes + batch.nbytes > self.max_bytes):

@@ -167,6 +167,31 @@ def test_unsubscribing_gives_its_bytes_back_to_the_budget() -> None:
     assert broker.budget.held == 0 and broker.budget.dropped == 0
 
 
+def test_a_pass_published_while_a_stream_ends_is_not_held_for_it() -> None:
+    """publish() snapshots the subscribers, then puts: a put that lands after the
+    unsubscribe's clear must not leave bytes in a queue no one will read or clear
+    (seen in CI: layertap_stream_held_bytes stayed > 0 with no subscriber left)."""
+    broker = Broker(budget_bytes=1 << 20)
+    sub = broker.subscribe(["t"])
+    real_put = sub.put
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_put(batch):  # type: ignore[no-untyped-def]
+        entered.set()
+        release.wait(10)  # the stream ends here, between the snapshot and the put
+        return real_put(batch)
+
+    sub.put = slow_put  # type: ignore[method-assign]
+    publisher = threading.Thread(target=broker.publish, args=([summary("t", 100, 0)], {"t": False}))
+    publisher.start()
+    assert entered.wait(10)
+    broker.unsubscribe(sub)
+    release.set()
+    publisher.join(10)
+    assert sub.pending() == 0 and sub.pending_bytes() == 0
+    assert broker.budget.held == 0
+
+
 def test_budget_must_be_positive() -> None:
     with pytest.raises(ValueError, match="--subscribers-budget-bytes"):
         Broker(budget_bytes=0)
