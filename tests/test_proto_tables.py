@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 PINNED_SCOPES = {
     "/layertap.v1.InferenceService/Infer": "infer",
     "/layertap.v1.InferenceService/GetModelMetadata": "infer",
+    "/layertap.v1.InferenceService/Generate": "infer",
     "/layertap.v1.TelemetryService/ListLayers": "read",
     "/layertap.v1.TelemetryService/Capture": "capture",
     "/layertap.v1.TelemetryService/CreateTap": "tap",
@@ -42,6 +43,7 @@ PINNED_REASONS = {
     "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION", "UNAVAILABLE",
     "LAYER_NOT_FOUND", "CAPTURE_TOO_LARGE", "CAPTURE_BUDGET_EXHAUSTED", "CAPTURE_OUT_OF_MEMORY",
     "CAPTURE_COPY_FAILED", "RECORDER_OFF", "OUTPUT_NOT_CLASSES", "INFERENCE_TENSOR_CACHED", "TRAINING_AGENT",
+    "CANNOT_GENERATE", "NO_TOKENIZER", "NONFINITE_LOGITS",
 }
 
 #: Wire dtype name -> (numpy-style name, torch dtype, numpy storage of the bytes), in enum order.

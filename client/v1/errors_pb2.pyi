@@ -60,6 +60,14 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """FAILED_PRECONDITION: Explain met a tensor cached under inference mode."""
     ERROR_REASON_TRAINING_AGENT: _ErrorReason.ValueType  # 19
     """FAILED_PRECONDITION: a training agent refuses what would change the model's state."""
+    ERROR_REASON_CANNOT_GENERATE: _ErrorReason.ValueType  # 20
+    """FAILED_PRECONDITION: the hosted model cannot generate (no causal language
+    model head, or a source without keyword inputs and a KV cache).
+    """
+    ERROR_REASON_NO_TOKENIZER: _ErrorReason.ValueType  # 21
+    """FAILED_PRECONDITION: a text prompt for a model directory with no tokenizer."""
+    ERROR_REASON_NONFINITE_LOGITS: _ErrorReason.ValueType  # 22
+    """INTERNAL: the model's logits held NaN or infinity, so no token could be chosen."""
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Why a call failed, as data: the reason of the google.rpc.ErrorInfo (domain
@@ -106,4 +114,12 @@ ERROR_REASON_INFERENCE_TENSOR_CACHED: ErrorReason.ValueType  # 18
 """FAILED_PRECONDITION: Explain met a tensor cached under inference mode."""
 ERROR_REASON_TRAINING_AGENT: ErrorReason.ValueType  # 19
 """FAILED_PRECONDITION: a training agent refuses what would change the model's state."""
+ERROR_REASON_CANNOT_GENERATE: ErrorReason.ValueType  # 20
+"""FAILED_PRECONDITION: the hosted model cannot generate (no causal language
+model head, or a source without keyword inputs and a KV cache).
+"""
+ERROR_REASON_NO_TOKENIZER: ErrorReason.ValueType  # 21
+"""FAILED_PRECONDITION: a text prompt for a model directory with no tokenizer."""
+ERROR_REASON_NONFINITE_LOGITS: ErrorReason.ValueType  # 22
+"""INTERNAL: the model's logits held NaN or infinity, so no token could be chosen."""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

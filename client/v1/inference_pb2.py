@@ -23,10 +23,11 @@ _sym_db = _symbol_database.Default()
 
 
 from layertap.v1 import options_pb2 as layertap_dot_v1_dot_options__pb2
+from layertap.v1 import telemetry_pb2 as layertap_dot_v1_dot_telemetry__pb2
 from layertap.v1 import tensor_pb2 as layertap_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1blayertap/v1/inference.proto\x12\x0blayertap.v1\x1a\x19layertap/v1/options.proto\x1a\x18layertap/v1/tensor.proto\"3\n\x0cInferRequest\x12#\n\x06inputs\x18\x01 \x03(\x0b\x32\x13.layertap.v1.Tensor\"+\n\rSkippedOutput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\"\xa7\x01\n\rInferResponse\x12$\n\x07outputs\x18\x01 \x03(\x0b\x32\x13.layertap.v1.Tensor\x12\x12\n\npass_index\x18\x02 \x01(\x04\x12/\n\tstructure\x18\x03 \x01(\x0e\x32\x1c.layertap.v1.OutputStructure\x12+\n\x07skipped\x18\x04 \x03(\x0b\x32\x1a.layertap.v1.SkippedOutput\"\x19\n\x17GetModelMetadataRequest\"\xc6\x02\n\x18GetModelMetadataResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12$\n\x05\x64type\x18\x04 \x01(\x0e\x32\x15.layertap.v1.DataType\x12\x17\n\x0fparameter_count\x18\x05 \x01(\x03\x12\'\n\x06inputs\x18\x06 \x03(\x0b\x32\x17.layertap.v1.TensorSpec\x12\x16\n\x0eserver_version\x18\x07 \x01(\t\x12\x13\n\x0b\x61pi_version\x18\x08 \x01(\t\x12\x14\n\x0c\x61\x63tive_hooks\x18\t \x01(\r\x12\x17\n\x0fhooks_supported\x18\n \x01(\x08\x12\x0c\n\x04rank\x18\x14 \x01(\r\x12\x12\n\nworld_size\x18\x15 \x01(\r\x12\x10\n\x08has_rank\x18\x16 \x01(\x08*\x8d\x01\n\x0fOutputStructure\x12 \n\x1cOUTPUT_STRUCTURE_UNSPECIFIED\x10\x00\x12\x1b\n\x17OUTPUT_STRUCTURE_TENSOR\x10\x01\x12\x1d\n\x19OUTPUT_STRUCTURE_SEQUENCE\x10\x02\x12\x1c\n\x18OUTPUT_STRUCTURE_MAPPING\x10\x03\x32\xbf\x01\n\x10InferenceService\x12\x44\n\x05Infer\x12\x19.layertap.v1.InferRequest\x1a\x1a.layertap.v1.InferResponse\"\x04\x88\xb5\x18\x01\x12\x65\n\x10GetModelMetadata\x12$.layertap.v1.GetModelMetadataRequest\x1a%.layertap.v1.GetModelMetadataResponse\"\x04\x88\xb5\x18\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1blayertap/v1/inference.proto\x12\x0blayertap.v1\x1a\x19layertap/v1/options.proto\x1a\x1blayertap/v1/telemetry.proto\x1a\x18layertap/v1/tensor.proto\"3\n\x0cInferRequest\x12#\n\x06inputs\x18\x01 \x03(\x0b\x32\x13.layertap.v1.Tensor\"+\n\rSkippedOutput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\"\xa7\x01\n\rInferResponse\x12$\n\x07outputs\x18\x01 \x03(\x0b\x32\x13.layertap.v1.Tensor\x12\x12\n\npass_index\x18\x02 \x01(\x04\x12/\n\tstructure\x18\x03 \x01(\x0e\x32\x1c.layertap.v1.OutputStructure\x12+\n\x07skipped\x18\x04 \x03(\x0b\x32\x1a.layertap.v1.SkippedOutput\"\x19\n\x17GetModelMetadataRequest\"\xc6\x02\n\x18GetModelMetadataResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12$\n\x05\x64type\x18\x04 \x01(\x0e\x32\x15.layertap.v1.DataType\x12\x17\n\x0fparameter_count\x18\x05 \x01(\x03\x12\'\n\x06inputs\x18\x06 \x03(\x0b\x32\x17.layertap.v1.TensorSpec\x12\x16\n\x0eserver_version\x18\x07 \x01(\t\x12\x13\n\x0b\x61pi_version\x18\x08 \x01(\t\x12\x14\n\x0c\x61\x63tive_hooks\x18\t \x01(\r\x12\x17\n\x0fhooks_supported\x18\n \x01(\x08\x12\x0c\n\x04rank\x18\x14 \x01(\r\x12\x12\n\nworld_size\x18\x15 \x01(\r\x12\x10\n\x08has_rank\x18\x16 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xc1\x02\n\x0fGenerateRequest\x12&\n\x07prompts\x18\x01 \x03(\x0b\x32\x15.layertap.v1.TokenIds\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x11\n\tdo_sample\x18\x04 \x01(\x08\x12\x13\n\x0btemperature\x18\x05 \x01(\x01\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\r\n\x05top_p\x18\x07 \x01(\x01\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x10\n\x08has_seed\x18\t \x01(\x08\x12\x16\n\x0estop_token_ids\x18\n \x03(\x03\x12\"\n\x04taps\x18\x0b \x03(\x0b\x32\x14.layertap.v1.TapSpec\x12\x0f\n\x07\x63\x61pture\x18\x0c \x03(\t\x12,\n\rcapture_dtype\x18\r \x01(\x0e\x32\x15.layertap.v1.DataType\"`\n\x11GenerationStarted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07tap_ids\x18\x02 \x03(\t\x12&\n\x07prompts\x18\x03 \x03(\x0b\x32\x15.layertap.v1.TokenIds\"_\n\x0eGeneratedToken\x12\x10\n\x08sequence\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\x03\x12\x10\n\x08position\x18\x03 \x01(\r\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12\x0c\n\x04text\x18\x05 \x01(\t\"U\n\x0bStepCapture\x12\r\n\x05layer\x18\x01 \x01(\t\x12#\n\x06tensor\x18\x02 \x01(\x0b\x32\x13.layertap.v1.Tensor\x12\x12\n\ncall_index\x18\x03 \x01(\r\"\xd5\x01\n\x12GenerationFinished\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12#\n\x1btime_to_first_token_seconds\x18\x03 \x01(\x01\x12%\n\x1dtime_per_output_token_seconds\x18\x04 \x01(\x01\x12\x31\n\x0e\x66inish_reasons\x18\x05 \x03(\x0e\x32\x19.layertap.v1.FinishReason\x12\x0f\n\x07\x64ropped\x18\x06 \x01(\x04\"\xa9\x02\n\x10GenerateResponse\x12/\n\x07started\x18\x01 \x01(\x0b\x32\x1e.layertap.v1.GenerationStarted\x12!\n\x05phase\x18\x02 \x01(\x0e\x32\x12.layertap.v1.Phase\x12\x0c\n\x04step\x18\x03 \x01(\r\x12+\n\x06tokens\x18\x04 \x03(\x0b\x32\x1b.layertap.v1.GeneratedToken\x12\'\n\tsummaries\x18\x05 \x03(\x0b\x32\x14.layertap.v1.Summary\x12*\n\x08\x63\x61ptures\x18\x06 \x03(\x0b\x32\x18.layertap.v1.StepCapture\x12\x31\n\x08\x66inished\x18\x07 \x01(\x0b\x32\x1f.layertap.v1.GenerationFinished*\x8d\x01\n\x0fOutputStructure\x12 \n\x1cOUTPUT_STRUCTURE_UNSPECIFIED\x10\x00\x12\x1b\n\x17OUTPUT_STRUCTURE_TENSOR\x10\x01\x12\x1d\n\x19OUTPUT_STRUCTURE_SEQUENCE\x10\x02\x12\x1c\n\x18OUTPUT_STRUCTURE_MAPPING\x10\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32\x90\x02\n\x10InferenceService\x12\x44\n\x05Infer\x12\x19.layertap.v1.InferRequest\x1a\x1a.layertap.v1.InferResponse\"\x04\x88\xb5\x18\x01\x12O\n\x08Generate\x12\x1c.layertap.v1.GenerateRequest\x1a\x1d.layertap.v1.GenerateResponse\"\x04\x88\xb5\x18\x01\x30\x01\x12\x65\n\x10GetModelMetadata\x12$.layertap.v1.GetModelMetadataRequest\x1a%.layertap.v1.GetModelMetadataResponse\"\x04\x88\xb5\x18\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,20 +36,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_INFERENCESERVICE'].methods_by_name['Infer']._loaded_options = None
   _globals['_INFERENCESERVICE'].methods_by_name['Infer']._serialized_options = b'\210\265\030\001'
+  _globals['_INFERENCESERVICE'].methods_by_name['Generate']._loaded_options = None
+  _globals['_INFERENCESERVICE'].methods_by_name['Generate']._serialized_options = b'\210\265\030\001'
   _globals['_INFERENCESERVICE'].methods_by_name['GetModelMetadata']._loaded_options = None
   _globals['_INFERENCESERVICE'].methods_by_name['GetModelMetadata']._serialized_options = b'\210\265\030\001'
-  _globals['_OUTPUTSTRUCTURE']._serialized_start=722
-  _globals['_OUTPUTSTRUCTURE']._serialized_end=863
-  _globals['_INFERREQUEST']._serialized_start=97
-  _globals['_INFERREQUEST']._serialized_end=148
-  _globals['_SKIPPEDOUTPUT']._serialized_start=150
-  _globals['_SKIPPEDOUTPUT']._serialized_end=193
-  _globals['_INFERRESPONSE']._serialized_start=196
-  _globals['_INFERRESPONSE']._serialized_end=363
-  _globals['_GETMODELMETADATAREQUEST']._serialized_start=365
-  _globals['_GETMODELMETADATAREQUEST']._serialized_end=390
-  _globals['_GETMODELMETADATARESPONSE']._serialized_start=393
-  _globals['_GETMODELMETADATARESPONSE']._serialized_end=719
-  _globals['_INFERENCESERVICE']._serialized_start=866
-  _globals['_INFERENCESERVICE']._serialized_end=1057
+  _globals['_OUTPUTSTRUCTURE']._serialized_start=1898
+  _globals['_OUTPUTSTRUCTURE']._serialized_end=2039
+  _globals['_FINISHREASON']._serialized_start=2041
+  _globals['_FINISHREASON']._serialized_end=2136
+  _globals['_INFERREQUEST']._serialized_start=126
+  _globals['_INFERREQUEST']._serialized_end=177
+  _globals['_SKIPPEDOUTPUT']._serialized_start=179
+  _globals['_SKIPPEDOUTPUT']._serialized_end=222
+  _globals['_INFERRESPONSE']._serialized_start=225
+  _globals['_INFERRESPONSE']._serialized_end=392
+  _globals['_GETMODELMETADATAREQUEST']._serialized_start=394
+  _globals['_GETMODELMETADATAREQUEST']._serialized_end=419
+  _globals['_GETMODELMETADATARESPONSE']._serialized_start=422
+  _globals['_GETMODELMETADATARESPONSE']._serialized_end=748
+  _globals['_TOKENIDS']._serialized_start=750
+  _globals['_TOKENIDS']._serialized_end=773
+  _globals['_GENERATEREQUEST']._serialized_start=776
+  _globals['_GENERATEREQUEST']._serialized_end=1097
+  _globals['_GENERATIONSTARTED']._serialized_start=1099
+  _globals['_GENERATIONSTARTED']._serialized_end=1195
+  _globals['_GENERATEDTOKEN']._serialized_start=1197
+  _globals['_GENERATEDTOKEN']._serialized_end=1292
+  _globals['_STEPCAPTURE']._serialized_start=1294
+  _globals['_STEPCAPTURE']._serialized_end=1379
+  _globals['_GENERATIONFINISHED']._serialized_start=1382
+  _globals['_GENERATIONFINISHED']._serialized_end=1595
+  _globals['_GENERATERESPONSE']._serialized_start=1598
+  _globals['_GENERATERESPONSE']._serialized_end=1895
+  _globals['_INFERENCESERVICE']._serialized_start=2139
+  _globals['_INFERENCESERVICE']._serialized_end=2411
 # @@protoc_insertion_point(module_scope)

@@ -8,6 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from layertap.v1 import telemetry_pb2 as _telemetry_pb2
 from layertap.v1 import tensor_pb2 as _tensor_pb2
 import builtins as _builtins
 import sys
@@ -51,6 +52,28 @@ position with no tensor (None, a cache object) is absent from outputs.
 OUTPUT_STRUCTURE_MAPPING: OutputStructure.ValueType  # 3
 """A dict or a ModelOutput: each tensor is named by its key."""
 Global___OutputStructure: _TypeAlias = OutputStructure  # noqa: Y015
+
+class _FinishReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FINISH_REASON_UNSPECIFIED: _FinishReason.ValueType  # 0
+    FINISH_REASON_LENGTH: _FinishReason.ValueType  # 1
+    """It produced max_new_tokens tokens, or reached the model's positions."""
+    FINISH_REASON_STOP: _FinishReason.ValueType  # 2
+    """It produced an end-of-sequence or stop token (included in its tokens)."""
+
+class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
+    """Why a sequence stopped."""
+
+FINISH_REASON_UNSPECIFIED: FinishReason.ValueType  # 0
+FINISH_REASON_LENGTH: FinishReason.ValueType  # 1
+"""It produced max_new_tokens tokens, or reached the model's positions."""
+FINISH_REASON_STOP: FinishReason.ValueType  # 2
+"""It produced an end-of-sequence or stop token (included in its tokens)."""
+Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final
 class InferRequest(_message.Message):
@@ -213,3 +236,307 @@ class GetModelMetadataResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetModelMetadataResponse: _TypeAlias = GetModelMetadataResponse  # noqa: Y015
+
+@_typing.final
+class TokenIds(_message.Message):
+    """One prompt's token ids."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenIds: _TypeAlias = TokenIds  # noqa: Y015
+
+@_typing.final
+class GenerateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROMPTS_FIELD_NUMBER: _builtins.int
+    TEXTS_FIELD_NUMBER: _builtins.int
+    MAX_NEW_TOKENS_FIELD_NUMBER: _builtins.int
+    DO_SAMPLE_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    HAS_SEED_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TAPS_FIELD_NUMBER: _builtins.int
+    CAPTURE_FIELD_NUMBER: _builtins.int
+    CAPTURE_DTYPE_FIELD_NUMBER: _builtins.int
+    max_new_tokens: _builtins.int
+    """New tokens per sequence, at most serve --max-new-tokens (0 = 16)."""
+    do_sample: _builtins.bool
+    """Sample instead of greedy decoding, with the settings below."""
+    temperature: _builtins.float
+    """Softmax temperature, > 0 (0 = 1.0). Sampling only."""
+    top_k: _builtins.int
+    """Keep the k most likely tokens (0 = all). Sampling only."""
+    top_p: _builtins.float
+    """Keep the smallest set of tokens whose probability reaches p, in (0, 1]
+    (0 = 1.0). Sampling only.
+    """
+    seed: _builtins.int
+    """Seed for the request's own random generator: the same seed gives the same
+    tokens whatever else shares the batch. Valid when has_seed.
+    """
+    has_seed: _builtins.bool
+    capture_dtype: _tensor_pb2.DataType.ValueType
+    """Downcast captured floating tensors to DATA_TYPE_FLOAT16 or DATA_TYPE_BFLOAT16."""
+    @_builtins.property
+    def prompts(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenIds]:
+        """Prompts as token ids, one sequence each; lengths may differ (they are
+        left-padded with an attention mask on the server). Give prompts or texts.
+        """
+
+    @_builtins.property
+    def texts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Prompts as text, for a model directory that holds a tokenizer."""
+
+    @_builtins.property
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """A sequence stops when it produces one of these, besides the model's own
+        end-of-sequence ids (generation_config.eos_token_id).
+        """
+
+    @_builtins.property
+    def taps(self) -> _containers.RepeatedCompositeFieldContainer[_telemetry_pb2.TapSpec]:
+        """Inline taps that live exactly as long as this call and see only this
+        request's rows of each pass (TapSpec.phases filters them by phase).
+        """
+
+    @_builtins.property
+    def capture(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Layer selectors (TapSpec.selector's grammar) whose outputs are captured at
+        every step, this request's rows only.
+        """
+
+    def __init__(
+        self,
+        *,
+        prompts: _abc.Iterable[Global___TokenIds] | None = ...,
+        texts: _abc.Iterable[_builtins.str] | None = ...,
+        max_new_tokens: _builtins.int = ...,
+        do_sample: _builtins.bool = ...,
+        temperature: _builtins.float = ...,
+        top_k: _builtins.int = ...,
+        top_p: _builtins.float = ...,
+        seed: _builtins.int = ...,
+        has_seed: _builtins.bool = ...,
+        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        taps: _abc.Iterable[_telemetry_pb2.TapSpec] | None = ...,
+        capture: _abc.Iterable[_builtins.str] | None = ...,
+        capture_dtype: _tensor_pb2.DataType.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capture", b"capture", "capture_dtype", b"capture_dtype", "do_sample", b"do_sample", "has_seed", b"has_seed", "max_new_tokens", b"max_new_tokens", "prompts", b"prompts", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "taps", b"taps", "temperature", b"temperature", "texts", b"texts", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class GenerationStarted(_message.Message):
+    """The first message of a Generate stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TAP_IDS_FIELD_NUMBER: _builtins.int
+    PROMPTS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Names this call in Summary.request_ids, CaptureHeader.request_ids and /metrics."""
+    @_builtins.property
+    def tap_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Ids of the inline taps, in GenerateRequest.taps order."""
+
+    @_builtins.property
+    def prompts(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenIds]:
+        """Each prompt's token ids (the tokenizer's, for texts)."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        tap_ids: _abc.Iterable[_builtins.str] | None = ...,
+        prompts: _abc.Iterable[Global___TokenIds] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompts", b"prompts", "request_id", b"request_id", "tap_ids", b"tap_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerationStarted: _TypeAlias = GenerationStarted  # noqa: Y015
+
+@_typing.final
+class GeneratedToken(_message.Message):
+    """One new token of one sequence."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    sequence: _builtins.int
+    """The sequence: its index among the request's prompts."""
+    id: _builtins.int
+    position: _builtins.int
+    """Its position in the sequence (the prompt's length for the first)."""
+    logprob: _builtins.float
+    """Its log-probability under the model's distribution (before temperature,
+    top-k and top-p).
+    """
+    text: _builtins.str
+    """Its text piece, when the model directory holds a tokenizer."""
+    def __init__(
+        self,
+        *,
+        sequence: _builtins.int = ...,
+        id: _builtins.int = ...,
+        position: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "logprob", b"logprob", "position", b"position", "sequence", b"sequence", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GeneratedToken: _TypeAlias = GeneratedToken  # noqa: Y015
+
+@_typing.final
+class StepCapture(_message.Message):
+    """One layer's output at one step, this request's rows only."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYER_FIELD_NUMBER: _builtins.int
+    TENSOR_FIELD_NUMBER: _builtins.int
+    CALL_INDEX_FIELD_NUMBER: _builtins.int
+    layer: _builtins.str
+    call_index: _builtins.int
+    """0 for the module's first call in the pass."""
+    @_builtins.property
+    def tensor(self) -> _tensor_pb2.Tensor: ...
+    def __init__(
+        self,
+        *,
+        layer: _builtins.str = ...,
+        tensor: _tensor_pb2.Tensor | None = ...,
+        call_index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tensor", b"tensor"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_index", b"call_index", "layer", b"layer", "tensor", b"tensor"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepCapture: _TypeAlias = StepCapture  # noqa: Y015
+
+@_typing.final
+class GenerationFinished(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
+    TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _builtins.int
+    TIME_PER_OUTPUT_TOKEN_SECONDS_FIELD_NUMBER: _builtins.int
+    FINISH_REASONS_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
+    prompt_tokens: _builtins.int
+    """Prompt and generated tokens, summed over the request's sequences."""
+    generated_tokens: _builtins.int
+    time_to_first_token_seconds: _builtins.float
+    """From the call's arrival to its first token."""
+    time_per_output_token_seconds: _builtins.float
+    """Mean time between two of the request's tokens after the first."""
+    dropped: _builtins.int
+    """Inline tap summaries this call lost to its full queue."""
+    @_builtins.property
+    def finish_reasons(self) -> _containers.RepeatedScalarFieldContainer[Global___FinishReason.ValueType]:
+        """Per sequence, in prompt order."""
+
+    def __init__(
+        self,
+        *,
+        prompt_tokens: _builtins.int = ...,
+        generated_tokens: _builtins.int = ...,
+        time_to_first_token_seconds: _builtins.float = ...,
+        time_per_output_token_seconds: _builtins.float = ...,
+        finish_reasons: _abc.Iterable[Global___FinishReason.ValueType] | None = ...,
+        dropped: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "finish_reasons", b"finish_reasons", "generated_tokens", b"generated_tokens", "prompt_tokens", b"prompt_tokens", "time_per_output_token_seconds", b"time_per_output_token_seconds", "time_to_first_token_seconds", b"time_to_first_token_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerationFinished: _TypeAlias = GenerationFinished  # noqa: Y015
+
+@_typing.final
+class GenerateResponse(_message.Message):
+    """A Generate stream sends GenerationStarted, then one message per step (its
+    tokens, and its summaries and captures as they are ready), then
+    GenerationFinished.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STARTED_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    SUMMARIES_FIELD_NUMBER: _builtins.int
+    CAPTURES_FIELD_NUMBER: _builtins.int
+    FINISHED_FIELD_NUMBER: _builtins.int
+    phase: _telemetry_pb2.Phase.ValueType
+    step: _builtins.int
+    """0 for the prefill's token, k for the k-th decode step."""
+    @_builtins.property
+    def started(self) -> Global___GenerationStarted: ...
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___GeneratedToken]:
+        """One per sequence still running at this step."""
+
+    @_builtins.property
+    def summaries(self) -> _containers.RepeatedCompositeFieldContainer[_telemetry_pb2.Summary]: ...
+    @_builtins.property
+    def captures(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepCapture]: ...
+    @_builtins.property
+    def finished(self) -> Global___GenerationFinished: ...
+    def __init__(
+        self,
+        *,
+        started: Global___GenerationStarted | None = ...,
+        phase: _telemetry_pb2.Phase.ValueType = ...,
+        step: _builtins.int = ...,
+        tokens: _abc.Iterable[Global___GeneratedToken] | None = ...,
+        summaries: _abc.Iterable[_telemetry_pb2.Summary] | None = ...,
+        captures: _abc.Iterable[Global___StepCapture] | None = ...,
+        finished: Global___GenerationFinished | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "started", b"started"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["captures", b"captures", "finished", b"finished", "phase", b"phase", "started", b"started", "step", b"step", "summaries", b"summaries", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015

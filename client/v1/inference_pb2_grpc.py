@@ -40,6 +40,11 @@ class InferenceServiceStub:
                 request_serializer=layertap_dot_v1_dot_inference__pb2.InferRequest.SerializeToString,
                 response_deserializer=layertap_dot_v1_dot_inference__pb2.InferResponse.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/layertap.v1.InferenceService/Generate',
+                request_serializer=layertap_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=layertap_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.GetModelMetadata = channel.unary_unary(
                 '/layertap.v1.InferenceService/GetModelMetadata',
                 request_serializer=layertap_dot_v1_dot_inference__pb2.GetModelMetadataRequest.SerializeToString,
@@ -53,6 +58,19 @@ class InferenceServiceServicer:
 
     def Infer(self, request, context):
         """Runs one forward pass on the given inputs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Generate(self, request, context):
+        """Generates tokens from one or more prompts with the model's own KV cache
+        (a step costs one token's forward), streaming each step's tokens, the
+        summaries of the call's inline taps and its captures as they come, then a
+        GenerationFinished. Concurrent calls share the model: requests join the
+        running batch at step boundaries. Inline taps need the tap scope and
+        captures the capture scope; each call holds one --max-streams slot. A
+        client that cancels stops its generation at the next step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -72,6 +90,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.Infer,
                     request_deserializer=layertap_dot_v1_dot_inference__pb2.InferRequest.FromString,
                     response_serializer=layertap_dot_v1_dot_inference__pb2.InferResponse.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=layertap_dot_v1_dot_inference__pb2.GenerateRequest.FromString,
+                    response_serializer=layertap_dot_v1_dot_inference__pb2.GenerateResponse.SerializeToString,
             ),
             'GetModelMetadata': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelMetadata,
@@ -107,6 +130,33 @@ class InferenceService:
             '/layertap.v1.InferenceService/Infer',
             layertap_dot_v1_dot_inference__pb2.InferRequest.SerializeToString,
             layertap_dot_v1_dot_inference__pb2.InferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/layertap.v1.InferenceService/Generate',
+            layertap_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
+            layertap_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,6 +35,15 @@ class InferenceServiceStub:
     def __new__(cls, channel: _aio.Channel) -> InferenceServiceAsyncStub: ...
     Infer: _grpc.UnaryUnaryMultiCallable[_inference_pb2.InferRequest, _inference_pb2.InferResponse]
     """Runs one forward pass on the given inputs."""
+    Generate: _grpc.UnaryStreamMultiCallable[_inference_pb2.GenerateRequest, _inference_pb2.GenerateResponse]
+    """Generates tokens from one or more prompts with the model's own KV cache
+    (a step costs one token's forward), streaming each step's tokens, the
+    summaries of the call's inline taps and its captures as they come, then a
+    GenerationFinished. Concurrent calls share the model: requests join the
+    running batch at step boundaries. Inline taps need the tap scope and
+    captures the capture scope; each call holds one --max-streams slot. A
+    client that cancels stops its generation at the next step.
+    """
     GetModelMetadata: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GetModelMetadataRequest, _inference_pb2.GetModelMetadataResponse]
     """Describes the hosted model and how to build a valid input for it."""
 
@@ -45,6 +54,15 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Infer: _aio.UnaryUnaryMultiCallable[_inference_pb2.InferRequest, _inference_pb2.InferResponse]  # type: ignore[assignment]
     """Runs one forward pass on the given inputs."""
+    Generate: _aio.UnaryStreamMultiCallable[_inference_pb2.GenerateRequest, _inference_pb2.GenerateResponse]  # type: ignore[assignment]
+    """Generates tokens from one or more prompts with the model's own KV cache
+    (a step costs one token's forward), streaming each step's tokens, the
+    summaries of the call's inline taps and its captures as they come, then a
+    GenerationFinished. Concurrent calls share the model: requests join the
+    running batch at step boundaries. Inline taps need the tap scope and
+    captures the capture scope; each call holds one --max-streams slot. A
+    client that cancels stops its generation at the next step.
+    """
     GetModelMetadata: _aio.UnaryUnaryMultiCallable[_inference_pb2.GetModelMetadataRequest, _inference_pb2.GetModelMetadataResponse]  # type: ignore[assignment]
     """Describes the hosted model and how to build a valid input for it."""
 
@@ -58,6 +76,21 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.InferResponse, _abc.Awaitable[_inference_pb2.InferResponse]]:
         """Runs one forward pass on the given inputs."""
+
+    @_abc_1.abstractmethod
+    def Generate(
+        self,
+        request: _inference_pb2.GenerateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_inference_pb2.GenerateResponse], _abc.AsyncIterator[_inference_pb2.GenerateResponse]]:
+        """Generates tokens from one or more prompts with the model's own KV cache
+        (a step costs one token's forward), streaming each step's tokens, the
+        summaries of the call's inline taps and its captures as they come, then a
+        GenerationFinished. Concurrent calls share the model: requests join the
+        running batch at step boundaries. Inline taps need the tap scope and
+        captures the capture scope; each call holds one --max-streams slot. A
+        client that cancels stops its generation at the next step.
+        """
 
     @_abc_1.abstractmethod
     def GetModelMetadata(

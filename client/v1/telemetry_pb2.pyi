@@ -46,6 +46,34 @@ POINT_GRAD_INPUT: Point.ValueType  # 4
 POINT_PARAM_GRAD: Point.ValueType  # 5
 Global___Point: _TypeAlias = Point  # noqa: Y015
 
+class _Phase:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PhaseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Phase.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PHASE_UNSPECIFIED: _Phase.ValueType  # 0
+    """A plain forward: Infer, an active capture, a replay, a training step."""
+    PHASE_PREFILL: _Phase.ValueType  # 1
+    """The pass that reads the prompts and produces each one's first new token."""
+    PHASE_DECODE: _Phase.ValueType  # 2
+    """A pass that reads the last token of each running sequence, with the KV cache."""
+
+class Phase(_Phase, metaclass=_PhaseEnumTypeWrapper):
+    """Where a forward pass stands in a generation (Generate). Each Generate step
+    is one pass: the prompts' prefill, then one decode pass per new token.
+    Prefills of requests that join a running batch run as their own pass, so a
+    pass is never part prefill, part decode.
+    """
+
+PHASE_UNSPECIFIED: Phase.ValueType  # 0
+"""A plain forward: Infer, an active capture, a replay, a training step."""
+PHASE_PREFILL: Phase.ValueType  # 1
+"""The pass that reads the prompts and produces each one's first new token."""
+PHASE_DECODE: Phase.ValueType  # 2
+"""A pass that reads the last token of each running sequence, with the KV cache."""
+Global___Phase: _TypeAlias = Phase  # noqa: Y015
+
 class _ReducerKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -296,6 +324,10 @@ class CaptureHeader(_message.Message):
     CALL_INDEX_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     HAS_STEP_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    HAS_POSITION_FIELD_NUMBER: _builtins.int
+    REQUEST_IDS_FIELD_NUMBER: _builtins.int
     tensor_id: _builtins.int
     layer: _builtins.str
     point: Global___Point.ValueType
@@ -324,8 +356,14 @@ class CaptureHeader(_message.Message):
     a training agent's passes have one, Infer traffic and active passes none.
     """
     has_step: _builtins.bool
+    phase: Global___Phase.ValueType
+    """The pass's place in a generation, as Summary.phase/position/request_ids."""
+    position: _builtins.int
+    has_position: _builtins.bool
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -346,10 +384,14 @@ class CaptureHeader(_message.Message):
         call_index: _builtins.int = ...,
         step: _builtins.int = ...,
         has_step: _builtins.bool = ...,
+        phase: Global___Phase.ValueType = ...,
+        position: _builtins.int = ...,
+        has_position: _builtins.bool = ...,
+        request_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "call_index", b"call_index", "dtype", b"dtype", "has_step", b"has_step", "is_container", b"is_container", "layer", b"layer", "num_chunks", b"num_chunks", "output_count", b"output_count", "output_index", b"output_index", "output_key", b"output_key", "pass_index", b"pass_index", "pass_ordinal", b"pass_ordinal", "point", b"point", "shape", b"shape", "step", b"step", "tensor_id", b"tensor_id", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "call_index", b"call_index", "dtype", b"dtype", "has_position", b"has_position", "has_step", b"has_step", "is_container", b"is_container", "layer", b"layer", "num_chunks", b"num_chunks", "output_count", b"output_count", "output_index", b"output_index", "output_key", b"output_key", "pass_index", b"pass_index", "pass_ordinal", b"pass_ordinal", "phase", b"phase", "point", b"point", "position", b"position", "request_ids", b"request_ids", "shape", b"shape", "step", b"step", "tensor_id", b"tensor_id", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -572,6 +614,7 @@ class TapSpec(_message.Message):
     POINT_FIELD_NUMBER: _builtins.int
     REDUCERS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    PHASES_FIELD_NUMBER: _builtins.int
     TRIGGERS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     selector: _builtins.str
@@ -581,6 +624,12 @@ class TapSpec(_message.Message):
     def reducers(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReducerSpec]: ...
     @_builtins.property
     def sampling(self) -> Global___Sampling: ...
+    @_builtins.property
+    def phases(self) -> _containers.RepeatedScalarFieldContainer[Global___Phase.ValueType]:
+        """Only passes of these phases feed the tap (empty: every pass). Name
+        PHASE_UNSPECIFIED to keep plain forwards.
+        """
+
     @_builtins.property
     def triggers(self) -> Global___Triggers:
         """Flight recorder: conditions on this durable tap's summaries that record
@@ -595,11 +644,12 @@ class TapSpec(_message.Message):
         point: Global___Point.ValueType = ...,
         reducers: _abc.Iterable[Global___ReducerSpec] | None = ...,
         sampling: Global___Sampling | None = ...,
+        phases: _abc.Iterable[Global___Phase.ValueType] | None = ...,
         triggers: Global___Triggers | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "triggers", b"triggers"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "point", b"point", "reducers", b"reducers", "sampling", b"sampling", "selector", b"selector", "triggers", b"triggers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "phases", b"phases", "point", b"point", "reducers", b"reducers", "sampling", b"sampling", "selector", b"selector", "triggers", b"triggers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1181,6 +1231,10 @@ class Summary(_message.Message):
     UNSAMPLED_FIELD_NUMBER: _builtins.int
     CALL_INDEX_FIELD_NUMBER: _builtins.int
     OUTPUT_KEY_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    HAS_POSITION_FIELD_NUMBER: _builtins.int
+    REQUEST_IDS_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     HAS_RANK_FIELD_NUMBER: _builtins.int
     tap: _builtins.str
@@ -1201,6 +1255,15 @@ class Summary(_message.Message):
     Empty for positional arguments and outputs; output_index is the tensor's
     place either way (positional tensors first, then keyword ones).
     """
+    phase: Global___Phase.ValueType
+    """The pass's place in a generation (PHASE_UNSPECIFIED for a plain forward)."""
+    position: _builtins.int
+    """The position, in its own sequence, of the token this pass produces (the
+    prompt's length for a prefill); valid when has_position: the pass's rows
+    all produce the same position (one sequence, or a request's inline tap on
+    prompts of one length).
+    """
+    has_position: _builtins.bool
     rank: _builtins.int
     """The torch.distributed RANK of the training agent (layertap.attach) that
     produced this summary; valid when has_rank. Serving replicas have none.
@@ -1210,6 +1273,12 @@ class Summary(_message.Message):
     def wall_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReducerResult]: ...
+    @_builtins.property
+    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The Generate requests whose rows this pass holds. A durable tap's summary
+        describes the whole batch; a request's inline tap only its own rows.
+        """
+
     def __init__(
         self,
         *,
@@ -1225,12 +1294,16 @@ class Summary(_message.Message):
         unsampled: _builtins.bool = ...,
         call_index: _builtins.int = ...,
         output_key: _builtins.str = ...,
+        phase: Global___Phase.ValueType = ...,
+        position: _builtins.int = ...,
+        has_position: _builtins.bool = ...,
+        request_ids: _abc.Iterable[_builtins.str] | None = ...,
         rank: _builtins.int = ...,
         has_rank: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["wall_time", b"wall_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_index", b"call_index", "has_rank", b"has_rank", "has_step", b"has_step", "layer", b"layer", "output_index", b"output_index", "output_key", b"output_key", "pass_index", b"pass_index", "point", b"point", "rank", b"rank", "results", b"results", "step", b"step", "tap", b"tap", "unsampled", b"unsampled", "wall_time", b"wall_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_index", b"call_index", "has_position", b"has_position", "has_rank", b"has_rank", "has_step", b"has_step", "layer", b"layer", "output_index", b"output_index", "output_key", b"output_key", "pass_index", b"pass_index", "phase", b"phase", "point", b"point", "position", b"position", "rank", b"rank", "request_ids", b"request_ids", "results", b"results", "step", b"step", "tap", b"tap", "unsampled", b"unsampled", "wall_time", b"wall_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

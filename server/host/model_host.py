@@ -55,6 +55,33 @@ def model_raised(exc: BaseException) -> InvalidField:
     return InvalidField("inputs", f"model raised {type(exc).__name__}: {first}".rstrip(": "))
 
 
+#: ``PassContext.phase`` values: ``layertap.v1.Phase`` numbers (the host stage reads no proto).
+PHASE_NONE, PHASE_PREFILL, PHASE_DECODE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class RequestRows:
+    """One Generate request's place in a batched pass: which rows are its own.
+
+    Per-request views (a request's inline taps and captures) slice these rows
+    out on the device, and for a prefill also the left padding its rows share.
+    """
+
+    request_id: str
+    #: Its rows of the batch, contiguous.
+    rows: slice
+    #: Per row: the position of the token this pass produces in that sequence.
+    positions: tuple[int, ...]
+    #: Token positions at the left that are padding in every one of its rows
+    #: (prefill only; 0 for decode).
+    pad: int = 0
+
+    @property
+    def position(self) -> int | None:
+        """The one position all its rows produce, or None when they differ."""
+        return self.positions[0] if len(set(self.positions)) == 1 else None
+
+
 @dataclass
 class PassContext:
     """What a hook knows about the pass it fires in."""
@@ -72,6 +99,19 @@ class PassContext:
     inputs: ModelInputs | None = field(default=None, repr=False)
     #: The host's observers when the pass began: only they are told it finished.
     observers: tuple[PassObserver, ...] = field(default=(), repr=False)
+    #: Its place in a generation (``PHASE_*``); PHASE_NONE for a plain forward.
+    phase: int = PHASE_NONE
+    #: The Generate requests whose rows this pass holds, in row order.
+    requests: tuple[RequestRows, ...] = ()
+    #: Length of the pass's token axis (the padded prompt length for a
+    #: prefill, 1 for a decode step); 0 for a plain forward.
+    tokens: int = 0
+
+    @property
+    def position(self) -> int | None:
+        """The one position every row produces, or None (several, or no generation)."""
+        positions = {p for r in self.requests for p in r.positions}
+        return positions.pop() if len(positions) == 1 else None
 
     @property
     def active(self) -> bool:
@@ -265,12 +305,17 @@ class ModelHost:
 
     @contextlib.contextmanager
     def pass_context(self, *, step: int | None = None, active_owner: object | None = None,
-                     inputs: ModelInputs | None = None) -> Iterator[PassContext]:
+                     inputs: ModelInputs | None = None, phase: int = PHASE_NONE,
+                     requests: tuple[RequestRows, ...] = (), tokens: int = 0) -> Iterator[PassContext]:
         """Hold the model for one pass. In-process users (training loops) run
-        forward and backward inside; observers are told when it exits."""
+        forward and backward inside; observers are told when it exits.
+
+        ``phase``, ``requests`` and ``tokens`` place a generation's step (see
+        :class:`PassContext`)."""
         with self._lock:
             ctx = self.begin_pass(step=step, active_owner=active_owner)
             ctx.inputs = inputs
+            ctx.phase, ctx.requests, ctx.tokens = phase, requests, tokens
             try:
                 yield ctx
             except BaseException:
