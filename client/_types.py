@@ -147,6 +147,10 @@ class TapSpec:
         max_per_second: At most this many summaries per second (None: unlimited).
         name: A label for the tap.
         triggers: Flight-recorder triggers of a durable tap (None: none).
+        phases: Only passes of these phases feed the tap: ``"prefill"``,
+            ``"decode"`` (a generation's passes, ``Client.generate``) and
+            ``""`` (a plain forward: Infer, a capture, a training step).
+            Empty: every pass.
     """
 
     selector: str
@@ -157,6 +161,7 @@ class TapSpec:
     max_per_second: float | None = None
     name: str = ""
     triggers: Triggers | None = None
+    phases: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -199,6 +204,14 @@ class Summary:
             ``input``), the keyword or its path in one
             (``position_embeddings.0``); "" for positional arguments and
             outputs. ``output_index`` counts positional tensors first.
+        phase: The pass's place in a generation: ``"prefill"`` or
+            ``"decode"``; ``""`` for a plain forward (Infer, a capture).
+        position: The position, in its sequence, of the token the pass
+            produces (the prompt's length for a prefill); None for a plain
+            forward, or a pass whose rows produce different positions.
+        request_ids: The generations (``Generation.request_id``) whose rows
+            the pass holds. A durable tap summarizes the whole batch; a
+            generation's own taps only its rows.
     """
 
     tap: str
@@ -213,6 +226,9 @@ class Summary:
     call_index: int = 0
     rank: int | None = None
     output_key: str = ""
+    phase: str = ""
+    position: int | None = None
+    request_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
