@@ -27,6 +27,7 @@ from layertap.server.export.sink import MetricsSink
 from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.export.streams import StreamsCollector
 from layertap.server.host.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, trim_free_memory, tune_malloc
+from layertap.server.host.generate import Generator
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.model_thread import in_own_thread
 from layertap.server.host.priority import set_telemetry_nice
@@ -135,6 +136,10 @@ class LayertapServer:
             # grace period would otherwise always run out on them.
             self._step = "closing subscriber streams"
             self.state.broker.close()
+            if self.state.generator is not None:
+                # Generations would run on through the grace period: they end now, UNAVAILABLE.
+                self._step = "ending generations"
+                self.state.generator.close()
             self._step = "draining gRPC calls"
             self.grpc_server.stop(self.state.config.grace_seconds if grace is None else grace).wait()
             if self.health_server is not None:
@@ -262,6 +267,12 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
                         drift=drift, metrics=metrics, snapshots=snapshots, registry=registry)
     drift.load()
     state.recorder = start_recorder(config, taps, drift, registry, loaded.name)
+    why_not = Generator.can_generate(host)
+    if why_not is None:
+        state.generator = Generator(host, max_new_tokens=config.max_new_tokens, max_rows=config.max_generate_rows,
+                                    tokenizer=loaded.tokenizer)
+    else:
+        state.cannot_generate = why_not
     if config.tap_config:
         for i, spec in enumerate(load_tap_config(config.tap_config)):
             try:

@@ -37,6 +37,10 @@ class ServerConfig:
     max_request_bytes: int = 256 << 20
     max_capture_bytes: int = 256 << 20
     max_capture_passes: int = 16
+    #: Most new tokens one Generate sequence may ask for.
+    max_new_tokens: int = 512
+    #: Sequences decoded together at most; later Generate requests wait for rows.
+    max_generate_rows: int = 16
     max_concurrent_captures: int = 8
     #: Device bytes that all captures in flight may hold in clones together.
     capture_budget_bytes: int = 1 << 30

@@ -160,6 +160,13 @@ class Unavailable(LayertapServerError):
     reason = wire_reason(ErrorReason.ERROR_REASON_UNAVAILABLE)
 
 
+class NonfiniteLogits(LayertapServerError):
+    """The model's logits held NaN or infinity: no token can be chosen (a model fault, not the input's)."""
+
+    code = grpc.StatusCode.INTERNAL
+    reason = wire_reason(ErrorReason.ERROR_REASON_NONFINITE_LOGITS)
+
+
 LAYER_HINT = "Hint: list layers with ListLayers / client.layers()"
 #: Longest status message sent (see ``status_for``).
 MAX_MESSAGE_CHARS = 1024

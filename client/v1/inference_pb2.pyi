@@ -468,7 +468,9 @@ class GenerationFinished(_message.Message):
     time_per_output_token_seconds: _builtins.float
     """Mean time between two of the request's tokens after the first."""
     dropped: _builtins.int
-    """Inline tap summaries this call lost to its full queue."""
+    """Inline tap summaries and step captures this call lost while the client
+    lagged (a full queue, or captures over serve --max-capture-bytes waiting).
+    """
     @_builtins.property
     def finish_reasons(self) -> _containers.RepeatedScalarFieldContainer[Global___FinishReason.ValueType]:
         """Per sequence, in prompt order."""

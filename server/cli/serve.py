@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
     p.add_argument("--max-capture-bytes", type=int, default=d.max_capture_bytes)
     p.add_argument("--max-capture-passes", type=int, default=d.max_capture_passes)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help="most new tokens one Generate sequence may ask for")
+    p.add_argument("--max-generate-rows", type=int, default=d.max_generate_rows,
+                   help="sequences decoded together at most; later Generate requests wait for rows")
     p.add_argument("--max-concurrent-captures", type=int, default=d.max_concurrent_captures)
     p.add_argument("--capture-budget-bytes", type=int, default=d.capture_budget_bytes,
                    help="device bytes all captures in flight may hold in clones together")

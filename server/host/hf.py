@@ -48,6 +48,8 @@ class HFModel:
     name: str
     inputs: list[tuple[str, torch.dtype, tuple[int, ...]]]
     notes: list[str] = field(default_factory=list)
+    #: The directory's tokenizer, when it holds one (text prompts and pieces for Generate).
+    tokenizer: Any = None
 
 
 def _transformers() -> Any:
@@ -190,4 +192,26 @@ def load_pretrained(ref: str, *, hf_class: str | None = None, trust_remote_code:
                           f"{exc.__class__.__name__}: {_first_line(exc)}") from None
     inputs = input_signature(model)
     name = Path(ref).name if Path(ref).is_dir() else ref
-    return HFModel(model, name or ref, inputs, notes=[f"{type(model).__name__} from {ref}"])
+    return HFModel(model, name or ref, inputs, notes=[f"{type(model).__name__} from {ref}"],
+                   tokenizer=load_tokenizer(tf, ref, trust_remote_code))
+
+
+#: Files any of which says a directory holds a tokenizer.
+TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(tf: Any, ref: str, trust_remote_code: bool = False) -> Any:
+    """``AutoTokenizer.from_pretrained(ref)``, or None when ``ref`` is a directory with no tokenizer files.
+
+    A tokenizer that fails to load is a start-up error: a model served without
+    the tokenizer its directory ships would refuse every text prompt.
+    """
+    if Path(ref).is_dir() and not any((Path(ref) / f).exists() for f in TOKENIZER_FILES):
+        return None
+    try:
+        return tf.AutoTokenizer.from_pretrained(ref, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - many types; each is one line for the user
+        if not Path(ref).is_dir():
+            return None  # a hub id without a tokenizer in the cache: serve ids only
+        raise HFLoadError(f"--model hf:{ref}: its tokenizer does not load "
+                          f"({exc.__class__.__name__}: {_first_line(exc)})") from None

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,6 +63,8 @@ class LoadedModel:
     #: program): named inputs are then passed in declared order.
     keywords: bool = True
     notes: list[str] = field(default_factory=list)
+    #: A Hugging Face directory's tokenizer, when it holds one (Generate's text prompts).
+    tokenizer: Any = None
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -299,7 +302,7 @@ def _load_hf(ref: str, hf_class: str | None, trust_remote_code: bool, kwargs: di
     specs = [InputSpec(main_name, main_dtype, main_shape, vocab=vocab),
              *(InputSpec(name, dtype, shape, required=False, keyword=True, shape_of=main_name if vocab else None)
                for name, dtype, shape in rest)]
-    return LoadedModel(got.module, got.name, "hf", specs, notes=got.notes)
+    return LoadedModel(got.module, got.name, "hf", specs, notes=got.notes, tokenizer=got.tokenizer)
 
 
 def load_model(

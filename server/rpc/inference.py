@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import grpc
 
 from layertap.server.codec import flatten_outputs, tensor_from_proto, tensor_to_proto, wire_dtype
 from layertap.server.errors import InvalidField, LimitExceeded, grpc_errors, status_for
 from layertap.server.host.inputs import ModelInputs
+from layertap.server.rpc.generate import generate
 from layertap.server.rpc.state import ServerState, StateBacked
 from layertap.v1 import inference_pb2 as ipb
 from layertap.v1 import inference_pb2_grpc, tensor_pb2
@@ -61,6 +63,10 @@ class InferenceService(StateBacked, inference_pb2_grpc.InferenceServiceServicer)
         finally:
             if metrics is not None:
                 metrics.record_inference(status, time.perf_counter() - start)
+
+    @grpc_errors
+    def Generate(self, request: ipb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[ipb.GenerateResponse]:
+        yield from generate(self.state, request, context)
 
     @grpc_errors
     def GetModelMetadata(self, request: ipb.GetModelMetadataRequest, context: grpc.ServicerContext) -> ipb.GetModelMetadataResponse:

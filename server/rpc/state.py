@@ -11,6 +11,7 @@ from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.errors import Unavailable
 from layertap.server.export.health import ServerMetrics
 from layertap.server.export.snapshots import SnapshotStore
+from layertap.server.host.generate import Generator
 from layertap.server.host.model_host import ModelHost
 from layertap.server.record.recorder import Recorder
 from layertap.server.stream.broker import Broker
@@ -33,6 +34,9 @@ class ServerState:
     registry: CollectorRegistry | None = None
     #: The flight recorder (``--incident-dir``); None when off.
     recorder: Recorder | None = None
+    #: Runs Generate requests; None when the model cannot generate (``cannot_generate`` says why).
+    generator: Generator | None = None
+    cannot_generate: str = ""
     captures: CaptureSlots = field(init=False)
     capture_limits: CaptureLimits = field(init=False)
     #: Bytes every capture's live clones hold together, against ``--capture-budget-bytes``.

@@ -7,32 +7,20 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import grpc
 
-from layertap.server.errors import (
-    AlreadyExists,
-    InvalidField,
-    NotFound,
-    PermissionDenied,
-    Unavailable,
-    echo,
-    grpc_errors,
-    status_for,
-)
+from layertap.server.errors import InvalidField, NotFound, Unavailable, grpc_errors, status_for
 from layertap.server.host.inputs import ModelInputs
-from layertap.server.rpc.auth import principal_of, require
+from layertap.server.rpc.auth import require
 from layertap.server.rpc.inference import decode_inputs
 from layertap.server.rpc.method_handlers import sends_wire_bytes
-from layertap.server.rpc.ownership import require_owner
+from layertap.server.rpc.ownership import create_owned, require_owner
 from layertap.server.rpc.state import ServerState, StateBacked
 from layertap.server.taps.capture import CapturedPass, CaptureSession, check_all_ran
 from layertap.server.taps.capture_limits import CaptureSlot
 from layertap.server.taps.capture_options import describe, parse_options
 from layertap.server.taps.capture_wire import encode_pass
-from layertap.server.taps.engine import TapEngine
-from layertap.server.taps.tap import Tap
 from layertap.v1 import telemetry_pb2 as pb
 
 __all__ = ["CaptureCall", "TapsServicer", "create_owned"]
@@ -43,30 +31,6 @@ log = logging.getLogger("layertap.server")
 POLL_SECONDS = 0.1
 #: Largest per-subscriber queue a client may ask for.
 MAX_QUEUE = 65536
-
-
-def create_owned(engine: TapEngine, spec: pb.TapSpec, context: grpc.ServicerContext, **kwargs: Any) -> Tap:
-    """``engine.create`` of a tap owned by the caller.
-
-    A name that another principal's tap (or the server's) holds is
-    PERMISSION_DENIED: it is not the caller's to reuse, and only its owner or
-    ``admin`` may delete it, as DeleteTap says. The caller's own name, or any
-    name for ``admin``, stays ALREADY_EXISTS: delete it, then create.
-
-    Raises:
-        PermissionDenied: Another principal's tap has this name (ErrorInfo ``field``, ``owner``).
-        AlreadyExists: The caller's own tap has it (or the caller has ``admin``).
-    """
-    me = principal_of(context)
-    try:
-        return engine.create(spec, owner=me.id, **kwargs)
-    except AlreadyExists as exc:
-        holder = exc.metadata.get("owner", me.id)
-        if holder == me.id or me.has("admin"):
-            raise
-        raise PermissionDenied(f"{exc.field}: the name {echo(spec.name)} is taken by a tap of {holder or 'the server'!r};"
-                               " pick another name", field=exc.field,
-                               metadata={"owner": holder, "principal": me.id}) from None
 
 
 class TapsServicer(StateBacked):

@@ -1,0 +1,654 @@
+"""Generation: a step loop over the model's own KV cache, one forward pass per step.
+
+Why a loop of our own rather than ``model.generate``: every step must be a
+pass of its own, so that taps, captures and ``/metrics`` see each token with
+its phase and position, Infer calls run between two steps, a cancelled
+request leaves at the next step, and new requests join a running batch at a
+step boundary (continuous batching). The inputs are built as transformers'
+``generate`` builds them: left padding with a 2-D attention mask, position
+ids from the mask's running sum, the model's own ``DynamicCache`` (passed as
+``cache=``), ``logits_to_keep=1``; sampling uses transformers' own logits
+warpers. So greedy tokens equal ``model.generate(do_sample=False)``'s.
+
+A joining request's prefill is a pass of its own (phase prefill); its cache
+rows are then left-padded to the running batch's length and concatenated,
+and one decode pass serves every running row. A pass is never part prefill,
+part decode. A cache whose layers are not all plain ``DynamicLayer`` (sliding
+windows, quantized caches) cannot be concatenated this way: requests then
+join only an empty batch.
+
+Reading each step's chosen ids back to the host is one synchronisation per
+step, as in transformers' own loop (its stopping criteria read them too): the
+tokens are what the client streams. Tap hooks stay sync-free.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from layertap.server.errors import InvalidField, LayertapServerError, LimitExceeded, NonfiniteLogits, Unavailable
+from layertap.server.host.model_host import PHASE_DECODE, PHASE_PREFILL, ModelHost, PassContext, RequestRows, model_raised
+
+__all__ = [
+    "FINISH_LENGTH", "FINISH_STOP", "Finished", "GenerationListener", "GenerationRequest", "Generator",
+    "Sampling", "StepEvent", "TokenEvent", "request_view",
+]
+
+log = logging.getLogger(__name__)
+
+FINISH_LENGTH, FINISH_STOP = "length", "stop"
+#: Rows decoded together at most; more requests wait for rows to free.
+DEFAULT_MAX_ROWS = 16
+
+
+def request_view(ctx: PassContext, rows: RequestRows, tensor: torch.Tensor) -> torch.Tensor:
+    """A request's own part of a batched pass's tensor: its rows, and for a
+    prefill not its shared left padding. A view on the device, no sync.
+
+    A tensor whose first dimension is not the pass's batch (rotary tables of
+    batch 1, say) is returned whole: it holds no row of anyone's.
+    """
+    batch = max(r.rows.stop for r in ctx.requests)
+    if tensor.dim() == 0 or tensor.shape[0] != batch:
+        return tensor
+    view = tensor[rows.rows]
+    if ctx.phase == PHASE_PREFILL and rows.pad and view.dim() >= 2 and view.shape[1] == ctx.tokens:
+        view = view[:, rows.pad:]
+    return view
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a request picks its tokens: greedy unless ``do_sample``."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def check(self) -> None:
+        """Raises InvalidField naming the request field that is NaN or out of range."""
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise InvalidField("temperature", f"must be a finite number > 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise InvalidField("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidField("top_k", f"must be >= 0, got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    sequence: int
+    id: int
+    position: int
+    logprob: float
+
+
+@dataclass
+class StepEvent:
+    """One step of one request: its new tokens and what its captures took."""
+
+    phase: int
+    step: int
+    tokens: list[TokenEvent]
+    #: ``(layer, call_index, tensor)``: the request's rows, on the host.
+    captures: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
+    #: Captures lost because the request's client had not taken earlier ones.
+    dropped_captures: int = 0
+
+
+@dataclass
+class Finished:
+    reasons: list[str]
+    prompt_tokens: int
+    generated_tokens: int
+    time_to_first_token: float
+    time_per_output_token: float
+
+
+class GenerationListener(Protocol):
+    """Told about generations for the server's self-metrics (export's ``GenerationMetrics``)."""
+
+    def first_token(self, seconds: float) -> None: ...
+
+    def inter_token(self, seconds: float, count: int) -> None: ...
+
+    def tokens(self, n: int) -> None: ...
+
+    def started(self) -> None: ...
+
+    def finished(self, cancelled: bool) -> None: ...
+
+
+class _NoListener:
+    def first_token(self, seconds: float) -> None:
+        pass
+
+    def inter_token(self, seconds: float, count: int) -> None:
+        pass
+
+    def tokens(self, n: int) -> None:
+        pass
+
+    def started(self) -> None:
+        pass
+
+    def finished(self, cancelled: bool) -> None:
+        pass
+
+
+class GenerationRequest:
+    """One Generate call: its prompts, settings and the events it is sent.
+
+    The RPC thread reads :meth:`events`; the generator thread writes them.
+    """
+
+    def __init__(self, request_id: str, prompts: list[list[int]], *, max_new_tokens: int,
+                 sampling: Sampling = Sampling(), stop_ids: Sequence[int] = (),
+                 capture_layers: Sequence[str] = (), capture_dtype: torch.dtype | None = None,
+                 capture_bytes: int = 0) -> None:
+        self.id = request_id
+        self.prompts = prompts
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self.stop_ids = frozenset(stop_ids)
+        self.capture_layers = list(capture_layers)
+        self.capture_dtype = capture_dtype
+        #: Most capture bytes waiting for the client; later steps' captures are dropped.
+        self.capture_bytes = capture_bytes
+        self.arrived = time.monotonic()
+        #: Passes this request took part in (a test reads it after a cancel).
+        self.passes = 0
+        self.generated: list[list[int]] = [[] for _ in prompts]
+        self.reasons: list[str | None] = [None for _ in prompts]
+        self._events: queue.SimpleQueue[StepEvent | Finished | BaseException] = queue.SimpleQueue()
+        self._cancelled = threading.Event()
+        self._held = 0  # capture bytes in the queue
+        self._held_lock = threading.Lock()
+        self._first: float | None = None
+        self._last: float | None = None
+        self._gaps = 0.0
+        self._gap_count = 0
+        self.generator: torch.Generator | None = None
+        self.done = threading.Event()
+
+    # -- the RPC side ----------------------------------------------------------
+    def cancel(self) -> None:
+        """Stop at the next step boundary (the client left or cancelled)."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def events(self, poll: float = 0.1, alive: Callable[[], bool] = lambda: True
+               ) -> Iterator[StepEvent | Finished | None]:
+        """Steps as they come, then the :class:`Finished`; None each ``poll``
+        seconds without news (the caller drains other queues then). Raises
+        the error that ended the generation."""
+        while alive():
+            try:
+                item = self._events.get(timeout=poll)
+            except queue.Empty:
+                yield None
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, StepEvent) and item.captures:
+                with self._held_lock:
+                    self._held -= sum(t.nbytes for _, _, t in item.captures)
+            yield item
+            if isinstance(item, Finished):
+                return
+
+    # -- the generator side ----------------------------------------------------
+    def _put(self, item: StepEvent | Finished | BaseException) -> None:
+        if isinstance(item, StepEvent) and item.captures:
+            size = sum(t.nbytes for _, _, t in item.captures)
+            with self._held_lock:
+                if self._held + size > self.capture_bytes:
+                    item.dropped_captures, item.captures = len(item.captures), []
+                else:
+                    self._held += size
+        self._events.put(item)
+
+    def _finish(self, listener: GenerationListener, error: BaseException | None = None) -> None:
+        if self.done.is_set():
+            return
+        self.done.set()
+        listener.finished(self.cancelled)
+        if error is not None:
+            self._put(error)
+            return
+        first = (self._first - self.arrived) if self._first is not None else 0.0
+        self._put(Finished(
+            reasons=[r or FINISH_LENGTH for r in self.reasons],
+            prompt_tokens=sum(len(p) for p in self.prompts),
+            generated_tokens=sum(len(g) for g in self.generated),
+            time_to_first_token=first,
+            time_per_output_token=self._gaps / self._gap_count if self._gap_count else 0.0,
+        ))
+
+
+@dataclass
+class _Row:
+    request: GenerationRequest
+    sequence: int
+    #: Tokens of the sequence so far (prompt and generated).
+    length: int
+    done: bool = False
+
+
+class _Batch:
+    """The running rows: their cache, attention mask and last tokens, on the device."""
+
+    def __init__(self, rows: list[_Row], cache: Any, mask: torch.Tensor, last: torch.Tensor) -> None:
+        self.rows, self.cache, self.mask, self.last = rows, cache, mask, last
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only these rows (finished and cancelled ones leave; their cache goes with them)."""
+        if len(keep) == len(self.rows):
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = None
+            return
+        self.cache.batch_select_indices(index)
+        self.mask, self.last = self.mask[index], self.last[index]
+        # Columns that are padding in every remaining row go too.
+        empty = int((self.mask.sum(0) == 0).long().cumprod(0).sum())
+        if empty:
+            self.mask = self.mask[:, empty:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[..., empty:, :], layer.values[..., empty:, :]
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    if width == 0:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [width, 0]
+    return F.pad(t, pad)
+
+
+class Generator:
+    """Runs every Generate request of one model: one thread, a step at a time.
+
+    Each step is one call on the host's model thread, so Infer calls queued
+    there run between two steps, never starved by a long generation.
+    """
+
+    def __init__(self, host: ModelHost, *, max_new_tokens: int, max_rows: int = DEFAULT_MAX_ROWS,
+                 listener: GenerationListener | None = None, tokenizer: Any = None) -> None:
+        self.host = host
+        self.max_new_tokens = max_new_tokens
+        self.max_rows = max_rows
+        self.listener: GenerationListener = listener or _NoListener()
+        self.tokenizer = tokenizer
+        module = host.module
+        self._params = set(inspect.signature(module.forward).parameters)
+        self._cache_arg = "cache" if "cache" in self._params else "past_key_values"
+        config = getattr(module, "config", None)
+        self.max_positions: int | None = next(
+            (v for v in (getattr(config, n, None) for n in ("max_position_embeddings", "n_positions"))
+             if isinstance(v, int)), None)
+        self.vocab: int | None = getattr(config, "vocab_size", None)
+        gen_config = getattr(module, "generation_config", None)
+        eos = getattr(gen_config, "eos_token_id", None)
+        self.eos_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self._pending: list[GenerationRequest] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._batch: _Batch | None = None
+        self._capture_hooks: dict[str, list[Any]] = {}
+        self._step_captures: dict[str, list[tuple[str, int, torch.Tensor]]] = {}
+        self._thread = threading.Thread(target=self._loop, name="layertap-generate", daemon=True)
+        self._thread.start()
+
+    # -- admission --------------------------------------------------------------
+    @staticmethod
+    def can_generate(host: ModelHost) -> str | None:
+        """None when the model can generate here, else why not."""
+        module = host.module
+        if host.training:
+            return "this is a training agent (layertap.attach); it does not serve generation"
+        can = getattr(module, "can_generate", None)
+        if not callable(can) or not can():
+            return (f"the model ({type(module).__name__}, source {host.loaded.source!r}) has no language-model "
+                    "head that generates; serve a causal LM with --model hf:DIR")
+        if not host.loaded.keywords:
+            return "the model takes positional inputs only, so it cannot be given a KV cache"
+        return None
+
+    def check_prompts(self, prompts: list[list[int]], max_new_tokens: int, field_name: str = "prompts") -> None:
+        """Raises InvalidField naming the prompt or field that cannot be served."""
+        if not prompts:
+            raise InvalidField(field_name, "give at least one prompt (prompts or texts)")
+        if len(prompts) > self.max_rows:
+            raise InvalidField(field_name, f"at most {self.max_rows} sequences per request, got {len(prompts)}")
+        if max_new_tokens > self.max_new_tokens:
+            raise InvalidField("max_new_tokens", f"at most {self.max_new_tokens} (serve --max-new-tokens), "
+                                                 f"got {max_new_tokens}")
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise InvalidField(f"{field_name}[{i}]", "a prompt needs at least one token")
+            if self.max_positions is not None and len(ids) >= self.max_positions:
+                raise InvalidField(f"{field_name}[{i}]", f"{len(ids)} tokens: the model has "
+                                                         f"{self.max_positions} positions, and a prompt must leave "
+                                                         "room for one new token")
+            if self.vocab is not None:
+                bad = next((t for t in ids if not 0 <= t < self.vocab), None)
+                if bad is not None:
+                    raise InvalidField(f"{field_name}[{i}]", f"token id {bad} is outside the model's vocabulary "
+                                                             f"[0, {self.vocab})")
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue ``request``; it joins the running batch at the next step."""
+        if request.sampling.seed is not None:
+            request.generator = torch.Generator(device=self.host.device)
+            request.generator.manual_seed(request.sampling.seed)
+        with self._cond:
+            if self._closed:
+                raise Unavailable("the server is shutting down; retry on another replica")
+            self._pending.append(request)
+            self._cond.notify()
+        self.listener.started()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    # -- the loop ---------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._pending and self._batch is None:
+                    self._cond.wait()
+                if self._closed:
+                    pending, self._pending = self._pending, []
+                    break
+                for request in [r for r in self._pending if r.cancelled]:  # left while waiting for rows
+                    self._pending.remove(request)
+                    request._finish(self.listener)
+                running = len(self._batch.rows) if self._batch is not None else 0
+                joinable = self._batch is None or self._joinable(self._batch)
+                take: list[GenerationRequest] = []
+                while self._pending and joinable and running + len(self._pending[0].prompts) <= self.max_rows:
+                    request = self._pending.pop(0)
+                    running += len(request.prompts)
+                    take.append(request)
+            try:
+                self.host.on_model_thread(self._iteration, take)
+            except BaseException as exc:
+                log.exception("generation step failed")
+                self._fail_all(take, exc)
+        closing = Unavailable("the server is shutting down; its generations stopped")
+        for request in pending:
+            request._finish(self.listener, closing)
+        if self._batch is not None:
+            for request in {id(r.request): r.request for r in self._batch.rows}.values():
+                request._finish(self.listener, closing)
+
+    def _fail_all(self, joining: list[GenerationRequest], exc: BaseException) -> None:
+        error = exc if isinstance(exc, LayertapServerError) else model_raised(exc)
+        requests = {id(r): r for r in joining}
+        if self._batch is not None:
+            requests.update({id(r.request): r.request for r in self._batch.rows})
+        for request in requests.values():
+            request._finish(self.listener, error)
+        self._batch = None
+
+    def _joinable(self, batch: _Batch) -> bool:
+        layers = getattr(batch.cache, "layers", None)
+        return layers is not None and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+
+    def _iteration(self, joining: list[GenerationRequest]) -> None:
+        """One step boundary: drop cancelled rows, prefill the joining requests, decode the running rows."""
+        joining = [r for r in joining if not self._left(r)]
+        if self._batch is not None:
+            self._drop_finished(self._batch)
+            if not self._batch.rows:
+                self._batch = None
+        if joining:
+            self._add_captures(joining)
+            fresh = self._prefill(joining)
+            self._batch = fresh if self._batch is None else self._merge(self._batch, fresh)
+            self._drop_finished(self._batch)
+        elif self._batch is not None:
+            self._decode(self._batch)
+            self._drop_finished(self._batch)
+        if self._batch is not None and not self._batch.rows:
+            self._batch = None
+
+    def _left(self, request: GenerationRequest) -> bool:
+        if request.cancelled:
+            request._finish(self.listener)
+            return True
+        return False
+
+    def _drop_finished(self, batch: _Batch) -> None:
+        """Rows that finished or were cancelled leave; a request whose rows all left is finished."""
+        for row in batch.rows:
+            if row.request.cancelled:
+                row.done = True
+        for request, group in _groups(batch.rows):
+            if all(row.done for row in group):
+                self._remove_captures(request)
+                request._finish(self.listener)
+        batch.keep([i for i, row in enumerate(batch.rows) if not row.done])
+
+    # -- passes -----------------------------------------------------------------
+    def _forward(self, phase: int, rows: list[_Row], ids: torch.Tensor, mask: torch.Tensor,
+                 position_ids: torch.Tensor, cache: Any, pads: list[int]) -> tuple[torch.Tensor, Any]:
+        """One pass: the logits of each row's last position, and the cache."""
+        requests: list[RequestRows] = []
+        start = 0
+        for request, group in _groups(rows):
+            n = len(group)
+            positions = tuple(r.length for r in group)
+            pad = min(pads[start:start + n]) if phase == PHASE_PREFILL else 0
+            requests.append(RequestRows(request.id, slice(start, start + n), positions, pad))
+            request.passes += 1
+            start += n
+        kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, self._cache_arg: cache,
+                                  "use_cache": True}
+        if "position_ids" in self._params:
+            kwargs["position_ids"] = position_ids
+        if "logits_to_keep" in self._params:
+            kwargs["logits_to_keep"] = 1
+        try:
+            with self.host.pass_context(phase=phase, requests=tuple(requests), tokens=ids.shape[1]), \
+                    torch.inference_mode():
+                out = self.host.module(**kwargs)
+        except torch.OutOfMemoryError:
+            raise LimitExceeded("the device ran out of memory for this generation step") from None
+        except LayertapServerError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the prompts made the model raise
+            raise model_raised(exc) from None
+        logits = out["logits"][:, -1, :]
+        new_cache = out.get("cache", None) or out.get("past_key_values", None)
+        return logits, new_cache
+
+    def _prefill(self, joining: list[GenerationRequest]) -> _Batch:
+        rows = [_Row(r, i, len(p)) for r in joining for i, p in enumerate(r.prompts)]
+        width = max(row.length for row in rows)
+        device = self.host.device
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        pads = []
+        for i, row in enumerate(rows):
+            prompt = row.request.prompts[row.sequence]
+            pad = width - len(prompt)
+            ids[i, pad:] = torch.tensor(prompt, dtype=torch.long)
+            mask[i, pad:] = 1
+            pads.append(pad)
+        ids, mask = ids.to(device), mask.to(device)
+        position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        logits, cache = self._forward(PHASE_PREFILL, rows, ids, mask, position_ids, None, pads)
+        batch = _Batch(rows, cache, mask, ids[:, -1:])
+        self._choose(batch, logits, PHASE_PREFILL, step_of=lambda _row: 0)
+        return batch
+
+    def _decode(self, batch: _Batch) -> None:
+        ones = torch.ones((len(batch.rows), 1), dtype=batch.mask.dtype, device=batch.mask.device)
+        batch.mask = torch.cat([batch.mask, ones], dim=1)
+        position_ids = batch.mask.sum(-1, keepdim=True) - 1
+        logits, cache = self._forward(PHASE_DECODE, batch.rows, batch.last, batch.mask, position_ids, batch.cache,
+                                      [0] * len(batch.rows))
+        batch.cache = cache
+        self._choose(batch, logits, PHASE_DECODE, step_of=lambda row: len(row.request.generated[row.sequence]))
+
+    def _merge(self, running: _Batch, fresh: _Batch) -> _Batch:
+        """The fresh rows join the running ones: both left-padded to one length, then stacked."""
+        width = max(running.mask.shape[1], fresh.mask.shape[1])
+        parts = []
+        for b in (running, fresh):
+            extra = width - b.mask.shape[1]
+            parts.append((b, extra))
+        mask = torch.cat([_left_pad(b.mask, extra, 1) for b, extra in parts])
+        last = torch.cat([running.last, fresh.last])
+        for mine, theirs in zip(running.cache.layers, fresh.cache.layers):
+            (_, ea), (_, eb) = parts
+            mine.keys = torch.cat([_left_pad(mine.keys, ea, -2), _left_pad(theirs.keys, eb, -2)])
+            mine.values = torch.cat([_left_pad(mine.values, ea, -2), _left_pad(theirs.values, eb, -2)])
+        return _Batch(running.rows + fresh.rows, running.cache, mask, last)
+
+    def _choose(self, batch: _Batch, logits: torch.Tensor, phase: int, step_of: Callable[[_Row], int]) -> None:
+        """Pick each row's next token, read them back (the step's one sync) and send each request its step."""
+        logits = logits.float()
+        chosen = torch.empty(len(batch.rows), dtype=torch.long, device=logits.device)
+        start = 0
+        for request, group in _groups(batch.rows):
+            part = slice(start, start + len(group))
+            chosen[part] = _pick(logits[part], request.sampling, request.generator)
+            start += len(group)
+        logprob = torch.log_softmax(logits, dim=-1).gather(1, chosen[:, None])[:, 0]
+        finite = torch.isfinite(logits).all(dim=-1)
+        host = torch.stack([chosen.double(), logprob.double(), finite.double()], dim=1).cpu().tolist()
+        now = time.monotonic()
+        batch.last = chosen[:, None]
+        captures = self._step_captures
+        self._step_captures = {}
+        tokens_out = 0
+        events: dict[int, StepEvent] = {}
+        for i, row in enumerate(batch.rows):
+            request = row.request
+            token, lp, ok = int(host[i][0]), host[i][1], host[i][2] == 1.0
+            if not ok:
+                row.done = True
+                if not request.done.is_set():
+                    self._remove_captures(request)
+                    request._finish(self.listener, NonfiniteLogits(
+                        f"the model's logits for sequence {row.sequence} held NaN or infinity at position "
+                        f"{row.length}; the generation stopped"))
+                continue
+            if request.done.is_set():
+                row.done = True
+                continue
+            step = step_of(row)
+            event = events.get(id(request))
+            if event is None:
+                event = events[id(request)] = StepEvent(phase, step, [], captures.pop(request.id, []))
+            event.tokens.append(TokenEvent(row.sequence, token, row.length, lp))
+            request.generated[row.sequence].append(token)
+            row.length += 1
+            tokens_out += 1
+            if token in request.stop_ids or token in self.eos_ids:
+                row.done, request.reasons[row.sequence] = True, FINISH_STOP
+            elif (len(request.generated[row.sequence]) >= request.max_new_tokens
+                  or (self.max_positions is not None and row.length >= self.max_positions)):
+                row.done, request.reasons[row.sequence] = True, FINISH_LENGTH
+        for request, _group in _groups(batch.rows):
+            event = events.get(id(request))
+            if event is None or request.done.is_set():
+                continue
+            event.captures = [(layer, call, t.cpu()) for layer, call, t in event.captures]
+            if request._first is None:
+                request._first = now
+                self.listener.first_token(now - request.arrived)
+            else:
+                gap = now - (request._last or now)
+                request._gaps += gap
+                request._gap_count += 1
+                self.listener.inter_token(gap, len(event.tokens))
+            request._last = now
+            request._put(event)
+        if tokens_out:
+            self.listener.tokens(tokens_out)
+
+    # -- captures ----------------------------------------------------------------
+    def _add_captures(self, joining: list[GenerationRequest]) -> None:
+        from layertap.v1 import telemetry_pb2 as pb  # noqa: PLC0415 - the hook point's number only
+
+        for request in joining:
+            if not request.capture_layers:
+                continue
+            handles = []
+            for layer in request.capture_layers:
+                handles.append(self.host.hooks.add(layer, pb.POINT_OUTPUT, self._capturer(request, layer)))
+            self._capture_hooks[request.id] = handles
+
+    def _capturer(self, request: GenerationRequest, layer: str) -> Callable[[PassContext, Any], None]:
+        seen = [-1, 0]  # pass index, calls of the layer in it
+
+        def capture(ctx: PassContext, value: Any) -> None:
+            rows = next((r for r in ctx.requests if r.request_id == request.id), None)
+            if rows is None or not isinstance(value, torch.Tensor):
+                return
+            if seen[0] != ctx.index:
+                seen[:] = [ctx.index, 0]
+            call, seen[1] = seen[1], seen[1] + 1
+            view = request_view(ctx, rows, value)
+            dtype = request.capture_dtype if view.is_floating_point() and request.capture_dtype else view.dtype
+            # A device copy now; it reaches the host after the step's token read-back.
+            self._step_captures.setdefault(request.id, []).append((layer, call, view.to(dtype=dtype, copy=True)))
+
+        return capture
+
+    def _remove_captures(self, request: GenerationRequest) -> None:
+        for handle in self._capture_hooks.pop(request.id, []):
+            handle.remove()
+
+
+def _groups(rows: list[_Row]) -> Iterator[tuple[GenerationRequest, list[_Row]]]:
+    """Consecutive rows of one request (a request's rows are always contiguous)."""
+    start = 0
+    while start < len(rows):
+        request = rows[start].request
+        end = start
+        while end < len(rows) and rows[end].request is request:
+            end += 1
+        yield request, rows[start:end]
+        start = end
+
+
+def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """Greedy argmax, or a draw after transformers' own temperature, top-k and top-p warpers."""
+    if not sampling.do_sample:
+        return logits.argmax(dim=-1)
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper  # noqa: PLC0415 - hf: models only
+
+    scores = logits
+    if sampling.temperature != 1.0:
+        scores = TemperatureLogitsWarper(sampling.temperature)(None, scores)
+    if sampling.top_k:
+        scores = TopKLogitsWarper(sampling.top_k)(None, scores)
+    if sampling.top_p < 1.0:
+        scores = TopPLogitsWarper(sampling.top_p)(None, scores)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
