@@ -315,3 +315,47 @@ def test_nan_logits_end_the_generation_with_a_clear_error(make_server, tmp_path)
     assert err.value.code() == grpc.StatusCode.INTERNAL
     assert "NaN or infinity" in err.value.details()
     assert wait_for(lambda: server.state.generator._batch is None, timeout=10)
+
+
+def test_scopes_are_checked_as_subscribe_checks_them(make_server, llama, tmp_path) -> None:
+    """Generate needs infer; its inline taps need tap, its captures capture."""
+    import hashlib
+
+    token = "tok-infer-only-0123456789"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"inferer sha256:{hashlib.sha256(token.encode()).hexdigest()} infer\n")
+    path, _model = llama
+    server = make_server(model=f"hf:{path}", auth_tokens=str(tokens))
+    stub = stub_of(server)
+    auth = [("authorization", f"Bearer {token}")]
+    assert tokens_of(list(stub.Generate(request([1, 2], max_new_tokens=2), metadata=auth, timeout=30)))[0]
+    tap = ipb.GenerateRequest(prompts=[ipb.TokenIds(ids=[1, 2])])
+    tap.taps.add(selector="model.layers.*").reducers.add(kind=1)
+    for req, scope in ((tap, "tap"), (request([1, 2], capture=["model.layers.0"]), "capture")):
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(req, metadata=auth, timeout=30))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert f"scope {scope!r}" in err.value.details()
+    assert not server.state.taps.all_taps()  # nothing was left behind
+
+
+def test_each_call_holds_a_stream_slot(make_server, llama) -> None:
+    path, _model = llama
+    server = make_server(model=f"hf:{path}", max_streams=1, workers=4, max_new_tokens=1000)
+    stub = stub_of(server)
+    first = stub.Generate(request([5, 6, 7], max_new_tokens=1000))
+    next(first)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(request([5, 6, 7], max_new_tokens=2), timeout=30))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-streams" in err.value.details()
+    first.cancel()
+
+    def admitted() -> bool:
+        try:
+            return bool(tokens_of(list(stub.Generate(request([5, 6, 7], max_new_tokens=2), timeout=30)))[0])
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            return False
+
+    assert wait_for(admitted, timeout=30)  # the cancelled call gave its slot back
