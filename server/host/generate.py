@@ -26,28 +26,32 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from layertap.server.errors import InvalidField, LayertapServerError, LimitExceeded, NonfiniteLogits, Unavailable
+from layertap.server.host.generation_request import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationListener,
+    GenerationRequest,
+    NoListener,
+    Sampling,
+    StepEvent,
+    TokenEvent,
+)
 from layertap.server.host.model_host import PHASE_DECODE, PHASE_PREFILL, ModelHost, PassContext, RequestRows, model_raised
 
-__all__ = [
-    "FINISH_LENGTH", "FINISH_STOP", "Finished", "GenerationListener", "GenerationRequest", "Generator",
-    "Sampling", "StepEvent", "TokenEvent", "request_view",
-]
+__all__ = ["Generator", "request_view"]
 
 log = logging.getLogger(__name__)
 
-FINISH_LENGTH, FINISH_STOP = "length", "stop"
 #: Rows decoded together at most; more requests wait for rows to free.
 DEFAULT_MAX_ROWS = 16
 
@@ -66,180 +70,6 @@ def request_view(ctx: PassContext, rows: RequestRows, tensor: torch.Tensor) -> t
     if ctx.phase == PHASE_PREFILL and rows.pad and view.dim() >= 2 and view.shape[1] == ctx.tokens:
         view = view[:, rows.pad:]
     return view
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How a request picks its tokens: greedy unless ``do_sample``."""
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def check(self) -> None:
-        """Raises InvalidField naming the request field that is NaN or out of range."""
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise InvalidField("temperature", f"must be a finite number > 0, got {self.temperature}")
-        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            raise InvalidField("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidField("top_k", f"must be >= 0, got {self.top_k}")
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    sequence: int
-    id: int
-    position: int
-    logprob: float
-
-
-@dataclass
-class StepEvent:
-    """One step of one request: its new tokens and what its captures took."""
-
-    phase: int
-    step: int
-    tokens: list[TokenEvent]
-    #: ``(layer, call_index, tensor)``: the request's rows, on the host.
-    captures: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
-    #: Captures lost because the request's client had not taken earlier ones.
-    dropped_captures: int = 0
-
-
-@dataclass
-class Finished:
-    reasons: list[str]
-    prompt_tokens: int
-    generated_tokens: int
-    time_to_first_token: float
-    time_per_output_token: float
-
-
-class GenerationListener(Protocol):
-    """Told about generations for the server's self-metrics (export's ``GenerationMetrics``)."""
-
-    def first_token(self, seconds: float) -> None: ...
-
-    def inter_token(self, seconds: float, count: int) -> None: ...
-
-    def tokens(self, n: int) -> None: ...
-
-    def started(self) -> None: ...
-
-    def finished(self, cancelled: bool) -> None: ...
-
-
-class _NoListener:
-    def first_token(self, seconds: float) -> None:
-        pass
-
-    def inter_token(self, seconds: float, count: int) -> None:
-        pass
-
-    def tokens(self, n: int) -> None:
-        pass
-
-    def started(self) -> None:
-        pass
-
-    def finished(self, cancelled: bool) -> None:
-        pass
-
-
-class GenerationRequest:
-    """One Generate call: its prompts, settings and the events it is sent.
-
-    The RPC thread reads :meth:`events`; the generator thread writes them.
-    """
-
-    def __init__(self, request_id: str, prompts: list[list[int]], *, max_new_tokens: int,
-                 sampling: Sampling = Sampling(), stop_ids: Sequence[int] = (),
-                 capture_layers: Sequence[str] = (), capture_dtype: torch.dtype | None = None,
-                 capture_bytes: int = 0) -> None:
-        self.id = request_id
-        self.prompts = prompts
-        self.max_new_tokens = max_new_tokens
-        self.sampling = sampling
-        self.stop_ids = frozenset(stop_ids)
-        self.capture_layers = list(capture_layers)
-        self.capture_dtype = capture_dtype
-        #: Most capture bytes waiting for the client; later steps' captures are dropped.
-        self.capture_bytes = capture_bytes
-        self.arrived = time.monotonic()
-        #: Passes this request took part in (a test reads it after a cancel).
-        self.passes = 0
-        self.generated: list[list[int]] = [[] for _ in prompts]
-        self.reasons: list[str | None] = [None for _ in prompts]
-        self._events: queue.SimpleQueue[StepEvent | Finished | BaseException] = queue.SimpleQueue()
-        self._cancelled = threading.Event()
-        self._held = 0  # capture bytes in the queue
-        self._held_lock = threading.Lock()
-        self._first: float | None = None
-        self._last: float | None = None
-        self._gaps = 0.0
-        self._gap_count = 0
-        self.generator: torch.Generator | None = None
-        self.done = threading.Event()
-
-    # -- the RPC side ----------------------------------------------------------
-    def cancel(self) -> None:
-        """Stop at the next step boundary (the client left or cancelled)."""
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def events(self, poll: float = 0.1, alive: Callable[[], bool] = lambda: True
-               ) -> Iterator[StepEvent | Finished | None]:
-        """Steps as they come, then the :class:`Finished`; None each ``poll``
-        seconds without news (the caller drains other queues then). Raises
-        the error that ended the generation."""
-        while alive():
-            try:
-                item = self._events.get(timeout=poll)
-            except queue.Empty:
-                yield None
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            if isinstance(item, StepEvent) and item.captures:
-                with self._held_lock:
-                    self._held -= sum(t.nbytes for _, _, t in item.captures)
-            yield item
-            if isinstance(item, Finished):
-                return
-
-    # -- the generator side ----------------------------------------------------
-    def _put(self, item: StepEvent | Finished | BaseException) -> None:
-        if isinstance(item, StepEvent) and item.captures:
-            size = sum(t.nbytes for _, _, t in item.captures)
-            with self._held_lock:
-                if self._held + size > self.capture_bytes:
-                    item.dropped_captures, item.captures = len(item.captures), []
-                else:
-                    self._held += size
-        self._events.put(item)
-
-    def _finish(self, listener: GenerationListener, error: BaseException | None = None) -> None:
-        if self.done.is_set():
-            return
-        self.done.set()
-        listener.finished(self.cancelled)
-        if error is not None:
-            self._put(error)
-            return
-        first = (self._first - self.arrived) if self._first is not None else 0.0
-        self._put(Finished(
-            reasons=[r or FINISH_LENGTH for r in self.reasons],
-            prompt_tokens=sum(len(p) for p in self.prompts),
-            generated_tokens=sum(len(g) for g in self.generated),
-            time_to_first_token=first,
-            time_per_output_token=self._gaps / self._gap_count if self._gap_count else 0.0,
-        ))
 
 
 @dataclass
@@ -295,7 +125,7 @@ class Generator:
         self.host = host
         self.max_new_tokens = max_new_tokens
         self.max_rows = max_rows
-        self.listener: GenerationListener = listener or _NoListener()
+        self.listener: GenerationListener = listener or NoListener()
         self.tokenizer = tokenizer
         module = host.module
         self._params = set(inspect.signature(module.forward).parameters)

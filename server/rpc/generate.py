@@ -18,8 +18,8 @@ from typing import Any
 import grpc
 
 from layertap.server.codec import TORCH_BY_WIRE, tensor_to_proto
-from layertap.server.errors import InvalidField, Unsupported
-from layertap.server.host.generate import FINISH_STOP, Finished, GenerationRequest, Sampling, StepEvent
+from layertap.server.errors import InvalidField, LayerNotFound, Unsupported
+from layertap.server.host.generation_request import FINISH_STOP, Finished, GenerationRequest, Sampling, StepEvent
 from layertap.server.rpc.auth import require
 from layertap.server.rpc.ownership import create_owned
 from layertap.server.rpc.state import ServerState
@@ -142,7 +142,12 @@ def generate(state: ServerState, request: ipb.GenerateRequest,
     if request.capture:
         require(context, "capture", "Generate with capture")
         for i, selector in enumerate(request.capture):
-            layers += [n for n in select_layers(selector, state.host.layer_names, f"capture[{i}]") if n not in layers]
+            try:
+                found = select_layers(selector, state.host.layer_names, f"capture[{i}]")
+            except LayerNotFound as exc:
+                raise LayerNotFound(f"capture[{i}]: {exc}", layer=selector, field=f"capture[{i}]",
+                                    suggestions=exc.metadata.get("suggestions", "").split(",")) from None
+            layers += [n for n in found if n not in layers]
     if request.taps:
         require(context, "tap", "Generate with taps")
     request_id = f"gen-{secrets.token_hex(6)}"

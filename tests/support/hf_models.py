@@ -28,20 +28,20 @@ TINY: dict[str, tuple[str, str, dict[str, Any], str]] = {
 }
 
 
-def build(kind: str, seed: int = 0) -> torch.nn.Module:
-    """A random-init ``kind`` model from its config, in eval mode."""
+def build(kind: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A random-init ``kind`` model from its config (with ``overrides``), in eval mode."""
     import transformers
 
     config_cls, model_cls, kwargs, _ = TINY[kind]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(**kwargs)
+    config = getattr(transformers, config_cls)(**{**kwargs, **overrides})
     model = getattr(transformers, model_cls)(config)
     return model.eval()
 
 
-def save(kind: str, directory: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
+def save(kind: str, directory: Path, seed: int = 0, **overrides: Any) -> tuple[Path, torch.nn.Module]:
     """``save_pretrained`` a tiny ``kind`` into ``directory/kind``; the directory and the model."""
-    model = build(kind, seed)
+    model = build(kind, seed, **overrides)
     out = directory / kind
     model.save_pretrained(out)
     return out, model
@@ -72,3 +72,20 @@ def factory_with_args(width: int = 4, name: str = "x", scale: float = 1.0) -> to
     model = torch.nn.Sequential(torch.nn.Linear(width, width))
     model.factory_args = {"width": width, "name": name, "scale": scale}  # type: ignore[assignment]
     return model
+
+
+def save_word_tokenizer(directory: Path, vocab_size: int) -> Any:
+    """A word-level tokenizer (``w0`` .. ``w{n-1}``, split on spaces), built here and saved into ``directory``.
+
+    Built with ``tokenizers`` and wrapped as transformers' fast tokenizer, so
+    ``AutoTokenizer.from_pretrained(directory)`` loads it; nothing downloads.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="w1")
+    tok.save_pretrained(directory)
+    return tok
