@@ -86,6 +86,10 @@ class StepCapture:
 class GenerationStep:
     """One message of a generation: a step's tokens, summaries and captures.
 
+    Summaries are reduced off the model thread, so they may come a step late,
+    or in a message of their own (between steps, or with the end): such a
+    message has no tokens, ``phase`` "" and ``step`` 0.
+
     Attributes:
         phase: ``"prefill"`` (the pass that reads the prompts) or ``"decode"``.
         step: 0 for the prefill's token, k for the k-th decode step.
@@ -117,7 +121,8 @@ class GenerationResult:
         generated_tokens: Generated tokens, summed over the sequences.
         time_to_first_token: Seconds from the call's arrival to its first token.
         time_per_output_token: Mean seconds between two tokens after the first.
-        dropped: Inline tap summaries lost to the call's full queue.
+        dropped: Inline tap summaries and step captures lost while the
+            client lagged (a full queue, or captures over the server's byte cap waiting).
     """
 
     request_id: str
@@ -320,6 +325,14 @@ class Generation(Iterator[GenerationStep]):
         first.ClearField("started")
         self._take(first)
 
+    def _take(self, msg: inference_pb2.GenerateResponse) -> None:
+        """Files one message's parts; a message that breaks the contract ends the call."""
+        try:
+            self._file(msg)
+        except ProtocolError:
+            self.cancel()
+            raise
+
     def _read(self) -> inference_pb2.GenerateResponse | None:
         """The next message; None once the stream ended (our own cancel included)."""
         if self._ended:
@@ -339,7 +352,7 @@ class Generation(Iterator[GenerationStep]):
             _hint(exc)
             raise
 
-    def _take(self, msg: inference_pb2.GenerateResponse) -> None:
+    def _file(self, msg: inference_pb2.GenerateResponse) -> None:
         if msg.HasField("started"):
             raise ProtocolError(f"the Generate stream of {self.request_id} sent a second GenerationStarted")
         if msg.HasField("finished"):

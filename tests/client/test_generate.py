@@ -236,6 +236,20 @@ def test_result_drains_what_iteration_left() -> None:
     assert list(g) == [] and g.result() == result  # drained: both are repeatable
 
 
+def test_summaries_may_come_alone() -> None:
+    """The server sends summaries that were reduced between steps, and the last ones with the end."""
+    late = _summary("model.layers.0", 0.5, PHASE.PHASE_DECODE, 4, 8)
+    last = _finished([FINISH.FINISH_REASON_LENGTH], 3, 2)
+    last.summaries.append(_summary("model.layers.0", 0.25, PHASE.PHASE_DECODE, 5, 9))
+    script = [_started([[1, 2, 3]]), _step(0, [(0, 10, 3, "")]),
+              inference_pb2.GenerateResponse(summaries=[late]), _step(1, [(0, 11, 4, "")]), last]
+    g, _ = _generation(script)
+    steps = list(g)
+    assert [(s.phase, len(s.tokens), [x.position for x in s.summaries]) for s in steps] == [
+        ("prefill", 1, []), ("", 0, [4]), ("decode", 1, []), ("", 0, [5])]
+    assert g.result().sequences == [[10, 11]]
+
+
 def test_started_may_share_its_message_with_the_first_step() -> None:
     first = _started([[1, 2]])
     first.MergeFrom(_step(0, [(0, 3, 2, "")]))
@@ -243,17 +257,18 @@ def test_started_may_share_its_message_with_the_first_step() -> None:
     assert [t.id for s in g for t in s.tokens] == [3]
 
 
-@pytest.mark.parametrize(("script", "match"), [
-    ([], "did not start"),
-    ([_step(0, [(0, 1, 1, "")])], "did not start"),
-    ([_started([[1]]), _step(0, [(0, 1, 1, "")])], "ended before its GenerationFinished"),
-    ([_started([[1]]), _started([[1]])], "second GenerationStarted"),
-    ([_started([[1]]), _step(0, [(1, 1, 1, "")])], "sequence 1, of 1 prompts"),
+@pytest.mark.parametrize(("script", "match", "open_call"), [
+    ([], "did not start", False),
+    ([_step(0, [(0, 1, 1, "")])], "did not start", True),
+    ([_started([[1]]), _step(0, [(0, 1, 1, "")])], "ended before its GenerationFinished", False),
+    ([_started([[1]]), _started([[1]])], "second GenerationStarted", True),
+    ([_started([[1]]), _step(0, [(1, 1, 1, "")])], "sequence 1, of 1 prompts", True),
 ])
-def test_a_stream_that_breaks_the_contract_is_a_protocol_error(script: list[Any], match: str) -> None:
+def test_a_stream_that_breaks_the_contract_is_a_protocol_error(script: list[Any], match: str, open_call: bool) -> None:
+    call = FakeCall(script)
     with pytest.raises(ProtocolError, match=match):
-        _, call = _generation(script)
-        list(_)
+        list(layertap.Generation(call, nullcontext))
+    assert call.cancelled == open_call  # a call still open is ended on the server's side too
 
 
 def test_cancel_ends_iteration_and_result_says_cancelled() -> None:
