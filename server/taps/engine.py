@@ -26,6 +26,7 @@ from typing import Any
 from layertap.server.errors import AlreadyExists, InvalidField, LimitExceeded, NotFound, Unsupported, echo
 from layertap.server.host.hooks import POINT_NAMES, CallArgs, ParamGrad
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
+from layertap.server.host.rows import RequestCut, find_request
 from layertap.server.limits import check_name, check_ttl
 from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.compiled_kernel import DENSE, Signature
@@ -37,7 +38,6 @@ from layertap.server.stream.broker import Broker
 from layertap.server.stream.publisher import Piece, Publisher
 from layertap.server.stream.sinks import Sinks
 from layertap.server.taps.reuse import PassReuse, passthrough_parents
-from layertap.server.taps.rows import RequestCut, find_request
 from layertap.server.taps.sampling import Clock, Sampler
 from layertap.server.taps.selectors import MAX_SELECTOR_BYTES, select_layers
 from layertap.server.taps.tap import SERVER_OWNER, Tap

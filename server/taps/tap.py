@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from layertap.server.host.hooks import HookHandle
+from layertap.server.host.rows import RequestCut
 from layertap.server.reducers.latency import LayerTimer
 from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.stream.summary_wire import timestamp
-from layertap.server.taps.rows import RequestCut
 from layertap.server.taps.sampling import Sampler
 from layertap.v1 import telemetry_pb2 as pb
 
