@@ -13,7 +13,6 @@ run (a missing transformers fails them); elsewhere they skip without it.
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import os
 import subprocess
@@ -59,22 +58,6 @@ def _word_tokenizer() -> object:
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
-
-
-def _inline_taps_served() -> bool:
-    """Whether the tap engine takes the request a Generate call's inline taps belong to.
-
-    server/rpc/generate.py creates them with ``request_id=``; until the tap
-    engine accepts it (its per-request rows), every Generate with ``taps=``
-    fails INTERNAL, and the tests of inline taps wait for it.
-    """
-    from layertap.server.taps.engine import TapEngine
-
-    return "request_id" in inspect.signature(TapEngine.create).parameters
-
-
-needs_inline_taps = pytest.mark.skipif(not _inline_taps_served(), reason="the tap engine does not yet take a "
-                                       "Generate call's request_id (inline taps fail INTERNAL on this server)")
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +185,6 @@ def test_cli_prints_the_tokens(address: str, client: Client, capsys: pytest.Capt
     assert objects[-1]["kind"] == "result" and objects[-1]["sequences"] == expected.sequences
 
 
-@needs_inline_taps
 def test_cli_watch_prints_a_line_per_token_with_its_position(address: str,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     new, prompt = 5, [5, 17, 42, 8]
@@ -237,7 +219,6 @@ def test_step_captures_match_a_local_hook(client: Client, local: torch.nn.Module
         np.testing.assert_allclose(tensor[0, 0], reference[0, len(prompt) + k - 1].numpy(), atol=1e-4)
 
 
-@needs_inline_taps
 def test_step_summaries_are_this_requests(client: Client) -> None:
     generation = client.generate([5, 17, 42], max_new_tokens=3, taps=DECODER_LAYERS[0])
     summaries = [s for step in generation for s in step.summaries]
