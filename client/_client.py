@@ -205,7 +205,7 @@ class Client:
             capture: Layer names or selectors whose outputs come with every step.
             capture_dtype: Downcast captured tensors to ``"float16"`` or ``"bfloat16"``.
             as_torch: Captured tensors as torch tensors (needs torch installed).
-            timeout: Deadline of the whole call, default the client's (``math.inf``: none).
+            timeout: Deadline of the whole call in seconds; default none, as for the other streams (a generation ends after ``max_new_tokens``).
 
         Raises:
             InvalidArgument: A malformed prompt or option (also from the server).

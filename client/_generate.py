@@ -450,5 +450,5 @@ def generate(
     req = generate_request(prompt, **options)
     if as_torch:
         require_torch()  # before the server does any work
-    call = transport.stream(GENERATE, req, timeout=timeout, layer_hint=True)
+    call = transport.stream(GENERATE, req, timeout=timeout, open_ended=True, layer_hint=True)
     return Generation(call, lambda: transport.translating(layer_hint=True), as_torch=as_torch)
