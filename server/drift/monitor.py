@@ -21,11 +21,12 @@ baseline of its own phase. SetBaseline starts every layer's forward entry
 another phase starts that phase's entry with the same settings (passes,
 window, thresholds, hold); where no phase of the layer was collecting, the
 plan of that first pass had no quantiles, so collection starts with the
-next. A server that only generates keeps its forward entry collecting. The tap engine keeps one plan per layer, so it
-serves all phases (:func:`~.layer.phases_reducers`): quantiles while any
-phase collects, and a histogram over each frozen phase's edges; each phase
-is scored on the histogram with its own edges. Each phase's baseline is its
-own file (schema v2 names it; a v1 file loads as forward).
+next. A server that only generates keeps its forward entry collecting. The
+tap engine keeps one plan per layer, so it serves all phases
+(:func:`~.layer.phases_reducers`): quantiles while any phase collects, and
+a histogram over each frozen phase's edges; each phase is scored on the
+histogram with its own edges. Each phase's baseline is its own file (schema
+v2 names it; a v1 file loads as forward).
 """
 
 from __future__ import annotations
@@ -183,8 +184,11 @@ class DriftMonitor(Sink):
                     self._layers.pop((tap_id, layer), None)
             raise
         self._own.add(tap_id)
+        with self._lock:  # a phase's entry may have started from a pass since create
+            for layer in layers:
+                for e in self._layers.get((tap_id, layer), {}).values():
+                    e.handle = tap
         for entry in entries.values():
-            entry.handle = tap
             self._export(entry)
         log.info("baseline %s collecting %d passes over %d layer(s)", tap_id, passes, len(layers))
         return tap_id, layers
