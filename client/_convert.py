@@ -478,6 +478,7 @@ def drift_from_proto(r: telemetry_pb2.GetDriftResponse) -> list[LayerDrift]:
             state=_BASELINE_STATES.get(d.state, "unspecified"),
             thresholds=_from_fields(DriftThresholds, d.thresholds),
             channel_drift_fraction=None if d.channel_drift_fraction < 0 else d.channel_drift_fraction,
+            phase=phase_name(d.phase),
         )
         for d in r.layers
     ]

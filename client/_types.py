@@ -266,6 +266,8 @@ class LayerDrift:
     scoring, but its file could not be written (``save_error`` says why), so
     it would be lost at a restart until the server's retries write it.
     ``channel_drift_fraction`` is None when per-channel stats are not tapped.
+    ``phase`` is the generation phase whose passes it scores (``"prefill"``,
+    ``"decode"``, or ``""`` for plain forwards): a layer has one entry per phase seen.
     """
 
     tap: str
@@ -282,3 +284,4 @@ class LayerDrift:
     drifted: bool
     channel_drift_fraction: float | None
     save_error: str = ""
+    phase: str = ""

@@ -10,10 +10,7 @@ from other processes, so every field is checked here and a refusal names it
 
 Phases. A frozen document names its phase itself (schema v2). A builder's
 state says it in ``BaselineBuilderState.phase``, and ``LayerBaseline`` and
-``LayerDrift`` in their own ``phase``, where this build's proto has those
-fields (:func:`set_wire_phase`); where it has not, only forward builders
-travel (:data:`BUILDER_PHASE`), since a prefill builder sent without its
-phase would be merged into the forward one.
+``LayerDrift`` in their own ``phase``: states merge only within one phase.
 """
 
 from __future__ import annotations
@@ -24,48 +21,30 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from google.protobuf.message import Message
 
 from layertap.server.drift.baseline import Baseline
 from layertap.server.drift.builder import BaselineBuilder, BuilderState
-from layertap.server.drift.phases import FORWARD, PHASE_BY_NAME, PHASE_NAMES
+from layertap.server.drift.phases import PHASE_BY_NAME, PHASE_NAMES
 from layertap.server.drift.schema import BaselineFormatError, KnownLayers, baseline_from_dict, baseline_to_dict
 from layertap.server.errors import InvalidField
 from layertap.server.host.hooks import POINT_BY_NAME, POINT_NAMES
 from layertap.v1 import telemetry_pb2 as pb
 
-__all__ = ["BUILDER_PHASE", "builder_state_from_proto", "builder_state_to_proto", "frozen_from_bytes", "frozen_to_bytes",
-           "merge_states", "set_wire_phase"]
+__all__ = ["builder_state_from_proto", "builder_state_to_proto", "frozen_from_bytes", "frozen_to_bytes",
+           "merge_states"]
 
 #: Largest reservoir one exported state may carry (the builder keeps 20,000).
 MAX_RESERVOIR = 1_000_000
 #: Largest frozen document accepted, in bytes.
 MAX_FROZEN_BYTES = 16 << 20
-#: Whether ``BaselineBuilderState`` carries a phase in this build's proto.
-BUILDER_PHASE = "phase" in pb.BaselineBuilderState.DESCRIPTOR.fields_by_name
-
-
-def set_wire_phase(msg: Message, phase: str) -> bool:
-    """Set ``msg.phase`` (a ``layertap.v1.Phase``) where the message has the field; False where it has none."""
-    if "phase" not in msg.DESCRIPTOR.fields_by_name:
-        return False
-    setattr(msg, "phase", PHASE_BY_NAME[phase])
-    return True
-
-
 def builder_state_to_proto(s: BuilderState) -> pb.BaselineBuilderState:
-    """The wire form of a builder's state (float64 throughout, so merges stay exact).
-
-    Raises:
-        ValueError: A prefill or decode state, where the message cannot say its phase.
-    """
+    """The wire form of a builder's state (float64 throughout, so merges stay exact)."""
     msg = pb.BaselineBuilderState(
         layer=s.layer, point=POINT_BY_NAME[s.point], target_passes=s.target_passes, passes=s.passes,
         skipped_passes=s.skipped_passes, count=s.count, mean=s.mean, m2=s.m2, min=s.min, max=s.max,
         values=s.values.tolist(), keys=s.keys.tolist(),
     )
-    if not set_wire_phase(msg, s.phase) and s.phase != FORWARD:
-        raise ValueError(f"a {s.phase} builder cannot travel: BaselineBuilderState has no phase field in this build")
+    msg.phase = PHASE_BY_NAME[s.phase]  # type: ignore[assignment]
     if s.channel_mean is not None and s.channel_m2 is not None:
         msg.channel_count = s.channel_count
         msg.channel_mean.extend(s.channel_mean.tolist())
@@ -93,7 +72,7 @@ def builder_state_from_proto(msg: pb.BaselineBuilderState, field: str) -> Builde
     point = msg.point or pb.POINT_OUTPUT  # as in SetBaseline
     if point not in POINT_NAMES:
         raise InvalidField(f"{field}.point", f"unknown point {msg.point}")
-    phase = int(getattr(msg, "phase", 0))  # PHASE_UNSPECIFIED where the field is not in this build
+    phase = int(msg.phase)
     if phase not in PHASE_NAMES:
         raise InvalidField(f"{field}.phase", f"unknown phase {phase}")
     for name in ("mean", "m2"):

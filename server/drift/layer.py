@@ -11,7 +11,7 @@ import numpy as np
 
 from layertap.server.drift.baseline import Baseline
 from layertap.server.drift.builder import BaselineBuilder
-from layertap.server.drift.exchange import BUILDER_PHASE, builder_state_to_proto, frozen_to_bytes, set_wire_phase
+from layertap.server.drift.exchange import builder_state_to_proto, frozen_to_bytes
 from layertap.server.drift.files import save_baseline
 from layertap.server.drift.phases import FORWARD, PHASE_BY_NAME
 from layertap.server.drift.scores import DriftScore
@@ -165,7 +165,7 @@ class LayerEntry:
             save_error=self.save_error, baseline_passes=b.passes if b else (self.builder.passes if self.builder else 0),
             thresholds=pb.DriftThresholds(**self.thresholds.as_dict()), channel_drift_fraction=-1.0,
         )
-        set_wire_phase(msg, self.phase)
+        msg.phase = PHASE_BY_NAME[self.phase]  # type: ignore[assignment]
         for metric, value in (dict.fromkeys(DRIFT_METRICS, math.nan) if s is None else s.as_dict()).items():
             setattr(msg, metric, value)
         if s is not None:
@@ -178,14 +178,12 @@ class LayerEntry:
     def export_message(self) -> pb.LayerBaseline | None:
         """ExportBaseline's entry: the builder's state, or the frozen document.
 
-        None while being reloaded at start-up, and for a prefill or decode
-        builder where the messages cannot say its phase (:data:`~.exchange.BUILDER_PHASE`).
+        None while being reloaded at start-up.
         """
-        msg = pb.LayerBaseline(layer=self.layer, point=POINT_BY_NAME[self.point])
-        set_wire_phase(msg, self.phase)
+        msg = pb.LayerBaseline(layer=self.layer, point=POINT_BY_NAME[self.point], phase=PHASE_BY_NAME[self.phase])
         if self.baseline is not None:
             msg.state, msg.frozen = self.state, frozen_to_bytes(self.baseline)
-        elif self.builder is not None and (BUILDER_PHASE or self.phase == FORWARD):
+        elif self.builder is not None:
             msg.state = pb.BASELINE_STATE_COLLECTING
             msg.builder.CopyFrom(builder_state_to_proto(self.builder.state()))
         else:

@@ -212,11 +212,7 @@ class DriftMonitor(Sink):
         return entries
 
     def export(self, tap: str) -> list[pb.LayerBaseline]:
-        """Each layer and phase of baseline ``tap``: its builder's state, or its frozen document.
-
-        A prefill or decode builder is left out where the messages cannot say
-        its phase (:data:`~.exchange.BUILDER_PHASE`); its frozen document says it.
-        """
+        """Each layer and phase of baseline ``tap``: its builder's state, or its frozen document."""
         with self._build_lock:
             msgs = [e.export_message() for phases in self._entries(tap).values() for e in phases.values()]
         return [m for m in msgs if m is not None]

@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector
 
 from layertap.server.codec import tensor_to_bytes, wire_dtype
 from layertap.server.drift.monitor import DriftMonitor
+from layertap.server.drift.phases import phase_name
 from layertap.server.host.hooks import POINT_NAMES
 from layertap.server.host.inputs import ModelInputs
 from layertap.server.host.model_host import PHASE_DECODE, PHASE_NONE, PassContext, flatten_tensors
@@ -193,10 +194,10 @@ class Recorder(Sink):
             fired.append((tap, Firing(layers, hits)))
         return fired
 
-    def _baseline(self, layer: str, point: int) -> tuple[float, float] | None:
+    def _baseline(self, layer: str, point: int, phase: int = 0) -> tuple[float, float] | None:
         if self.drift is None:
             return None
-        b = self.drift.baseline_for(layer, POINT_NAMES.get(point or pb.POINT_OUTPUT, "output"))
+        b = self.drift.baseline_for(layer, POINT_NAMES.get(point or pb.POINT_OUTPUT, "output"), phase_name(phase))
         return None if b is None else (b.mean, b.std)
 
     # -- recorder thread -------------------------------------------------------------

@@ -12,13 +12,7 @@ import pytest
 from layertap.server.drift import schema
 from layertap.server.drift.baseline import Baseline
 from layertap.server.drift.builder import BaselineBuilder
-from layertap.server.drift.exchange import (
-    BUILDER_PHASE,
-    builder_state_from_proto,
-    builder_state_to_proto,
-    frozen_from_bytes,
-    frozen_to_bytes,
-)
+from layertap.server.drift.exchange import builder_state_from_proto, builder_state_to_proto, frozen_from_bytes, frozen_to_bytes
 from layertap.server.drift.files import baseline_filename, load_baselines, save_baseline
 from layertap.server.drift.thresholds import DriftThresholds
 from layertap.server.errors import InvalidField
@@ -94,7 +88,7 @@ def test_merging_refuses_two_phases() -> None:
         a.merge(BaselineBuilder("t", "layer1", phase="decode"))
 
 
-def test_builder_states_carry_their_phase_or_do_not_travel() -> None:
+def test_builder_states_carry_their_phase() -> None:
     b = BaselineBuilder("t", "layer1", passes=2, seed=0, phase="decode")
     x = np.random.default_rng(0).normal(size=500)
     b.feed(x, x.size, x.mean(), x.std(), x.min(), x.max())
@@ -103,13 +97,8 @@ def test_builder_states_carry_their_phase_or_do_not_travel() -> None:
     forward = BaselineBuilder("t", "layer1", passes=2, seed=0)
     forward.feed(x, x.size, x.mean(), x.std(), x.min(), x.max())
     assert builder_state_from_proto(builder_state_to_proto(forward.state()), "b[0]").phase == "forward"
-    if BUILDER_PHASE:
-        assert builder_state_from_proto(builder_state_to_proto(state), "b[0]").phase == "decode"
-        msg = builder_state_to_proto(state)
-        msg.phase = 7  # type: ignore[attr-defined]  # a value this build does not know
-        with pytest.raises(InvalidField, match="phase"):
-            builder_state_from_proto(msg, "b[0]")
-    else:
-        # Sent without its phase, a decode builder would be merged into the forward one: refused.
-        with pytest.raises(ValueError, match="decode builder cannot travel"):
-            builder_state_to_proto(state)
+    assert builder_state_from_proto(builder_state_to_proto(state), "b[0]").phase == "decode"
+    msg = builder_state_to_proto(state)
+    msg.phase = 7  # type: ignore[assignment]  # a value this build does not know
+    with pytest.raises(InvalidField, match="phase"):
+        builder_state_from_proto(msg, "b[0]")
