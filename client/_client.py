@@ -69,6 +69,8 @@ class Client:
             default 256 MiB request cap plus envelope slack.
         token: Bearer token sent on every call; default ``$LAYERTAP_TOKEN``.
         tls: True (system roots), a CA bundle path, or ``grpc.ChannelCredentials``.
+        tls_server_name: With ``tls``, the name to verify the certificate against instead of
+            the target's host (a pod dialled by address; ``Fleet`` passes its ``dns:///`` name).
 
     Attributes:
         incidents: The server's flight-recorder incidents (:class:`~layertap.Incidents`).
@@ -81,12 +83,13 @@ class Client:
 
     def __init__(self, target: str | int, *, timeout: float = DEFAULT_TIMEOUT,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, token: str | None = None,
-                 tls: TlsOption = None) -> None:
+                 tls: TlsOption = None, tls_server_name: str | None = None) -> None:
         if not timeout > 0:
             raise InvalidArgument(f"timeout must be > 0 seconds, got {timeout}")
         self.target = normalize_target(target)
-        options = [("grpc.max_send_message_length", max_message_bytes),
-                   ("grpc.max_receive_message_length", max_message_bytes)]
+        options: list[tuple[str, Any]] = [("grpc.max_send_message_length", max_message_bytes),
+                                          ("grpc.max_receive_message_length", max_message_bytes),
+                                          *([("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else [])]
         self._transport = Transport(self.target, timeout=timeout, options=options, token=token, tls=tls)
         self.incidents = Incidents(self._transport)
         self.baselines = Baselines(self._transport)

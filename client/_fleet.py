@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,8 +24,9 @@ from typing import Any, Generic, TypeVar
 from ._capture import CaptureOptions
 from ._channel import TlsOption
 from ._client import DEFAULT_TIMEOUT, Client
-from ._errors import ClientClosed, InvalidArgument, LayertapError
+from ._errors import ClientClosed, InvalidArgument, LayertapError, ServerUnavailable
 from ._fleet_baseline import set_fleet_baseline
+from ._resolver import DNS_SCHEME, DnsTarget, Resolver, system_resolver
 from ._taps import SummaryStream, TapOptions, Unpack
 from ._types import BaselineInfo, DriftThresholds, LayerDrift, LayerInfo, ModelMetadata, ServerStats, Summary, TapSpec
 
@@ -33,6 +35,10 @@ T = TypeVar("T")
 #: Batches of summaries the merged stream buffers before its readers push back
 #: on the members (each member's server then drops its oldest, counted).
 STREAM_BUFFER = 256
+#: Seconds after which a call resolves ``dns:`` targets again.
+DEFAULT_RESOLVE_EVERY = 30.0
+#: Members called at once.
+MAX_PARALLEL = 32
 
 
 @dataclass(frozen=True)
@@ -101,42 +107,74 @@ class Fleet:
     Args:
         targets: ``"host:port"`` of each member (or bare ports for ``127.0.0.1``).
             For a ``torchrun`` job, the ranks' agents listen on a base port
-            plus ``LOCAL_RANK``.
+            plus ``LOCAL_RANK``. A ``"dns:///name:port"`` target (alone, or
+            in the list) stands for every address the name resolves to: a
+            Kubernetes headless Service names every ready replica.
         timeout: Default deadline of each member's call, in seconds.
         token: Bearer token sent to every member; default ``$LAYERTAP_TOKEN``.
-        tls: As for :class:`Client`, the same for every member.
+        tls: As for :class:`Client`, the same for every member. Members found
+            through ``dns:///name:port`` are dialled by address and verified
+            against ``name`` (the certificate lists the Service's names).
+        resolver: ``(host, port) -> addresses`` for ``dns:`` targets; default
+            the system's (``getaddrinfo``). It may raise ``OSError``.
+        resolve_every: Seconds after which the next call resolves ``dns:``
+            targets again. A member that is unreachable makes the next call
+            resolve at once, and :meth:`set_baseline` always does, so it
+            installs on every replica found.
 
     Example:
         >>> with layertap.Fleet(["node0:50061", "node0:50062"]) as fleet:
         ...     for item in fleet.watch("*", point="param_grad", reducers="norm"):
         ...         print(item.rank, item.value.step, item.value.results["norm"].l2)
+        >>> with layertap.Fleet("dns:///layertap-headless.ml.svc.cluster.local:50051", tls="ca.pem") as fleet:
+        ...     print(fleet.targets)  # one "10.1.2.3:50051" per replica
 
     Raises:
         InvalidArgument: No target, a target named twice, or a malformed one.
     """
 
-    def __init__(self, targets: Sequence[str | int], *, timeout: float = DEFAULT_TIMEOUT,
-                 token: str | None = None, tls: TlsOption = None) -> None:
+    def __init__(self, targets: str | Sequence[str | int], *, timeout: float = DEFAULT_TIMEOUT,
+                 token: str | None = None, tls: TlsOption = None, resolver: Resolver | None = None,
+                 resolve_every: float = DEFAULT_RESOLVE_EVERY) -> None:
+        if isinstance(targets, str) and targets.startswith(DNS_SCHEME):
+            targets = [targets]
         if isinstance(targets, (str, int)) or not targets:
-            raise InvalidArgument("targets: give a list of one or more 'host:port' targets")
-        self._clients: list[Client] = []
+            raise InvalidArgument("targets: give a list of one or more 'host:port' targets, or 'dns:///name:port'")
+        if not resolve_every > 0:
+            raise InvalidArgument(f"resolve_every must be > 0 seconds, got {resolve_every}")
+        self._options: dict[str, Any] = {"timeout": timeout, "token": token, "tls": tls}
+        self._resolver = resolver or system_resolver
+        self._resolve_every = resolve_every
+        self._closed = False
+        self._lock = threading.Lock()
+        #: Each given target in order: its Client, or the name that stands for many.
+        self._sources: list[Client | DnsTarget] = []
+        #: Members found behind each dns: target (by its text), in address order.
+        self._found: dict[str, list[Client]] = {}
+        #: dns: targets with no member now, and why.
+        self._unresolved: dict[str, LayertapError] = {}
+        self._next_resolve = 0.0
         self._streams: weakref.WeakSet[FleetStream] = weakref.WeakSet()
-        try:
-            for t in targets:
-                self._clients.append(Client(t, timeout=timeout, token=token, tls=tls))
-        except BaseException:  # a malformed target: the channels opened so far are closed, not leaked
-            for c in self._clients:
-                c.close()
-            raise
-        self.targets = [c.target for c in self._clients]
-        if len(set(self.targets)) != len(self.targets):
-            self.close()
-            raise InvalidArgument(f"targets: each target once, got {self.targets}")
         #: Ranks learned from the members' metadata; None for serving replicas.
         self._ranks: dict[str, int | None] = {}
-        self._pool = ThreadPoolExecutor(max_workers=min(len(self._clients), 32),
-                                        thread_name_prefix="layertap-fleet")
-        self._closed = False
+        self._pool = ThreadPoolExecutor(max_workers=MAX_PARALLEL, thread_name_prefix="layertap-fleet")
+        try:
+            for t in targets:
+                dns = DnsTarget.parse(t) if isinstance(t, str) else None
+                self._sources.append(dns or Client(t, **self._options))
+        except BaseException:  # a malformed target: the channels opened so far are closed, not leaked
+            self.close()
+            raise
+        given = [s.text if isinstance(s, DnsTarget) else s.target for s in self._sources]
+        if len(set(given)) != len(given):
+            self.close()
+            raise InvalidArgument(f"targets: each target once, got {given}")
+        self._resolve(force=True)
+
+    @property
+    def targets(self) -> list[str]:
+        """Every member's ``host:port`` now, in target order (``dns:`` members by address)."""
+        return [c.target for c in self._members()]
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Fleet:
@@ -154,11 +192,66 @@ class Fleet:
         self._closed = True
         for stream in list(self._streams):
             stream.close()  # first: a stream closed this way ends quietly, not with a member error each
-        for c in self._clients:
+        with self._lock:
+            clients = [s for s in self._sources if not isinstance(s, DnsTarget)]
+            clients += [c for found in self._found.values() for c in found]
+        for c in clients:
             c.close()
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=False)
+        self._pool.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ members
+    def _members(self) -> list[Client]:
+        with self._lock:
+            return [c for s in self._sources
+                    for c in (self._found.get(s.text, []) if isinstance(s, DnsTarget) else [s])]
+
+    def _unresolved_errors(self) -> list[FleetError]:
+        with self._lock:
+            return [FleetError(text, None, error) for text, error in self._unresolved.items()]
+
+    def _resolve(self, *, force: bool = False) -> None:
+        """Resolves the dns: targets when due (see ``resolve_every``), or now with ``force``.
+
+        New addresses become members; members whose address is gone are
+        closed. A name that does not resolve keeps the members found before
+        (a DNS hiccup never empties a fleet) and, with none, is reported as a
+        :class:`FleetError` of every call until it resolves.
+        """
+        names = [s for s in self._sources if isinstance(s, DnsTarget)]
+        with self._lock:
+            if not names or self._closed or not (force or time.monotonic() >= self._next_resolve):
+                return
+            self._next_resolve = time.monotonic() + self._resolve_every
+            static = {s.target for s in self._sources if not isinstance(s, DnsTarget)}
+        for dns in names:
+            try:
+                addresses = [a for a in dns.resolve(self._resolver) if a not in static]
+            except OSError as exc:
+                with self._lock:
+                    if not self._found.get(dns.text):
+                        self._unresolved[dns.text] = ServerUnavailable(f"{dns.text}: cannot resolve {dns.host}: {exc}")
+                continue
+            with self._lock:
+                old = {c.target: c for c in self._found.get(dns.text, [])}
+                kept = {a: old.pop(a) for a in addresses if a in old}
+            server_name = dns.host if self._options["tls"] else None
+            added = {a: Client(a, tls_server_name=server_name, **self._options) for a in addresses if a not in kept}
+            with self._lock:
+                self._found[dns.text] = [kept.get(a) or added[a] for a in addresses]
+                if addresses:
+                    self._unresolved.pop(dns.text, None)
+                else:
+                    self._unresolved[dns.text] = ServerUnavailable(f"{dns.text}: {dns.host} resolves to no address")
+                for gone in old.values():
+                    self._ranks.pop(gone.target, None)
+            for gone in old.values():  # a replica that left: its channel (and its calls) end
+                gone.close()
+
+    def _after_failure(self, errors: Sequence[FleetError]) -> None:
+        """An unreachable member: resolve again on the next call (its pod may have moved)."""
+        if any(isinstance(e.error, ServerUnavailable) for e in errors):
+            with self._lock:
+                self._next_resolve = 0.0
 
     # ------------------------------------------------------------------ fan-out
     def _rank(self, client: Client, timeout: float | None) -> int | None:
@@ -170,6 +263,9 @@ class Fleet:
                  clients: Sequence[Client] | None = None) -> FleetResult[T]:
         if self._closed:
             raise ClientClosed("this Fleet was closed; create a new one")
+        every = clients is None
+        if every:
+            self._resolve()
 
         def one(client: Client) -> list[FleetItem[T]] | FleetError:
             try:
@@ -179,11 +275,14 @@ class Fleet:
                 return FleetError(client.target, self._ranks.get(client.target), exc)
 
         result: FleetResult[T] = FleetResult()
-        for out in self._pool.map(one, self._clients if clients is None else clients):
+        for out in self._pool.map(one, self._members() if clients is None else clients):
             if isinstance(out, FleetError):
                 result.errors.append(out)
             else:
                 result.items.extend(out)
+        self._after_failure(result.errors)
+        if every:
+            result.errors.extend(self._unresolved_errors())
         return result
 
     def metadata(self, *, timeout: float | None = None) -> FleetResult[ModelMetadata]:
@@ -230,7 +329,9 @@ class Fleet:
         """
         if self._closed:
             raise ClientClosed("this Fleet was closed; create a new one")
-        errors: list[FleetError] = []
+        self._resolve(force=True)  # every replica there is now
+        members = self._members()
+        errors: list[FleetError] = self._unresolved_errors()
 
         def each(clients: Sequence[Client], fn: Callable[[Client], Any]) -> list[tuple[Client, Any]]:
             res = self._fan_out(lambda c: [(c, fn(c))], timeout, clients=clients)
@@ -240,11 +341,13 @@ class Fleet:
         def fail(client: Client, exc: LayertapError) -> None:
             errors.append(FleetError(client.target, self._ranks.get(client.target), exc))
 
-        installed = set_fleet_baseline(self._clients, each, fail, selector, passes=passes, window=window,
+        installed = set_fleet_baseline(members, each, fail, selector, passes=passes, window=window,
                                        point=point, thresholds=thresholds, name=name, wait=wait, timeout=timeout)
-        order = {t: i for i, t in enumerate(self.targets)}
+        self._after_failure(errors)
+        order = {c.target: i for i, c in enumerate(members)}
         items = [FleetItem(c.target, self._ranks.get(c.target), info) for c, info in installed]
-        return FleetResult(sorted(items, key=lambda i: order[i.target]), sorted(errors, key=lambda e: order[e.target]))
+        return FleetResult(sorted(items, key=lambda i: order[i.target]),
+                           sorted(errors, key=lambda e: order.get(e.target, len(order))))
 
     def capture(self, layers: str | Sequence[str], *, n: int = 1, as_torch: bool = False,
                 **options: Unpack[CaptureOptions]) -> FleetResult[Any]:
@@ -264,11 +367,12 @@ class Fleet:
         """
         if self._closed:
             raise ClientClosed("this Fleet was closed; create a new one")
+        self._resolve()
 
         def opener(client: Client) -> Callable[[], SummaryStream]:
             return lambda: client.watch(selector, queue_size=queue_size, timeout=timeout, **options)
 
-        stream = FleetStream([(c, opener(c)) for c in self._clients])
+        stream = FleetStream([(c, opener(c)) for c in self._members()], self._unresolved_errors())
         self._streams.add(stream)
         return stream
 
@@ -287,8 +391,9 @@ class FleetStream(Iterator[FleetItem[Summary]]):
         errors: Members whose stream failed (down at the start, or later).
     """
 
-    def __init__(self, members: Sequence[tuple[Client, Callable[[], SummaryStream]]]) -> None:
-        self.errors: list[FleetError] = []
+    def __init__(self, members: Sequence[tuple[Client, Callable[[], SummaryStream]]],
+                 errors: Sequence[FleetError] = ()) -> None:
+        self.errors: list[FleetError] = list(errors)
         self._queue: queue.Queue[list[FleetItem[Summary]] | _End] = queue.Queue(STREAM_BUFFER)
         self._buffer: list[FleetItem[Summary]] = []
         self._open = len(members)
