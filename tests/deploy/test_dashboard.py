@@ -121,3 +121,29 @@ def test_compose_stack_is_consistent() -> None:
     prov = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "layertap.yml").read_text())
     mounted = [v for v in svc["grafana"]["volumes"] if "layertap-drift.json" in v][0]
     assert mounted.split(":")[1].startswith(prov["providers"][0]["options"]["path"])
+
+
+def test_a_fleet_is_shown_aggregated_and_per_replica() -> None:
+    """Each replica is a scrape target (instance; deploy/k8s sets it to the pod's name): the overview
+    panels aggregate every replica, the Replicas row shows each one, legends tell replicas apart."""
+    d = load_dashboard()
+    targets = dashboard_targets()
+    by_title: dict[str, list[str]] = {}
+    for title, expr in targets:
+        by_title.setdefault(title, []).append(expr)
+    for title in ("Layers drifting", "Drift by layer (worst score / threshold)", "Inference latency",
+                  "Activation values — $layer ($phase)", "Replicas serving"):
+        assert by_title[title] and all("by (instance" not in e for e in by_title[title]), title  # across replicas
+    (count,) = by_title["Replicas drifting, per layer"]  # replicas counted per layer, each once whatever its phases
+    assert count.startswith("sum by (layer) (max by (instance, layer) (")
+    per_replica = {t for t, e in targets if "by (instance" in e}
+    assert {"Drift by replica and layer (worst score / threshold)", "Mean — $layer ($phase), per replica",
+            "Inference per replica"} <= per_replica
+    row = next(p for p in d["panels"] if p["type"] == "row")
+    assert row["title"] == "Replicas" and all(
+        p["gridPos"]["y"] > row["gridPos"]["y"] for p in d["panels"] if p["title"] in per_replica)
+    # A panel that shows raw per-series values names the replica in its legend.
+    for p in d["panels"]:
+        for t in p.get("targets", []):
+            if "by (" not in t["expr"] and "layertap_activation_" in t["expr"] and "time()" not in t["expr"]:
+                assert "{{instance}}" in t["legendFormat"], (p["title"], t["expr"])

@@ -60,3 +60,19 @@ def test_promtool_test_rules() -> None:
 def test_prometheus_config() -> None:
     res = promtool("check", "config", "prometheus.yml")
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_fleet_alerts_fire_per_replica_and_name_it() -> None:
+    """A replica is a scrape target (instance): the drift alert fires for the one that drifted,
+    its summary names it, and a test case covers two replicas of which only one fires."""
+    rules = {r["alert"]: r for g in yaml.safe_load((PROM / "alerts.yml").read_text())["groups"] for r in g["rules"]}
+    for name in ("LayertapActivationDrift", "LayertapNonFinite", "LayertapChannelDrift", "LayertapTelemetryStale"):
+        assert "{{ with $labels.instance }} on {{ . }}{{ end }}" in rules[name]["annotations"]["summary"], name
+        assert "instance" not in rules[name]["expr"]  # never aggregated away: each replica alerts on its own
+    doc = yaml.safe_load((PROM / "alerts_test.yml").read_text())
+    fleet = [case for case in doc["tests"]
+             if len({s["series"].split('instance="')[1].split('"')[0] for s in case["input_series"]
+                     if 'instance="' in s["series"]}) >= 2]
+    fired = [(t["alertname"], a) for case in fleet for t in case["alert_rule_test"] for a in t["exp_alerts"]]
+    drift = [a for name, a in fired if name == "LayertapActivationDrift"]
+    assert len(drift) == 1 and f" on {drift[0]['exp_labels']['instance']} " in drift[0]["exp_annotations"]["summary"]
