@@ -25,7 +25,7 @@ from ._capture import CaptureOptions
 from ._channel import TlsOption
 from ._client import DEFAULT_TIMEOUT, Client
 from ._errors import ClientClosed, InvalidArgument, LayertapError, ServerUnavailable
-from ._fleet_baseline import set_fleet_baseline
+from ._fleet_baseline import set_fleet_baseline, spread_fleet_baseline
 from ._resolver import DNS_SCHEME, DnsTarget, Resolver, system_resolver
 from ._taps import SummaryStream, TapOptions, Unpack
 from ._types import BaselineInfo, DriftThresholds, LayerDrift, LayerInfo, ModelMetadata, ServerStats, Summary, TapSpec
@@ -327,6 +327,34 @@ class Fleet:
                 (the members hold their passes; call again to retry).
             InvalidArgument: A bad selector, passes, window or threshold.
         """
+        return self._baseline_steps(lambda members, each, fail: set_fleet_baseline(
+            members, each, fail, selector, passes=passes, window=window, point=point, thresholds=thresholds,
+            name=name, wait=wait, timeout=timeout), timeout)
+
+    def spread_baseline(self, selector: str, *, window: int = 50, point: str = "output",
+                        thresholds: DriftThresholds | Mapping[str, float] | None = None, name: str | None = None,
+                        timeout: float | None = None) -> FleetResult[BaselineInfo]:
+        """Copies the fleet baseline of :meth:`set_baseline` to the members that lack it (replicas added since).
+
+        Give the arguments of that :meth:`set_baseline` call (its ``passes``
+        and ``wait`` aside): they name the baseline tap. A member that holds it
+        frozen exports its reference, installed unchanged (same edges, same
+        counts) on every member without it; the others are left as they are.
+
+        Returns:
+            The baseline tap and its layers, per member that got the copy (none: every member had it).
+
+        Raises:
+            NotFound: No member holds that baseline frozen.
+            InvalidArgument: A bad selector, window or threshold.
+        """
+        return self._baseline_steps(lambda members, each, fail: spread_fleet_baseline(
+            members, each, fail, selector, window=window, point=point, thresholds=thresholds, name=name,
+            timeout=timeout), timeout)
+
+    def _baseline_steps(self, steps: Callable[[list[Client], Any, Any], list[tuple[Client, BaselineInfo]]],
+                        timeout: float | None) -> FleetResult[BaselineInfo]:
+        """Runs a fleet baseline's ``steps`` (``layertap._fleet_baseline``) over every member found now."""
         if self._closed:
             raise ClientClosed("this Fleet was closed; create a new one")
         self._resolve(force=True)  # every replica there is now
@@ -341,8 +369,7 @@ class Fleet:
         def fail(client: Client, exc: LayertapError) -> None:
             errors.append(FleetError(client.target, self._ranks.get(client.target), exc))
 
-        installed = set_fleet_baseline(members, each, fail, selector, passes=passes, window=window,
-                                       point=point, thresholds=thresholds, name=name, wait=wait, timeout=timeout)
+        installed = steps(members, each, fail)
         self._after_failure(errors)
         order = {c.target: i for i, c in enumerate(members)}
         items = [FleetItem(c.target, self._ranks.get(c.target), info) for c, info in installed]

@@ -21,16 +21,23 @@ instead, through each member's ``baselines``:
 so every member scores drift against the same edges and the same counts. A
 member that fails on the way becomes a :class:`FleetError` and the reference
 is built from the others.
+
+A member that joined later (a replica added by scaling up) lacks that
+reference. :func:`spread_fleet_baseline` copies it there unchanged: the frozen
+documents of a member that holds it (``ExportBaseline``), installed with
+``InstallBaseline(frozen=...)`` on each member without it, once a held
+``SetBaseline`` of the same request has made the tap there.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from . import _convert
-from ._errors import DeadlineExceeded, InvalidArgument, LayertapError
+from ._errors import DeadlineExceeded, InvalidArgument, LayertapError, NotFound
 from ._transport import Transport, Unary
 from ._types import BaselineInfo, DriftThresholds, LayerDrift
 from .v1 import telemetry_pb2
@@ -191,3 +198,60 @@ def set_fleet_baseline(
             members, lambda c: c.baselines.install(same, timeout=timeout))
         return installed + [(c, BaselineInfo(tap=tap, layers=list(r.layers))) for c, r in rest]
     return []
+
+
+def baseline_tap_id(req: telemetry_pb2.SetBaselineRequest) -> str:
+    """The tap a SetBaseline request creates, as the server names it: its ``name``, else
+    ``baseline-`` and a hash of selector and point (``layertap.server.drift.names``;
+    tests/e2e/test_fleet_spread.py checks that the two agree)."""
+    point = req.point or telemetry_pb2.POINT_OUTPUT
+    return req.name or "baseline-" + hashlib.sha1(f"{req.selector}|{point}".encode()).hexdigest()[:8]
+
+
+def spread_fleet_baseline(
+    clients: Sequence[M],
+    each: Each[M],
+    fail: Callable[[M, LayertapError], None],
+    selector: str,
+    *,
+    window: int,
+    point: str,
+    thresholds: DriftThresholds | Mapping[str, float] | None,
+    name: str | None,
+    timeout: float | None,
+) -> list[tuple[M, BaselineInfo]]:
+    """See :meth:`Fleet.spread_baseline`; returns the members that installed the copy.
+
+    Raises:
+        NotFound: No member holds the baseline frozen.
+    """
+    req = _convert.set_baseline_request(selector, passes=1, window=window, point=point, thresholds=thresholds)
+    req.hold = True  # the tap only: its reference is installed, never collected
+    if name:
+        req.name = name
+    tap = baseline_tap_id(req)
+    states: list[tuple[M, list[str]]] = each(
+        clients, lambda c: [d.state for d in c.baselines.drift(timeout=timeout) if d.tap == tap])
+    frozen = [c for c, held in states if held and all(s in ("ready", "unsaved") for s in held)]
+    missing = [c for c, held in states if c not in frozen]
+    for source in frozen:  # the first that exports it gives the reference
+        try:
+            exported = source.baselines.export(telemetry_pb2.ExportBaselineRequest(tap=tap), timeout=timeout)
+        except LayertapError as exc:
+            fail(source, exc)
+            continue
+        docs = [layer.frozen for layer in exported.layers if layer.WhichOneof("value") == "frozen"]
+        if docs:
+            break
+    else:
+        raise NotFound(f"baseline {tap!r}: no member holds it frozen; install it with set_baseline first")
+    install = telemetry_pb2.InstallBaselineRequest(tap=tap, frozen=docs)
+
+    def copy(c: M) -> BaselineInfo:
+        made = c.baselines.hold(req, timeout=timeout)
+        if made != tap:  # the same request everywhere: a member answering otherwise is broken
+            raise InvalidArgument(f"{c.target} named the baseline tap {made!r}, not {tap!r}")
+        return BaselineInfo(tap=tap, layers=list(c.baselines.install(install, timeout=timeout).layers))
+
+    copied: list[tuple[M, BaselineInfo]] = each(missing, copy)
+    return copied
