@@ -275,7 +275,11 @@ def test_pods_are_hardened(overlay: str) -> None:
     volumes = {v["name"]: v for v in pod["volumes"]}
     for path in ("/tmp", env["TORCHINDUCTOR_CACHE_DIR"]):
         assert "emptyDir" in volumes[mounts[path]], path
-    assert env["TRITON_CACHE_DIR"].startswith("/tmp/")
+    writable = [m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")]
+    for name, value in env.items():  # every cache a library writes sits on a volume, never on the read-only root
+        if value.startswith("/"):
+            assert any(value == w or value.startswith(w + "/") for w in writable), (name, value)
+    assert {"TRITON_CACHE_DIR", "CUDA_CACHE_PATH", "HF_HOME"} <= set(env)
     assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
     if overlay == "gpu":
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
