@@ -61,7 +61,7 @@ class FleetError:
     """A target whose call failed; the others' results stand.
 
     Attributes:
-        target: The ``host:port`` that failed.
+        target: The ``host:port`` that failed, or a ``dns:`` target that resolves to no member.
         rank: Its rank when it was known from an earlier answer, else None.
         error: The client's typed error (``ServerUnavailable`` for a target that is down).
     """
