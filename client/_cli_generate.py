@@ -176,7 +176,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"{PROG}: generate: give the prompt as TEXT or as --ids ID,ID,... (repeatable), not both",
               file=sys.stderr)
         return 2
-    sampling = args.temperature is not None or args.top_k is not None or args.top_p is not None
+    sampling = any(v is not None for v in (args.temperature, args.top_k, args.top_p, args.seed))
     taps = [TapSpec(selector, reducers=WATCH_REDUCERS) for selector in args.watch]
     with Client(args.host, timeout=args.timeout, token=args.token, tls=args.tls_ca or args.tls) as client, \
             client.generate(prompt, max_new_tokens=args.max_new_tokens, do_sample=args.sample or sampling,
@@ -203,7 +203,7 @@ def add_generate_command(command: Callable[[str, str], argparse.ArgumentParser])
     p.add_argument("--top-k", type=positive_int, metavar="K", help="keep the K most likely tokens (implies --sample)")
     p.add_argument("--top-p", type=positive_float, metavar="P",
                    help="keep the smallest set of tokens whose probability reaches P, in (0, 1] (implies --sample)")
-    p.add_argument("--seed", type=_seed, help="the request's own sampling seed: the same seed, the same tokens")
+    p.add_argument("--seed", type=_seed, help="the request's own sampling seed: the same seed, the same tokens (implies --sample)")
     p.add_argument("--stop", action="append", type=int, default=[], metavar="ID",
                    help="a token id that ends a sequence, besides the model's end-of-sequence ids (repeatable)")
     p.add_argument("--watch", action="append", default=[], metavar="SELECTOR",

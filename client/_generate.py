@@ -80,6 +80,8 @@ class StepCapture:
     tensor: TensorValue
     #: 0 for the module's first call in the pass, 1 for a second...
     call_index: int = 0
+    #: ``""`` for a tensor output; a tuple or dict output's position or key (one capture per tensor).
+    output_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -263,7 +265,7 @@ def step_from_proto(msg: inference_pb2.GenerateResponse, *, as_torch: bool = Fal
         step=msg.step,
         tokens=[GeneratedToken(t.sequence, t.id, t.position, t.logprob, t.text) for t in msg.tokens],
         summaries=[summary_from_proto(s) for s in msg.summaries],
-        captures=[StepCapture(c.layer, decode_tensor(c.tensor, as_torch=as_torch), c.call_index)
+        captures=[StepCapture(c.layer, decode_tensor(c.tensor, as_torch=as_torch), c.call_index, c.output_key)
                   for c in msg.captures],
     )
 

@@ -299,6 +299,9 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
         # Per-connection HTTP/2 limits (rapid reset, vanished peers): see server/rpc/transport.py.
         *SERVER_OPTIONS,
     ]
+    for flag, value in (("--max-new-tokens", config.max_new_tokens), ("--max-generate-rows", config.max_generate_rows)):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: must be at least 1")
     if not 0 < config.max_streams < config.workers:
         raise ValueError(f"--max-streams {config.max_streams} must be at least 1 and below --workers {config.workers}: "
                          "the workers it leaves free serve unary calls and health probes")

@@ -430,9 +430,14 @@ class StepCapture(_message.Message):
     LAYER_FIELD_NUMBER: _builtins.int
     TENSOR_FIELD_NUMBER: _builtins.int
     CALL_INDEX_FIELD_NUMBER: _builtins.int
+    OUTPUT_KEY_FIELD_NUMBER: _builtins.int
     layer: _builtins.str
     call_index: _builtins.int
     """0 for the module's first call in the pass."""
+    output_key: _builtins.str
+    """Empty for a tensor output; for a tuple or dict output (an attention
+    block's), the tensor's position or key: one StepCapture per tensor.
+    """
     @_builtins.property
     def tensor(self) -> _tensor_pb2.Tensor: ...
     def __init__(
@@ -441,10 +446,11 @@ class StepCapture(_message.Message):
         layer: _builtins.str = ...,
         tensor: _tensor_pb2.Tensor | None = ...,
         call_index: _builtins.int = ...,
+        output_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["tensor", b"tensor"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_index", b"call_index", "layer", b"layer", "tensor", b"tensor"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_index", b"call_index", "layer", b"layer", "output_key", b"output_key", "tensor", b"tensor"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

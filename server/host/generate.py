@@ -46,7 +46,15 @@ from layertap.server.host.generation_request import (
     StepEvent,
     TokenEvent,
 )
-from layertap.server.host.model_host import PHASE_DECODE, PHASE_PREFILL, ModelHost, PassContext, RequestRows, model_raised
+from layertap.server.host.model_host import (
+    MODEL_ERROR_CHARS,
+    PHASE_DECODE,
+    PHASE_PREFILL,
+    ModelHost,
+    PassContext,
+    RequestRows,
+    flatten_tensors,
+)
 from layertap.server.host.rows import RequestCut, find_request
 
 __all__ = ["Generator"]
@@ -85,7 +93,9 @@ class _Batch:
         self.mask, self.last = self.mask[index], self.last[index]
         # Columns that are padding in every remaining row go too.
         empty = int((self.mask.sum(0) == 0).long().cumprod(0).sum())
-        if empty:
+        # Only plain DynamicLayer keys line up with the mask's columns: a sliding layer keeps its last
+        # window-1 keys and counts cumulative_length, so trimming it desynchronises mask and cache.
+        if empty and all(type(layer).__name__ == "DynamicLayer" for layer in self.cache.layers):
             self.mask = self.mask[:, empty:]
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[..., empty:, :], layer.values[..., empty:, :]
@@ -128,7 +138,7 @@ class Generator:
         self._closed = False
         self._batch: _Batch | None = None
         self._capture_hooks: dict[str, list[Any]] = {}
-        self._step_captures: dict[str, list[tuple[str, int, torch.Tensor]]] = {}
+        self._step_captures: dict[str, list[tuple[str, int, str, torch.Tensor]]] = {}
         self._thread = threading.Thread(target=self._loop, name="layertap-generate", daemon=True)
         self._thread.start()
 
@@ -177,9 +187,9 @@ class Generator:
         with self._cond:
             if self._closed:
                 raise Unavailable("the server is shutting down; retry on another replica")
+            self.listener.started()  # before the loop can see it, so it is never finished before it started
             self._pending.append(request)
             self._cond.notify()
-        self.listener.started()
 
     def close(self) -> None:
         with self._cond:
@@ -219,11 +229,12 @@ class Generator:
                 request._finish(self.listener, closing)
 
     def _fail_all(self, joining: list[GenerationRequest], exc: BaseException) -> None:
-        error = exc if isinstance(exc, LayertapServerError) else model_raised(exc)
+        error = exc if isinstance(exc, LayertapServerError) else _model_fault(exc)
         requests = {id(r): r for r in joining}
         if self._batch is not None:
             requests.update({id(r.request): r.request for r in self._batch.rows})
         for request in requests.values():
+            self._remove_captures(request)
             request._finish(self.listener, error)
         self._batch = None
 
@@ -232,22 +243,29 @@ class Generator:
         return layers is not None and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
 
     def _iteration(self, joining: list[GenerationRequest]) -> None:
-        """One step boundary: drop cancelled rows, prefill the joining requests, decode the running rows."""
+        """One step boundary: drop cancelled rows, decode the running rows, then prefill the joining
+        requests and stack them on. Running rows advance in every iteration: arrivals never stall them."""
         joining = [r for r in joining if not self._left(r)]
         if self._batch is not None:
             self._drop_finished(self._batch)
+            if self._batch.rows:
+                self._decode(self._batch)
+                self._drop_finished(self._batch)
             if not self._batch.rows:
                 self._batch = None
         if joining:
             self._add_captures(joining)
-            fresh = self._prefill(joining)
-            self._batch = fresh if self._batch is None else self._merge(self._batch, fresh)
-            self._drop_finished(self._batch)
-        elif self._batch is not None:
-            self._decode(self._batch)
-            self._drop_finished(self._batch)
-        if self._batch is not None and not self._batch.rows:
-            self._batch = None
+            try:
+                fresh = self._prefill(joining)
+            except Exception as exc:  # noqa: BLE001 - the joining requests end; the running ones go on
+                error = exc if isinstance(exc, LayertapServerError) else _model_fault(exc)
+                for request in joining:
+                    self._remove_captures(request)
+                    request._finish(self.listener, error)
+                return
+            self._drop_finished(fresh)
+            if fresh.rows:
+                self._batch = fresh if self._batch is None else self._merge(self._batch, fresh)
 
     def _left(self, request: GenerationRequest) -> bool:
         if request.cancelled:
@@ -258,7 +276,7 @@ class Generator:
     def _drop_finished(self, batch: _Batch) -> None:
         """Rows that finished or were cancelled leave; a request whose rows all left is finished."""
         for row in batch.rows:
-            if row.request.cancelled:
+            if row.request.cancelled or row.request.done.is_set():  # a sibling row's NaN ended the request
                 row.done = True
         for request, group in _groups(batch.rows):
             if all(row.done for row in group):
@@ -294,7 +312,7 @@ class Generator:
         except LayertapServerError:
             raise
         except Exception as exc:  # noqa: BLE001 - the prompts made the model raise
-            raise model_raised(exc) from None
+            raise _model_fault(exc) from None
         logits = out["logits"][:, -1, :]
         new_cache = out.get("cache", None) or out.get("past_key_values", None)
         return logits, new_cache
@@ -347,13 +365,15 @@ class Generator:
         """Pick each row's next token, read them back (the step's one sync) and send each request its step."""
         logits = logits.float()
         chosen = torch.empty(len(batch.rows), dtype=torch.long, device=logits.device)
+        # NaN or +inf anywhere, or nothing finite, leaves no token to choose; -inf alone is a banned token.
+        finite = ~(torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1) & torch.isfinite(logits).any(dim=-1)
         start = 0
         for request, group in _groups(batch.rows):
             part = slice(start, start + len(group))
-            chosen[part] = _pick(logits[part], request.sampling, request.generator)
+            chosen[part], ok = _pick(logits[part], request.sampling, request.generator)
+            finite[part] &= ok
             start += len(group)
         logprob = torch.log_softmax(logits, dim=-1).gather(1, chosen[:, None])[:, 0]
-        finite = torch.isfinite(logits).all(dim=-1)
         host = torch.stack([chosen.double(), logprob.double(), finite.double()], dim=1).cpu().tolist()
         now = time.monotonic()
         batch.last = chosen[:, None]
@@ -392,7 +412,7 @@ class Generator:
             event = events.get(id(request))
             if event is None or request.done.is_set():
                 continue
-            event.captures = [(layer, call, t.cpu()) for layer, call, t in event.captures]
+            event.captures = [(layer, call, key, t.cpu()) for layer, call, key, t in event.captures]
             if request._first is None:
                 request._first = now
                 self.listener.first_token(now - request.arrived)
@@ -423,21 +443,34 @@ class Generator:
 
         def capture(ctx: PassContext, value: Any) -> None:
             rows = find_request(ctx, request.id)
-            if rows is None or not isinstance(value, torch.Tensor):
+            if rows is None:
                 return
             if seen[0] != ctx.index:
                 seen[:] = [ctx.index, 0]
             call, seen[1] = seen[1], seen[1] + 1
-            view = RequestCut(ctx, rows)(value)
-            dtype = request.capture_dtype if view.is_floating_point() and request.capture_dtype else view.dtype
-            # A device copy now; it reaches the host after the step's token read-back.
-            self._step_captures.setdefault(request.id, []).append((layer, call, view.to(dtype=dtype, copy=True)))
+            cut = RequestCut(ctx, rows)
+            taken = self._step_captures.setdefault(request.id, [])
+            # A tuple or dict output (an attention block's) gives one capture per tensor, keyed as Capture keys them.
+            for key, tensor in flatten_tensors(value):
+                view = cut(tensor)
+                if view is None:
+                    continue  # it mixes this request's rows with others'
+                dtype = request.capture_dtype if view.is_floating_point() and request.capture_dtype else view.dtype
+                # A device copy now; it reaches the host after the step's token read-back.
+                taken.append((layer, call, key, view.to(dtype=dtype, copy=True)))
 
         return capture
 
     def _remove_captures(self, request: GenerationRequest) -> None:
         for handle in self._capture_hooks.pop(request.id, []):
             handle.remove()
+
+
+def _model_fault(exc: BaseException) -> LayertapServerError:
+    """The model raised during a generation step: INTERNAL, since the prompts were checked before it ran."""
+    first = (str(exc).strip().splitlines() or [""])[0][:MODEL_ERROR_CHARS]
+    log.warning("generation step raised %s: %s", type(exc).__name__, first)
+    return LayertapServerError(f"the model raised {type(exc).__name__} during generation: {first}".rstrip(": "))
 
 
 def _groups(rows: list[_Row]) -> Iterator[tuple[GenerationRequest, list[_Row]]]:
@@ -452,10 +485,12 @@ def _groups(rows: list[_Row]) -> Iterator[tuple[GenerationRequest, list[_Row]]]:
         start = end
 
 
-def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """Greedy argmax, or a draw after transformers' own temperature, top-k and top-p warpers."""
+def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy argmax, or a draw after transformers' own temperature, top-k and top-p warpers; and
+    which rows had a finite distribution (a row that did not is drawn from a placeholder, then ended)."""
     if not sampling.do_sample:
-        return logits.argmax(dim=-1)
+        return logits.argmax(dim=-1), torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper  # noqa: PLC0415 - hf: models only
 
     scores = logits
@@ -466,4 +501,6 @@ def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator |
     if sampling.top_p < 1.0:
         scores = TopPLogitsWarper(sampling.top_p)(None, scores)
     probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    ok = torch.isfinite(probs).all(dim=-1)
+    probs = torch.where(ok[:, None], probs, torch.ones_like(probs))  # no sync: multinomial never sees NaN
+    return torch.multinomial(probs, 1, generator=generator)[:, 0], ok

@@ -24,6 +24,8 @@ __all__ = [
 ]
 
 FINISH_LENGTH, FINISH_STOP = "length", "stop"
+#: Takes ``nbytes`` from the server's capture budget: a function that gives them back, or None when over it.
+Reserve = Callable[[int], "Callable[[], object] | None"]
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,13 @@ class StepEvent:
     phase: int
     step: int
     tokens: list[TokenEvent]
-    #: ``(layer, call_index, tensor)``: the request's rows, on the host.
-    captures: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
+    #: ``(layer, call_index, output_key, tensor)``: the request's rows, on the host; the key
+    #: is ``""`` for a tensor output, its position or dict key in a tuple or dict output.
+    captures: list[tuple[str, int, str, torch.Tensor]] = field(default_factory=list)
     #: Captures lost because the request's client had not taken earlier ones.
     dropped_captures: int = 0
+    #: Gives the captures' bytes back to the server's capture budget once sent.
+    release: Callable[[], object] | None = None
 
 
 @dataclass
@@ -118,7 +123,7 @@ class GenerationRequest:
     def __init__(self, request_id: str, prompts: list[list[int]], *, max_new_tokens: int,
                  sampling: Sampling = Sampling(), stop_ids: Sequence[int] = (),
                  capture_layers: Sequence[str] = (), capture_dtype: torch.dtype | None = None,
-                 capture_bytes: int = 0) -> None:
+                 capture_bytes: int = 0, reserve: Reserve | None = None) -> None:
         self.id = request_id
         self.prompts = prompts
         self.max_new_tokens = max_new_tokens
@@ -128,6 +133,8 @@ class GenerationRequest:
         self.capture_dtype = capture_dtype
         #: Most capture bytes waiting for the client; later steps' captures are dropped.
         self.capture_bytes = capture_bytes
+        #: Takes queued capture bytes from the server's capture budget; None: no server-wide bound.
+        self._reserve = reserve
         self.arrived = time.monotonic()
         #: Passes this request took part in (a test reads it after a cancel).
         self.passes = 0
@@ -136,6 +143,7 @@ class GenerationRequest:
         self._events: queue.SimpleQueue[StepEvent | Finished | BaseException] = queue.SimpleQueue()
         self._cancelled = threading.Event()
         self._held = 0  # capture bytes in the queue
+        self._closed = False
         self._held_lock = threading.Lock()
         self._first: float | None = None
         self._last: float | None = None
@@ -166,22 +174,45 @@ class GenerationRequest:
                 continue
             if isinstance(item, BaseException):
                 raise item
-            if isinstance(item, StepEvent) and item.captures:
-                with self._held_lock:
-                    self._held -= sum(t.nbytes for _, _, t in item.captures)
+            self._taken(item)
             yield item
             if isinstance(item, Finished):
+                return
+
+    def _taken(self, item: StepEvent | Finished | BaseException) -> None:
+        """A step's captures left the queue: their bytes no longer count."""
+        if isinstance(item, StepEvent) and item.captures:
+            with self._held_lock:
+                self._held -= sum(t.nbytes for *_, t in item.captures)
+            if item.release is not None:
+                item.release()
+
+    def close(self) -> None:
+        """The call ended: steps nobody will read give their capture bytes back, and later ones take none."""
+        with self._held_lock:
+            self._closed = True
+        while True:
+            try:
+                self._taken(self._events.get_nowait())
+            except queue.Empty:
                 return
 
     # -- the generator side ----------------------------------------------------
     def _put(self, item: StepEvent | Finished | BaseException) -> None:
         if isinstance(item, StepEvent) and item.captures:
-            size = sum(t.nbytes for _, _, t in item.captures)
+            size = sum(t.nbytes for *_, t in item.captures)
+            # Under the lock that close() takes: a step queued after the call ended holds no bytes.
             with self._held_lock:
-                if self._held + size > self.capture_bytes:
-                    item.dropped_captures, item.captures = len(item.captures), []
-                else:
+                release = None
+                fits = not self._closed and self._held + size <= self.capture_bytes
+                if fits and self._reserve is not None:
+                    release = self._reserve(size)
+                    fits = release is not None  # None: over the server's --capture-budget-bytes
+                if fits:
                     self._held += size
+                    item.release = release
+                else:
+                    item.dropped_captures, item.captures = len(item.captures), []
         self._events.put(item)
 
     def _finish(self, listener: GenerationListener, error: BaseException | None = None) -> None:

@@ -11,9 +11,15 @@ What counts as "the batch" is read from the shapes alone, which is a guess
 that holds for a decoder's activations and no further:
 
 - a tensor whose dim 0 is the pass's batch (the largest ``rows.stop``) is
-  sliced ``t[rows]``; any other tensor is reduced whole: rotary ``cos``/``sin``
-  with batch 1, a flattened ``(batch * tokens, hidden)`` matrix, a
-  parameter. (A cache object is no tensor and never reaches a reducer.)
+  sliced ``t[rows]``;
+- a tensor whose dim 0 is ``batch * tokens`` (the flattened tokens of a
+  mixture-of-experts block) is viewed as ``(batch, tokens, ...)``, cut the
+  same way and flattened back;
+- any other tensor holds no row of anyone's that can be told apart. When the
+  request owns every row of the pass, or the tensor's dim 0 is 1 (rotary
+  ``cos``/``sin``), it is the request's whole; otherwise it is withheld
+  (None): another request's activations never reach this one's taps and
+  captures. (A cache object is no tensor and never reaches a reducer.)
 - in a prefill, a sliced tensor of 2 or more dims whose dim 1 is the token
   axis (``PassContext.tokens``) loses its first ``pad`` columns. A tensor
   whose dim 1 happens to equal the token count without being the token axis
@@ -46,7 +52,7 @@ class RequestCut:
         rows: The request's rows in it (:func:`find_request`).
     """
 
-    __slots__ = ("rows", "_slice", "_batch", "_pad", "_tokens", "key")
+    __slots__ = ("rows", "_slice", "_batch", "_pad", "_tokens", "_owns_all", "key")
 
     def __init__(self, ctx: PassContext, rows: RequestRows) -> None:
         self.rows = rows
@@ -54,14 +60,20 @@ class RequestCut:
         self._batch = max(r.rows.stop for r in ctx.requests)
         self._pad = rows.pad if ctx.phase == PHASE_PREFILL else 0
         self._tokens = ctx.tokens
+        self._owns_all = rows.rows.start == 0 and rows.rows.stop == self._batch
         #: Tells this cut from the whole tensor and from other requests' cuts in a reuse key.
         self.key = (rows.rows.start, rows.rows.stop, self._pad, self._tokens)
 
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        """The request's view of ``t`` (``t`` itself when dim 0 is not the batch)."""
-        if t.dim() == 0 or t.shape[0] != self._batch:
+    def __call__(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The request's view of ``t``, or None when ``t`` mixes its rows with others' beyond telling apart."""
+        if t.dim() > 0 and t.shape[0] == self._batch:
+            view = t[self._slice]
+            if self._pad and view.dim() >= 2 and view.shape[1] == self._tokens:
+                view = view[:, self._pad:]
+            return view
+        if t.dim() > 0 and self._tokens > 1 and t.shape[0] == self._batch * self._tokens:
+            rows = t.reshape(self._batch, self._tokens, *t.shape[1:])[self._slice, self._pad:]
+            return rows.flatten(0, 1)
+        if self._owns_all or t.dim() == 0 or t.shape[0] == 1:
             return t
-        view = t[self._slice]
-        if self._pad and view.dim() >= 2 and view.shape[1] == self._tokens:
-            view = view[:, self._pad:]
-        return view
+        return None

@@ -12,18 +12,20 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
 from layertap.server.codec import TORCH_BY_WIRE, tensor_to_proto
 from layertap.server.errors import InvalidField, LayerNotFound, Unsupported
-from layertap.server.host.generation_request import FINISH_STOP, Finished, GenerationRequest, Sampling, StepEvent
+from layertap.server.host.generation_request import FINISH_STOP, Finished, GenerationRequest, Reserve, Sampling, StepEvent
 from layertap.server.rpc.auth import require
 from layertap.server.rpc.ownership import create_owned
 from layertap.server.rpc.state import ServerState
 from layertap.server.stream.broker import Subscription
+from layertap.server.taps.capture_limits import CaptureBudget, CaptureSlot
+from layertap.server.taps.capture_options import MAX_CAPTURE_LAYERS
 from layertap.server.taps.selectors import select_layers
 from layertap.server.taps.tap import Tap
 from layertap.v1 import inference_pb2 as ipb
@@ -38,14 +40,26 @@ DEFAULT_NEW_TOKENS = 16
 POLL_SECONDS = 0.05
 #: Longest prompt text accepted, in characters, before tokenizing.
 MAX_TEXT_CHARS = 1 << 20
+#: Most stop ids and inline taps one request may name (captures: Capture's own cap).
+MAX_STOP_IDS = 1024
+MAX_REQUEST_TAPS = 16
 _CAPTURE_DTYPES = {tensor_pb2.DATA_TYPE_FLOAT16, tensor_pb2.DATA_TYPE_BFLOAT16}
 _FINISH = {FINISH_STOP: ipb.FINISH_REASON_STOP}
 
 
-def _prompts(request: ipb.GenerateRequest, tokenizer: Any) -> list[list[int]]:
+def _prompts(request: ipb.GenerateRequest, tokenizer: Any, max_rows: int, max_positions: int | None
+             ) -> list[list[int]]:
+    """Each prompt's ids, after bounds that keep the work before a refusal small (counts, lengths)."""
     if request.prompts and request.texts:
         raise InvalidField("texts", "give prompts (token ids) or texts, not both")
+    field, count = ("texts", len(request.texts)) if request.texts else ("prompts", len(request.prompts))
+    if count > max_rows:
+        raise InvalidField(field, f"at most {max_rows} sequences per request (serve --max-generate-rows), got {count}")
     if not request.texts:
+        for i, p in enumerate(request.prompts):
+            if max_positions is not None and len(p.ids) >= max_positions:
+                raise InvalidField(f"prompts[{i}]", f"{len(p.ids)} tokens: the model has {max_positions} positions, "
+                                                    "and a prompt must leave room for one new token")
         return [list(p.ids) for p in request.prompts]
     if tokenizer is None:
         raise Unsupported("texts: the model directory holds no tokenizer; send prompts as token ids",
@@ -64,6 +78,18 @@ def _sampling(request: ipb.GenerateRequest) -> Sampling:
                         seed=request.seed if request.has_seed else None)
     sampling.check()  # NaN or out of range is an error even for greedy: the caller meant something
     return sampling
+
+
+def _reserver(budget: CaptureBudget) -> Reserve:
+    """Takes a step's capture bytes from the server-wide capture budget while they wait for the client."""
+    def reserve(nbytes: int) -> Callable[[], object] | None:
+        reservation = budget.reservation()
+        if reservation.grow(nbytes):
+            return reservation.release
+        budget.count_skipped()
+        return None
+
+    return reserve
 
 
 class _Pieces:
@@ -95,6 +121,8 @@ class GenerateCall:
         self.taps: list[Tap] = []
         self.sub: Subscription | None = None
         self.request: GenerationRequest | None = None
+        #: A --max-concurrent-captures slot, for a call with captures.
+        self.slot: CaptureSlot | None = None
         self._done = threading.Event()
 
     def finish(self) -> None:
@@ -103,6 +131,9 @@ class GenerateCall:
         self._done.set()
         if self.request is not None:
             self.request.cancel()
+            self.request.close()
+        if self.slot is not None:
+            self.slot.release()
         if self.sub is not None:
             self.state.broker.unsubscribe(self.sub)
         for tap in self.taps:
@@ -128,7 +159,12 @@ def generate(state: ServerState, request: ipb.GenerateRequest,
     generator = state.generator
     if generator is None:
         raise Unsupported(f"this model cannot generate: {state.cannot_generate}", reason="CANNOT_GENERATE")
-    prompts = _prompts(request, generator.tokenizer)
+    for what, count, cap in (("stop_token_ids", len(request.stop_token_ids), MAX_STOP_IDS),
+                             ("capture", len(request.capture), MAX_CAPTURE_LAYERS),
+                             ("taps", len(request.taps), MAX_REQUEST_TAPS)):
+        if count > cap:
+            raise InvalidField(what, f"at most {cap} per request, got {count}")
+    prompts = _prompts(request, generator.tokenizer, generator.max_rows, generator.max_positions)
     max_new = request.max_new_tokens or min(DEFAULT_NEW_TOKENS, generator.max_new_tokens)
     generator.check_prompts(prompts, max_new, "texts" if request.texts else "prompts")
     sampling = _sampling(request)
@@ -139,6 +175,7 @@ def generate(state: ServerState, request: ipb.GenerateRequest,
     if request.capture_dtype and request.capture_dtype not in _CAPTURE_DTYPES:
         raise InvalidField("capture_dtype", "DATA_TYPE_FLOAT16 or DATA_TYPE_BFLOAT16 (or unset: as computed)")
     layers: list[str] = []
+    chosen: set[str] = set()
     if request.capture:
         require(context, "capture", "Generate with capture")
         for i, selector in enumerate(request.capture):
@@ -147,7 +184,8 @@ def generate(state: ServerState, request: ipb.GenerateRequest,
             except LayerNotFound as exc:
                 raise LayerNotFound(f"capture[{i}]: {exc}", layer=selector, field=f"capture[{i}]",
                                     suggestions=exc.metadata.get("suggestions", "").split(",")) from None
-            layers += [n for n in found if n not in layers]
+            layers += [n for n in found if n not in chosen]
+            chosen.update(found)
     if request.taps:
         require(context, "tap", "Generate with taps")
     request_id = f"gen-{secrets.token_hex(6)}"
@@ -158,10 +196,12 @@ def generate(state: ServerState, request: ipb.GenerateRequest,
                                           field_prefix=f"taps[{i}]", request_id=request_id))
         if call.taps:
             call.sub = state.broker.subscribe([t.id for t in call.taps])
+        if layers:
+            call.slot = state.captures.acquire()  # counts against --max-concurrent-captures, as Capture does
         call.request = GenerationRequest(
             request_id, prompts, max_new_tokens=max_new, sampling=sampling, stop_ids=list(request.stop_token_ids),
             capture_layers=layers, capture_dtype=TORCH_BY_WIRE[request.capture_dtype] if request.capture_dtype else None,
-            capture_bytes=state.config.max_capture_bytes)
+            capture_bytes=state.config.max_capture_bytes, reserve=_reserver(state.capture_budget))
     except Exception:
         call.finish()
         raise
@@ -194,8 +234,9 @@ def _stream(state: ServerState, call: GenerateCall, gen: GenerationRequest, toke
                 phase=item.phase, step=item.step, summaries=call.summaries(),
                 tokens=[ipb.GeneratedToken(sequence=t.sequence, id=t.id, position=t.position, logprob=t.logprob,
                                            text=pieces.piece(t.sequence, t.id)) for t in item.tokens],
-                captures=[ipb.StepCapture(layer=layer, tensor=tensor_to_proto(tensor, layer), call_index=call_index)
-                          for layer, call_index, tensor in item.captures])
+                captures=[ipb.StepCapture(layer=layer, tensor=tensor_to_proto(tensor, layer), call_index=call_index,
+                                          output_key=key)
+                          for layer, call_index, key, tensor in item.captures])
             continue
         assert isinstance(item, Finished)
         if call.taps:

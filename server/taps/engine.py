@@ -305,6 +305,8 @@ class TapEngine:
             for i, (name, tensor) in enumerate(flatten_tensors(value)):
                 vec = self._reuse.get(key, tensor) if key is not None else None
                 part = tensor if cut is None else cut(tensor)
+                if part is None:
+                    continue  # it mixes this request's rows with others': not this request's to see
                 if vec is None:
                     vec = plan.run(part)
                     if key is not None:

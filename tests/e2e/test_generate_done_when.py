@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -74,12 +75,7 @@ def test_generation_done_when(make_server, mistral, tmp_path) -> None:
         # A durable tap feeds /metrics; the call's inline tap streams its own summaries.
         durable = client.create_tap("model.layers.*", reducers=["moments"], ttl=600)
         g = client.generate(prompt, max_new_tokens=new, taps=["model.layers.*"])
-        steps = []
-        for step in g:
-            if step.tokens and not steps:
-                # Streamed as they come: the first token is here while the generation still runs.
-                assert server.state.generator._batch is not None
-            steps.append(step)
+        steps = list(g)
         result = g.result()
 
         # Greedy tokens equal transformers' own, each log-prob its local log-softmax.
@@ -129,8 +125,19 @@ def test_generation_done_when(make_server, mistral, tmp_path) -> None:
 
         gen.GenerationRequest.cancel = cancel  # type: ignore[method-assign]
         try:
-            long = client.generate(prompt, max_new_tokens=1500)
-            next(iter(long))
+            # Streamed as they come: the first token reaches the client while the decode passes are held back.
+            go = threading.Event()
+            host = server.state.host
+            gate = host.module.get_submodule(LAYERS[0]).register_forward_pre_hook(
+                lambda *_: None if host._current is None or host._current.phase != 2 else go.wait(30))
+            try:
+                long = client.generate(prompt, max_new_tokens=1500)
+                first = next(step for step in long if step.tokens)
+                assert first.phase == "prefill" and first.tokens[0].position == len(prompt)
+                assert not go.is_set() and server.state.generator._batch is not None
+            finally:
+                go.set()
+                gate.remove()
             long.cancel()
             assert wait_for(lambda: heard and heard[0][0].done.is_set(), timeout=30)
         finally:
