@@ -409,6 +409,7 @@ def report(args: argparse.Namespace, config: dict[str, Any], runs: dict[str, lis
           f"({args.threads} threads per process{'' if nnsight_threads in (None, args.threads) else f', nnsight worker {nnsight_threads}'}), "
           f"transformers {versions['transformers']}, grpcio {versions['grpcio']}, nnsight {versions['nnsight']}")
     layers = config["num_hidden_layers"]
+    on_layers = f"{layers} layer{'s' if layers != 1 else ''}"
     tap_line = (f"inline tap: {check.summaries} summaries per call (layers x steps = {layers * n}), {check.dropped} "
                 "dropped" if check is not None else f"inline tap refused by the server ({refused})")
     print(f"{args.rounds} interleaved rounds; served tokens equal to model.generate's for {agree}/{n}; {tap_line}; "
@@ -417,7 +418,7 @@ def report(args: argparse.Namespace, config: dict[str, Any], runs: dict[str, lis
     labels = {"local": "model.generate, in process",
               "bare": "bare loop (forward + argmax), in process",
               "served": "Generate, no taps",
-              "inline": f"Generate + inline basic tap on {layers} layers",
+              "inline": f"Generate + inline basic tap on {on_layers}",
               "durable": "Generate + durable tap (CreateTap), none inline",
               "nn plain": "nnsight venv: model.generate",
               "nn empty": "nnsight generate, empty trace",
@@ -468,8 +469,8 @@ def report(args: argparse.Namespace, config: dict[str, Any], runs: dict[str, lis
     table = [("bare loop, in process", "bare", False), ("model.generate, in process (streamer clock)", "local", False),
              ("Generate, no taps: client (messages received)", "served", False),
              ("Generate, no taps: server (GenerationFinished)", "served", True),
-             ("Generate + inline tap: client", "inline", False),
-             ("Generate + inline tap: server", "inline", True)]
+             ("Generate + inline tap: client", "inline", False), ("Generate + inline tap: server", "inline", True),
+             ("Generate + durable tap: client", "durable", False), ("Generate + durable tap: server", "durable", True)]
     for label, key, server in table:
         rs = runs[key]
         if not rs:
@@ -478,26 +479,30 @@ def report(args: argparse.Namespace, config: dict[str, Any], runs: dict[str, lis
         ttft = [r.server_ttft if server else r.ttft for r in rs]
         tpot = [r.server_tpot if server else r.tpot for r in rs]
         tail = (f" {ms([r.wall / r.tokens for r in rs]):>10s} {ms([r.cpu / r.tokens for r in rs]):>10s} "
-                f"{ms([r.client_cpu / r.tokens for r in rs]) if key in ('served', 'inline') else '-':>10s}"
+                f"{ms([r.client_cpu / r.tokens for r in rs]) if key in ('served', 'inline', 'durable') else '-':>10s}"
                 if not server else "")
         print(f"{label:48s} {ms(ttft):>8s} {ms(tpot):>8s}{tail}")
 
     def per_round(f: Callable[[Run, Run], float], a: str, b: str) -> list[float]:
-        return [f(x, y) for x, y in zip(runs[a], runs[b])]
+        return [f(x, y) * 1e3 for x, y in zip(runs[a], runs[b])]
 
-    step = per_round(lambda s, local: (s.server_tpot - local.tpot) * 1e3, "served", "local")
-    loop = per_round(lambda local, bare: (local.tpot - bare.tpot) * 1e3, "local", "bare")
-    tap = per_round(lambda t, s: (t.server_tpot - s.server_tpot) * 1e3, "inline", "served")
+    def cpu_per_token(a: str, b: str) -> list[float]:
+        return per_round(lambda x, y: x.cpu / x.tokens - y.cpu / y.tokens, a, b)
+
+    print("differences, per round, median [min..max] ms:       per decode step (TPOT)     CPU per token")
+    for label, a, b, server in [("model.generate's loop over the bare forward", "local", "bare", False),
+                                ("the server's step over model.generate's", "served", "local", False),
+                                (f"inline tap on {on_layers} over no taps (server)", "inline", "served", True),
+                                (f"durable tap on {on_layers} over no taps (server)", "durable", "served", True)]:
+        tpot = per_round((lambda x, y: x.server_tpot - y.server_tpot) if server else
+                         (lambda x, y: (x.server_tpot if a == "served" else x.tpot) - y.tpot), a, b)
+        print(f"  {label:50s} {spread(tpot, '{:+.2f}'):>24s} {spread(cpu_per_token(a, b), '{:+.2f}'):>24s}")
     # The client's wall time past the server's own span (arrival to last token): the request's way in,
     # the last token's and the finished message's way out, and the stream's end.
     edges = [(r.wall - (r.server_ttft + (r.tokens - 1) * r.server_tpot)) * 1e3 for r in runs["served"]]
-    cpu = per_round(lambda s, local: (s.cpu - local.cpu) / s.tokens * 1e3, "served", "local")
-    print(f"per decode step: model.generate's loop over the bare forward {spread(loop, '{:+.2f}')} ms; the server's "
-          f"step over model.generate's {spread(step, '{:+.2f}')} ms; the inline tap on {layers} "
-          f"layers {spread(tap, '{:+.2f}')} ms")
     print(f"gRPC: the client's wall time past the server's span {spread(edges, '{:.1f}')} ms per call "
-          f"({statistics.median(edges) / n:.3f} ms per token); server CPU per token over model.generate's "
-          f"{spread(cpu, '{:+.2f}')} ms; client CPU per token {spread([r.client_cpu / r.tokens * 1e3 for r in runs['served']], '{:.2f}')} ms")
+          f"({statistics.median(edges) / n:.3f} ms per token); client CPU per token "
+          f"{spread([r.client_cpu / r.tokens * 1e3 for r in runs['served']], '{:.2f}')} ms")
     if agree != n:
         print(f"note: the served tokens left model.generate's at token {agree}: a random-init model's top-2 logits "
               "can be within float noise", file=sys.stderr)
