@@ -31,6 +31,7 @@ from ._errors import (
 )
 from ._explain import Explanation
 from ._fleet import Fleet, FleetError, FleetItem, FleetResult, FleetStream
+from ._generate import GeneratedToken, Generation, GenerationResult, GenerationStep, Prompt, StepCapture
 from ._incidents import Incident, IncidentInfo, Incidents
 from ._io import SkippedOutput
 from ._results import *  # noqa: F403 - the result dataclasses and ReducerResult: one per kind, listed in the table module
@@ -84,6 +85,7 @@ __all__ = [
     "IncidentInfo",
     "SummaryStream",
     "TapHandle",
+    "Generation",
     # errors
     "LayertapError",
     "NotFound",
@@ -114,8 +116,13 @@ __all__ = [
     "LayerDrift",
     "Explanation",
     "SkippedOutput",
+    "GenerationStep",
+    "GeneratedToken",
+    "StepCapture",
+    "GenerationResult",
     # type aliases of public signatures
     "ReducerSpec",
+    "Prompt",
     "Structured",
     "__version__",
 ]

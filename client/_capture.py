@@ -19,7 +19,7 @@ import numpy as np
 
 from ._capture_wire import CaptureMessage, WireChunk
 from ._codec import Array, DType, TensorValue, decode_array, dtype_code, dtype_name, layout, require_torch
-from ._convert import point_code, point_name
+from ._convert import phase_name, point_code, point_name
 from ._errors import InvalidArgument, ProtocolError
 from ._io import encode_inputs, split_input
 from ._types import Structured
@@ -83,13 +83,22 @@ def capture_request(
     req = telemetry_pb2.CaptureRequest(point=code, passes=passes, max_batch=max_batch or 0)
     (req.selectors if any(is_pattern(name) for name in layers) else req.layers).extend(layers)
     if dtype is not None:
-        dcode = dtype_code(dtype)
-        if dcode not in (tensor_pb2.DATA_TYPE_FLOAT16, tensor_pb2.DATA_TYPE_BFLOAT16):
-            raise InvalidArgument(f"capture dtype must be 'float16' or 'bfloat16', got {dtype!r}")
-        req.dtype = dcode
+        req.dtype = downcast_code(dtype)
     if input is not None:
         req.inputs.extend(encode_inputs(*split_input(input), what="capture input"))
     return req
+
+
+def downcast_code(dtype: str) -> DType:
+    """The wire dtype of a capture's downcast: ``"float16"`` or ``"bfloat16"`` (aliases such as ``"bf16"`` too).
+
+    Raises:
+        InvalidArgument: Any other dtype.
+    """
+    code = dtype_code(dtype)
+    if code not in (tensor_pb2.DATA_TYPE_FLOAT16, tensor_pb2.DATA_TYPE_BFLOAT16):
+        raise InvalidArgument(f"capture dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+    return code
 
 
 @dataclass
@@ -109,6 +118,10 @@ class CapturedTensor:
     call_index: int = 0
     #: The pass's training step (a training agent's passes); None for Infer traffic and active passes.
     step: int | None = None
+    #: The pass's place in a generation, as ``Summary.phase``, ``position`` and ``request_ids``.
+    phase: str = ""
+    position: int | None = None
+    request_ids: tuple[str, ...] = ()
     value: TensorValue = None
 
 
@@ -216,6 +229,9 @@ class CaptureAssembler:
             dtype=dtype_name(h.dtype),
             call_index=h.call_index,
             step=h.step if h.has_step else None,
+            phase=phase_name(h.phase),
+            position=h.position if h.has_position else None,
+            request_ids=tuple(h.request_ids),
         )
         try:
             buffer = np.empty(nbytes, dtype=np.uint8)  # only after every check above

@@ -18,6 +18,8 @@ __all__ = ["CLI_FLAGS", "cli_hint", "error_line"]
 CLI_FLAGS = {
     "input": "--input FILE (or --random-input)",
     "timeout": "--timeout SECONDS",
+    "prompt": "--ids ID,ID,...",
+    "max_new_tokens": "--max-new-tokens N",
 }
 
 _ARGUMENT = re.compile(r"\b(" + "|".join(CLI_FLAGS) + r")=")

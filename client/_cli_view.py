@@ -177,6 +177,8 @@ def watch_line(s: Summary) -> str:
     of repeating stale statistics.
     """
     parts = [_row_name(s.layer, s.output_index), f"pass={s.pass_index}"]
+    if s.phase:  # a generation's pass (Client.generate)
+        parts.append(f"phase={s.phase}" if s.position is None else f"phase={s.phase} pos={s.position}")
     if s.unsampled:
         parts.append("unsampled")
     else:

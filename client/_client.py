@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
 from typing import Any, Literal, overload
 
-from . import _capture, _convert, _explain
+from . import _capture, _convert, _explain, _generate
 from ._capture import CaptureOptions, ProgressCallback
 from ._capture_wire import CaptureMessage, parse_response
 from ._channel import TlsOption, normalize_target
@@ -21,6 +21,7 @@ from ._codec import Array
 from ._errors import DeadlineExceeded, InvalidArgument, NotFound
 from ._explain import Explanation
 from ._fleet_baseline import Baselines
+from ._generate import Generation, Prompt
 from ._incidents import Incidents
 from ._io import decode_outputs, encode_inputs
 from ._results import RESULTS
@@ -78,15 +79,9 @@ class Client:
         ...     x = client.capture("layer4")
     """
 
-    def __init__(
-        self,
-        target: str | int,
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        token: str | None = None,
-        tls: TlsOption = None,
-    ) -> None:
+    def __init__(self, target: str | int, *, timeout: float = DEFAULT_TIMEOUT,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, token: str | None = None,
+                 tls: TlsOption = None) -> None:
         if not timeout > 0:
             raise InvalidArgument(f"timeout must be > 0 seconds, got {timeout}")
         self.target = normalize_target(target)
@@ -102,12 +97,8 @@ class Client:
         self._transport.check_open()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -188,6 +179,46 @@ class Client:
         resp = self._transport.unary(INFER, req, timeout=timeout)
         return decode_outputs(resp, as_torch=as_torch)
 
+    def generate(
+        self, prompt: Prompt, *, max_new_tokens: int = 16, do_sample: bool = False, temperature: float | None = None,
+        top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+        stop_token_ids: Sequence[int] = (), taps: str | TapSpec | Sequence[str | TapSpec] = (),
+        capture: str | Sequence[str] = (), capture_dtype: str | None = None, as_torch: bool = False,
+        timeout: float | None = None,
+    ) -> Generation:
+        """Generates tokens with the served causal LM (transformers' ``generate`` names), streaming each step.
+
+        Returns once the server accepted the request: iterate the
+        :class:`Generation` for its steps, or call ``.result()``.
+
+        Args:
+            prompt: A text (needs a tokenizer in the model directory), one
+                prompt's token ids, or a list of either for several sequences
+                (lengths may differ); a 1-D or 2-D integer array too.
+            max_new_tokens: New tokens per sequence (at most the server's ``--max-new-tokens``).
+            do_sample: Sample with ``temperature``, ``top_k`` and ``top_p``
+                (None: 1.0, every token, 1.0) instead of greedy decoding.
+            seed: The request's own generator: a seed gives the same tokens whatever shares the batch.
+            stop_token_ids: Tokens that end a sequence, besides the model's end-of-sequence ids.
+            taps: Inline taps that live as long as the call and see only its
+                rows: selectors or :class:`TapSpec` objects, as for :meth:`watch`.
+            capture: Layer names or selectors whose outputs come with every step.
+            capture_dtype: Downcast captured tensors to ``"float16"`` or ``"bfloat16"``.
+            as_torch: Captured tensors as torch tensors (needs torch installed).
+            timeout: Deadline of the whole call in seconds; default none, as for the other streams (a generation ends after ``max_new_tokens``).
+
+        Raises:
+            InvalidArgument: A malformed prompt or option (also from the server).
+            FailedPrecondition: The model cannot generate (``reason``
+                ``CANNOT_GENERATE``), or a text prompt without a tokenizer (``NO_TOKENIZER``).
+            LayerNotFound: A tap or capture selector matches no module.
+            PermissionDenied: Taps need the ``tap`` scope, captures ``capture``.
+        """
+        return _generate.generate(
+            self._transport, prompt, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+            top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, taps=taps, capture=capture,
+            capture_dtype=capture_dtype, as_torch=as_torch, timeout=timeout)
+
     # ------------------------------------------------------------------ layers, capture
 
     def layers(self, *, timeout: float | None = None) -> list[LayerInfo]:
@@ -227,17 +258,9 @@ class Client:
     ) -> Any: ...
 
     def capture(
-        self,
-        layers: str | Sequence[str],
-        *,
-        input: Any = None,  # noqa: A002 - the issue's public name
-        n: int = 1,
-        point: str = "output",
-        max_batch: int | None = None,
-        dtype: str | None = None,
-        as_torch: bool = False,
-        timeout: float | None = None,
-        progress: ProgressCallback | None = None,
+        self, layers: str | Sequence[str], *, input: Any = None,  # noqa: A002 - the issue's public name
+        n: int = 1, point: str = "output", max_batch: int | None = None, dtype: str | None = None,
+        as_torch: bool = False, timeout: float | None = None, progress: ProgressCallback | None = None,
     ) -> Any:
         """Fetches the tensors at one or more layers.
 
@@ -304,15 +327,8 @@ class Client:
         return _capture.shape_capture(assembler.finish(), names, single=single, n=n)
 
     def explain(
-        self,
-        x: Any,
-        layer: str,
-        target: int | Sequence[int] | None = None,
-        *,
-        normalize: bool = False,
-        upsample: bool = False,
-        output_name: str = "",
-        timeout: float | None = None,
+        self, x: Any, layer: str, target: int | Sequence[int] | None = None, *, normalize: bool = False,
+        upsample: bool = False, output_name: str = "", timeout: float | None = None,
     ) -> Explanation:
         """Grad-CAM: which parts of ``x`` the layer's features for a class come from.
 
@@ -370,6 +386,7 @@ class Client:
             every: Summarize every N-th live pass.
             probability: Summarize a pass with this probability.
             max_per_second: At most this many summaries per second.
+            phases: Only passes of these generation phases (see :class:`TapSpec`).
             name: A label for the tap.
             ttl: Seconds to live (None: the server's default, 10 minutes).
             forever: Keep the tap until deleted.
@@ -420,19 +437,14 @@ class Client:
                 except NotFound:
                     pass  # Expired already: the goal is reached.
 
-    def watch(
-        self,
-        selector: str | TapSpec,
-        *,
-        queue_size: int | None = None,
-        timeout: float | None = None,
-        **options: Unpack[TapOptions],
-    ) -> SummaryStream:
+    def watch(self, selector: str | TapSpec, *, queue_size: int | None = None, timeout: float | None = None,
+              **options: Unpack[TapOptions]) -> SummaryStream:
         """Streams summaries from an inline stream tap that lives as long as the stream.
 
         Args:
             selector: As for :meth:`create_tap`.
             reducers: As for :meth:`create_tap` (default moments, minmax, nonfinite).
+            phases: Only passes of these phases (``TapSpec.phases``), e.g. ``["decode"]``.
             every: Summarize every N-th live pass.
             point: Where to read the tensor (default ``"output"``).
             probability: Summarize a pass with this probability.
@@ -448,13 +460,8 @@ class Client:
         req = _convert.subscribe_request(stream_taps=[tap_spec(selector, options)], queue_size=queue_size)
         return self._subscribe(req, timeout)
 
-    def subscribe(
-        self,
-        tap_ids: str | Sequence[str] = (),
-        *,
-        queue_size: int | None = None,
-        timeout: float | None = None,
-    ) -> SummaryStream:
+    def subscribe(self, tap_ids: str | Sequence[str] = (), *, queue_size: int | None = None,
+                  timeout: float | None = None) -> SummaryStream:
         """Follows durable taps (all of them when ``tap_ids`` is empty).
 
         Args:
@@ -474,15 +481,8 @@ class Client:
     # ------------------------------------------------------------------ drift (older spellings)
 
     def set_baseline(
-        self,
-        selector: str,
-        *,
-        passes: int = 100,
-        window: int = 50,
-        point: str = "output",
-        thresholds: DriftThresholds | Mapping[str, float] | None = None,
-        name: str = "",
-        timeout: float | None = None,
+        self, selector: str, *, passes: int = 100, window: int = 50, point: str = "output",
+        thresholds: DriftThresholds | Mapping[str, float] | None = None, name: str = "", timeout: float | None = None,
     ) -> BaselineInfo:
         """Freezes a drift baseline from the next ``passes`` live passes: ``client.baselines.set``, which see."""
         return self.baselines.set(selector, passes=passes, window=window, point=point, thresholds=thresholds,

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 _Point: TypeAlias = "telemetry_pb2.Point.ValueType"
 _Kind: TypeAlias = "telemetry_pb2.ReducerKind.ValueType"
+_Phase: TypeAlias = "telemetry_pb2.Phase.ValueType"
 _V = TypeVar("_V", bound=int, covariant=True)
 _D = TypeVar("_D", bound="DataclassInstance")
 
@@ -60,6 +61,9 @@ _POINTS = _enum_names(telemetry_pb2.Point, "POINT_")
 _POINT_NAMES = {code: name for name, code in _POINTS.items()}
 _REDUCERS = _enum_names(telemetry_pb2.ReducerKind, "REDUCER_KIND_")
 _REDUCER_NAMES = {code: name for name, code in _REDUCERS.items()}
+#: The generation phases; a plain forward's PHASE_UNSPECIFIED is "".
+_PHASES = {"": telemetry_pb2.PHASE_UNSPECIFIED, **_enum_names(telemetry_pb2.Phase, "PHASE_")}
+_PHASE_NAMES = {code: name for name, code in _PHASES.items()}
 _TAP_KINDS = {code: name for name, code in _enum_names(telemetry_pb2.TapKind, "TAP_KIND_").items()}
 _BASELINE_STATES = {
     code: name for name, code in _enum_names(telemetry_pb2.BaselineState, "BASELINE_STATE_").items()
@@ -97,6 +101,25 @@ def point_code(point: str) -> _Point:
 def point_name(code: _Point) -> str:
     """Returns the name of a wire Point (``"output"`` when unspecified)."""
     return _POINT_NAMES.get(code, "output")
+
+
+def phase_code(phase: str) -> _Phase:
+    """Returns the wire Phase for ``"prefill"``, ``"decode"`` or ``""`` (a plain forward).
+
+    Raises:
+        InvalidArgument: Unknown phase name.
+    """
+    try:
+        return _PHASES[phase.strip().lower()]
+    except KeyError:
+        raise InvalidArgument(
+            f"unknown phase {phase!r}; expected one of: {', '.join(repr(p) for p in _PHASES)}"
+        ) from None
+
+
+def phase_name(code: _Phase) -> str:
+    """Returns the name of a wire Phase: ``""`` for a plain forward (and a phase newer than this client)."""
+    return _PHASE_NAMES.get(code, "")
 
 
 # --------------------------------------------------------------------------- inference
@@ -249,6 +272,8 @@ def tap_spec_to_proto(spec: TapSpec) -> telemetry_pb2.TapSpec:
             probability=spec.probability or 0.0,
             max_per_second=spec.max_per_second or 0.0,
         ),
+        # A lone str is one phase name, not its letters.
+        phases=[phase_code(p) for p in ((spec.phases,) if isinstance(spec.phases, str) else spec.phases)],
     )
     if spec.triggers is not None:
         t = spec.triggers
@@ -273,6 +298,7 @@ def tap_spec_from_proto(spec: telemetry_pb2.TapSpec) -> TapSpec:
             nonfinite=spec.triggers.nonfinite, abs_max_above=spec.triggers.abs_max_above or None,
             mean_sigma=spec.triggers.mean_sigma or None, min_interval=spec.triggers.min_interval_seconds or None,
         ) if spec.HasField("triggers") else None,
+        phases=tuple(phase_name(p) for p in spec.phases),
     )
 
 
@@ -372,6 +398,8 @@ def summary_from_proto(s: telemetry_pb2.Summary) -> Summary:
         pass_index=s.pass_index, step=s.step if s.has_step else None,
         wall_time=wall.seconds + wall.nanos / 1e9, unsampled=s.unsampled, results=results,
         call_index=s.call_index, rank=s.rank if s.has_rank else None, output_key=s.output_key,
+        phase=_PHASE_NAMES.get(s.phase, ""), position=s.position if s.has_position else None,
+        request_ids=tuple(s.request_ids),
     )
 
 
@@ -450,6 +478,7 @@ def drift_from_proto(r: telemetry_pb2.GetDriftResponse) -> list[LayerDrift]:
             state=_BASELINE_STATES.get(d.state, "unspecified"),
             thresholds=_from_fields(DriftThresholds, d.thresholds),
             channel_drift_fraction=None if d.channel_drift_fraction < 0 else d.channel_drift_fraction,
+            phase=phase_name(d.phase),
         )
         for d in r.layers
     ]

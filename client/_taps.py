@@ -31,7 +31,8 @@ class TapOptions(TypedDict, total=False):
 
     Each replaces the same-named field of the :class:`~layertap.TapSpec`
     (None keeps it); see :meth:`layertap.Client.create_tap` for their meaning.
-    ``reducers`` also takes the CLI's comma-separated form.
+    ``reducers`` also takes the CLI's comma-separated form; ``phases`` takes
+    one name as a str.
     """
 
     reducers: Sequence[ReducerSpec] | str | None
@@ -40,6 +41,7 @@ class TapOptions(TypedDict, total=False):
     probability: float | None
     max_per_second: float | None
     triggers: Triggers | None
+    phases: Sequence[str] | str | None
 
 
 class DurableTapOptions(TapOptions, total=False):
@@ -71,6 +73,9 @@ def tap_spec(selector: str | TapSpec, options: Mapping[str, Any]) -> TapSpec:
         changes["reducers"] = [r.strip() for r in reducers.split(",") if r.strip()]
     if "reducers" in changes:
         changes["reducers"] = tuple(changes["reducers"])
+    phases = changes.get("phases")
+    if phases is not None:
+        changes["phases"] = (phases,) if isinstance(phases, str) else tuple(phases)
     return dataclasses.replace(spec, **changes)
 
 

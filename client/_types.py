@@ -147,6 +147,10 @@ class TapSpec:
         max_per_second: At most this many summaries per second (None: unlimited).
         name: A label for the tap.
         triggers: Flight-recorder triggers of a durable tap (None: none).
+        phases: Only passes of these phases feed the tap: ``"prefill"``,
+            ``"decode"`` (a generation's passes, ``Client.generate``) and
+            ``""`` (a plain forward: Infer, a capture, a training step).
+            Empty: every pass.
     """
 
     selector: str
@@ -157,6 +161,7 @@ class TapSpec:
     max_per_second: float | None = None
     name: str = ""
     triggers: Triggers | None = None
+    phases: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -199,6 +204,14 @@ class Summary:
             ``input``), the keyword or its path in one
             (``position_embeddings.0``); "" for positional arguments and
             outputs. ``output_index`` counts positional tensors first.
+        phase: The pass's place in a generation: ``"prefill"`` or
+            ``"decode"``; ``""`` for a plain forward (Infer, a capture).
+        position: The position, in its sequence, of the token the pass
+            produces (the prompt's length for a prefill); None for a plain
+            forward, or a pass whose rows produce different positions.
+        request_ids: The generations (``Generation.request_id``) whose rows
+            the pass holds. A durable tap summarizes the whole batch; a
+            generation's own taps only its rows.
     """
 
     tap: str
@@ -213,6 +226,9 @@ class Summary:
     call_index: int = 0
     rank: int | None = None
     output_key: str = ""
+    phase: str = ""
+    position: int | None = None
+    request_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -250,6 +266,8 @@ class LayerDrift:
     scoring, but its file could not be written (``save_error`` says why), so
     it would be lost at a restart until the server's retries write it.
     ``channel_drift_fraction`` is None when per-channel stats are not tapped.
+    ``phase`` is the generation phase whose passes it scores (``"prefill"``,
+    ``"decode"``, or ``""`` for plain forwards): a layer has one entry per phase seen.
     """
 
     tap: str
@@ -266,3 +284,4 @@ class LayerDrift:
     drifted: bool
     channel_drift_fraction: float | None
     save_error: str = ""
+    phase: str = ""

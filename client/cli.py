@@ -23,6 +23,7 @@ from ._channel import normalize_target
 from ._cli_args import positive_float, positive_int
 from ._cli_errors import error_line
 from ._cli_explain import add_explain_command
+from ._cli_generate import add_generate_command
 from ._cli_incidents import add_incidents_command
 from ._cli_infer import add_infer_command
 from ._cli_input import add_vocab_flag, load_input, random_inputs
@@ -157,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_stats)
 
     add_infer_command(command)
+    add_generate_command(command)
     add_explain_command(command)
     add_profile_command(command)
     add_tensorboard_command(command)

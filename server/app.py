@@ -21,6 +21,7 @@ from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.errors import LayertapServerError
 from layertap.server.export.activations import ActivationCollector
 from layertap.server.export.endpoint import start_metrics_server, stop_metrics_server
+from layertap.server.export.generation import GenerationMetrics
 from layertap.server.export.health import ServerMetrics
 from layertap.server.export.pipeline import PipelineCollector
 from layertap.server.export.sink import MetricsSink
@@ -270,7 +271,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
     why_not = Generator.can_generate(host)
     if why_not is None:
         state.generator = Generator(host, max_new_tokens=config.max_new_tokens, max_rows=config.max_generate_rows,
-                                    tokenizer=loaded.tokenizer)
+                                    tokenizer=loaded.tokenizer,
+                                    listener=GenerationMetrics(registry, loaded.name) if registry is not None else None)
     else:
         state.cannot_generate = why_not
     if config.tap_config:

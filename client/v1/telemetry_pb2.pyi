@@ -1523,6 +1523,7 @@ class LayerDrift(_message.Message):
     DRIFTED_FIELD_NUMBER: _builtins.int
     CHANNEL_DRIFT_FRACTION_FIELD_NUMBER: _builtins.int
     SAVE_ERROR_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
     tap: _builtins.str
     layer: _builtins.str
     point: Global___Point.ValueType
@@ -1540,6 +1541,10 @@ class LayerDrift(_message.Message):
     """
     save_error: _builtins.str
     """Why the baseline's file could not be written (state UNSAVED), else empty."""
+    phase: Global___Phase.ValueType
+    """The phase whose passes the baseline was frozen from and whose windows it
+    scores: a layer has one entry per phase seen (PHASE_UNSPECIFIED: plain forwards).
+    """
     @_builtins.property
     def thresholds(self) -> Global___DriftThresholds: ...
     def __init__(
@@ -1559,10 +1564,11 @@ class LayerDrift(_message.Message):
         drifted: _builtins.bool = ...,
         channel_drift_fraction: _builtins.float = ...,
         save_error: _builtins.str = ...,
+        phase: Global___Phase.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["thresholds", b"thresholds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["baseline_passes", b"baseline_passes", "channel_drift_fraction", b"channel_drift_fraction", "drifted", b"drifted", "js", b"js", "layer", b"layer", "mean_shift", b"mean_shift", "point", b"point", "psi", b"psi", "save_error", b"save_error", "state", b"state", "tap", b"tap", "thresholds", b"thresholds", "wasserstein", b"wasserstein", "window_passes", b"window_passes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["baseline_passes", b"baseline_passes", "channel_drift_fraction", b"channel_drift_fraction", "drifted", b"drifted", "js", b"js", "layer", b"layer", "mean_shift", b"mean_shift", "phase", b"phase", "point", b"point", "psi", b"psi", "save_error", b"save_error", "state", b"state", "tap", b"tap", "thresholds", b"thresholds", "wasserstein", b"wasserstein", "window_passes", b"window_passes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2069,6 +2075,7 @@ class BaselineBuilderState(_message.Message):
     CHANNEL_COUNT_FIELD_NUMBER: _builtins.int
     CHANNEL_MEAN_FIELD_NUMBER: _builtins.int
     CHANNEL_M2_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
     layer: _builtins.str
     point: Global___Point.ValueType
     target_passes: _builtins.int
@@ -2086,6 +2093,8 @@ class BaselineBuilderState(_message.Message):
     """Per-channel moments (empty when channels are not tapped): weight per
     channel, means and M2s, one per channel.
     """
+    phase: Global___Phase.ValueType
+    """The phase of the passes it was fed: states merge only within one phase."""
     @_builtins.property
     def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """The reservoir: sampled values and their log A-Res keys, same length."""
@@ -2114,10 +2123,11 @@ class BaselineBuilderState(_message.Message):
         channel_count: _builtins.float = ...,
         channel_mean: _abc.Iterable[_builtins.float] | None = ...,
         channel_m2: _abc.Iterable[_builtins.float] | None = ...,
+        phase: Global___Phase.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["channel_count", b"channel_count", "channel_m2", b"channel_m2", "channel_mean", b"channel_mean", "count", b"count", "keys", b"keys", "layer", b"layer", "m2", b"m2", "max", b"max", "mean", b"mean", "min", b"min", "passes", b"passes", "point", b"point", "skipped_passes", b"skipped_passes", "target_passes", b"target_passes", "values", b"values"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["channel_count", b"channel_count", "channel_m2", b"channel_m2", "channel_mean", b"channel_mean", "count", b"count", "keys", b"keys", "layer", b"layer", "m2", b"m2", "max", b"max", "mean", b"mean", "min", b"min", "passes", b"passes", "phase", b"phase", "point", b"point", "skipped_passes", b"skipped_passes", "target_passes", b"target_passes", "values", b"values"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2134,11 +2144,16 @@ class LayerBaseline(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     BUILDER_FIELD_NUMBER: _builtins.int
     FROZEN_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
     layer: _builtins.str
     point: Global___Point.ValueType
     state: Global___BaselineState.ValueType
     frozen: _builtins.bytes
-    """Once ready: the `layertap.baseline` v1 JSON document, as in --baseline-dir."""
+    """Once ready: the `layertap.baseline` JSON document (v1 for plain
+    forwards, v2 with its phase otherwise), as in --baseline-dir.
+    """
+    phase: Global___Phase.ValueType
+    """The phase of the passes it is built from, as LayerDrift.phase."""
     @_builtins.property
     def builder(self) -> Global___BaselineBuilderState:
         """While collecting (or holding for InstallBaseline)."""
@@ -2151,10 +2166,11 @@ class LayerBaseline(_message.Message):
         state: Global___BaselineState.ValueType = ...,
         builder: Global___BaselineBuilderState | None = ...,
         frozen: _builtins.bytes = ...,
+        phase: Global___Phase.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["builder", b"builder", "frozen", b"frozen", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["builder", b"builder", "frozen", b"frozen", "layer", b"layer", "point", b"point", "state", b"state", "value", b"value"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["builder", b"builder", "frozen", b"frozen", "layer", b"layer", "phase", b"phase", "point", b"point", "state", b"state", "value", b"value"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_value: _TypeAlias = _typing.Literal["builder", "frozen"]  # noqa: Y015
     _WhichOneofArgType_value: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015

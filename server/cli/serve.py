@@ -169,6 +169,17 @@ def hint(server: LayertapServer, layer: str | None) -> str:
     return f"layertap: try `layertap capture {address} {layer} --random-input -o {layer}.npy{flags}`{token}"
 
 
+def generate_hint(server: LayertapServer, layer: str | None) -> str:
+    """A Generate command for a model that generates, watching the layers beside ``layer``
+    (``model.layers.1`` gives ``model.layers.*``)."""
+    config = server.state.config
+    flags = " --tls-ca CA.pem" if config.tls_cert else ""
+    parent, _, last = (layer or "").rpartition(".")
+    watch = f" --watch '{parent}.*'" if parent and last.isdigit() else ""
+    return (f"layertap: generate with `layertap generate {config.host}:{server.port} --ids 1,2,3 "
+            f"--max-new-tokens 8{watch}{flags}`")
+
+
 def smoke(address: str, layer: str, output_name: str = "") -> int:
     """Capture ``layer`` from the running server with the real client and print it.
 
@@ -248,6 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Before the hint: a supervisor that reads it may signal at once.
     install_signal_handlers(server)
     print(hint(server, layer), flush=True)
+    if server.state.generator is not None:
+        print(generate_hint(server, layer), flush=True)
     server.wait()
     return 0
 

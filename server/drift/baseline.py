@@ -1,4 +1,4 @@
-"""The frozen reference of one (tap, layer, point) that drift is scored against.
+"""The frozen reference of one (tap, layer, point, phase) that drift is scored against.
 
 Built by :class:`~layertap.server.drift.builder.BaselineBuilder`, persisted by
 :mod:`layertap.server.drift.files`. Its edges are the reference's own
@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from layertap.server.drift.merge import chan_merge
+from layertap.server.drift.phases import FORWARD
 from layertap.server.drift.thresholds import DriftThresholds
 
 __all__ = ["Baseline"]
@@ -25,7 +26,7 @@ FloatArray = npt.NDArray[np.float64]
 
 @dataclass(frozen=True, eq=False)
 class Baseline:
-    """A frozen reference for one (tap, layer, point).
+    """A frozen reference for one (tap, layer, point, phase).
 
     Attributes:
         tap: Id of the durable tap that holds it (a label on the drift series).
@@ -45,6 +46,8 @@ class Baseline:
         window: Sliding-window length (passes) drift uses against it.
         thresholds: Drift thresholds for this layer.
         created_at: Unix time the baseline was frozen.
+        phase: The passes it was frozen from (``"forward"``, ``"prefill"``,
+            ``"decode"``): only passes of that phase are scored against it.
     """
 
     tap: str
@@ -64,11 +67,12 @@ class Baseline:
     window: int = 50
     thresholds: DriftThresholds = field(default_factory=DriftThresholds)
     created_at: float = 0.0
+    phase: str = FORWARD
 
     @property
-    def key(self) -> tuple[str, str, str]:
-        """``(tap, layer, point)``, the identity of a baseline."""
-        return (self.tap, self.layer, self.point)
+    def key(self) -> tuple[str, str, str, str]:
+        """``(tap, layer, point, phase)``, the identity of a baseline."""
+        return (self.tap, self.layer, self.point, self.phase)
 
     @property
     def std(self) -> float:
@@ -91,10 +95,11 @@ class Baseline:
         are kept from ``self``.
 
         Raises:
-            ValueError: On a different layer/point or different edges.
+            ValueError: On a different layer/point/phase or different edges.
         """
-        if (self.layer, self.point) != (other.layer, other.point):
-            raise ValueError(f"cannot merge baselines of {self.layer}/{self.point} and {other.layer}/{other.point}")
+        if (self.layer, self.point, self.phase) != (other.layer, other.point, other.phase):
+            raise ValueError(f"cannot merge baselines of {self.layer}/{self.point}/{self.phase} and "
+                             f"{other.layer}/{other.point}/{other.phase}")
         if self.edges.shape != other.edges.shape or not np.array_equal(self.edges, other.edges):
             raise ValueError(f"cannot merge baselines of {self.layer} with different edges; rebuild one on the other's edges")
         n, mean, m2 = chan_merge(self.count, self.mean, self.m2, other.count, other.mean, other.m2)

@@ -40,6 +40,7 @@ import numpy.typing as npt
 
 from layertap.server.drift.baseline import Baseline
 from layertap.server.drift.merge import chan_merge
+from layertap.server.drift.phases import FORWARD
 from layertap.server.drift.thresholds import DriftThresholds
 from layertap.server.reducers.spec import DEFAULT_PROBABILITIES
 
@@ -59,7 +60,7 @@ class BuilderState:
     """Everything a builder holds, so that another replica can merge it exactly.
 
     ``keys`` are the log A-Res keys of ``values``; ``channel_*`` are None when
-    channels were not tapped.
+    channels were not tapped; ``phase`` names the passes it collected.
     """
 
     layer: str
@@ -77,10 +78,11 @@ class BuilderState:
     channel_count: float = 0.0
     channel_mean: FloatArray | None = None
     channel_m2: FloatArray | None = None
+    phase: str = FORWARD
 
 
 class BaselineBuilder:
-    """Collects a baseline for one (tap, layer, point), one live pass at a time.
+    """Collects a baseline for one (tap, layer, point, phase), one live pass at a time.
 
     See the module docstring for why it keeps a weighted reservoir. Not
     thread-safe: the host-transfer thread owns it.
@@ -95,6 +97,7 @@ class BaselineBuilder:
         passes: int = 100,
         reservoir_size: int = 20_000,
         seed: int | None = None,
+        phase: str = FORWARD,
     ) -> None:
         """Start collecting.
 
@@ -105,10 +108,11 @@ class BaselineBuilder:
             passes: Passes wanted; :attr:`done` turns true after that many.
             reservoir_size: Values kept for the quantile edges.
             seed: Seed of the reservoir's random keys (None: fresh entropy).
+            phase: The phase whose passes the caller feeds (``"decode"``...).
         """
         if reservoir_size < 1:
             raise ValueError("reservoir_size must be >= 1")
-        self.tap, self.layer, self.point = tap, layer, point
+        self.tap, self.layer, self.point, self.phase = tap, layer, point, phase
         self.target_passes = int(passes)
         self.reservoir_size = int(reservoir_size)
         self._rng = np.random.default_rng(seed)
@@ -199,9 +203,10 @@ class BaselineBuilder:
         self._values, self._keys = values, keys
 
     def merge(self, other: BaselineBuilder) -> None:
-        """Fold ``other`` (same layer and point, e.g. another replica) into this one."""
-        if (self.layer, self.point) != (other.layer, other.point):
-            raise ValueError(f"cannot merge builders of {self.layer}/{self.point} and {other.layer}/{other.point}")
+        """Fold ``other`` (same layer, point and phase, e.g. another replica) into this one."""
+        if (self.layer, self.point, self.phase) != (other.layer, other.point, other.phase):
+            raise ValueError(f"cannot merge builders of {self.layer}/{self.point}/{self.phase} and "
+                             f"{other.layer}/{other.point}/{other.phase}")
         n, m, m2 = chan_merge(self.count, self.mean, self.m2, other.count, other.mean, other.m2)
         self.count, self.mean, self.m2 = int(n), float(m), float(m2)
         self.passes += other.passes
@@ -222,6 +227,7 @@ class BaselineBuilder:
             self.layer, self.point, self.target_passes, self.passes, self.skipped_passes, self.count,
             self.mean, self.m2, self.min, self.max, self._values.copy(), self._keys.copy(), self._c_n,
             None if self._c_mean is None else self._c_mean.copy(), None if self._c_m2 is None else self._c_m2.copy(),
+            self.phase,
         )
 
     @classmethod
@@ -230,7 +236,8 @@ class BaselineBuilder:
 
         ``state`` must already be valid (``exchange.builder_state_from_proto`` checks it).
         """
-        b = cls(tap, state.layer, state.point, passes=state.target_passes, reservoir_size=reservoir_size)
+        b = cls(tap, state.layer, state.point, passes=state.target_passes, reservoir_size=reservoir_size,
+                phase=state.phase)
         b.passes, b.skipped_passes, b.count = state.passes, state.skipped_passes, state.count
         b.mean, b.m2, b.min, b.max = state.mean, state.m2, state.min, state.max
         b._keep(np.asarray(state.values, dtype=np.float64), np.asarray(state.keys, dtype=np.float64))
@@ -292,4 +299,5 @@ class BaselineBuilder:
             window=int(window),
             thresholds=thresholds or DriftThresholds(),
             created_at=time.time(),
+            phase=self.phase,
         )

@@ -7,6 +7,10 @@ from other processes, so every field is checked here and a refusal names it
 (``builders[2].keys``, ``frozen[0]``). A frozen reference travels as the
 ``layertap.baseline`` JSON document of ``--baseline-dir`` files: one schema
 (and one validator) for disk and wire.
+
+Phases. A frozen document names its phase itself (schema v2). A builder's
+state says it in ``BaselineBuilderState.phase``, and ``LayerBaseline`` and
+``LayerDrift`` in their own ``phase``: states merge only within one phase.
 """
 
 from __future__ import annotations
@@ -20,19 +24,19 @@ import numpy.typing as npt
 
 from layertap.server.drift.baseline import Baseline
 from layertap.server.drift.builder import BaselineBuilder, BuilderState
+from layertap.server.drift.phases import PHASE_BY_NAME, PHASE_NAMES
 from layertap.server.drift.schema import BaselineFormatError, KnownLayers, baseline_from_dict, baseline_to_dict
 from layertap.server.errors import InvalidField
 from layertap.server.host.hooks import POINT_BY_NAME, POINT_NAMES
 from layertap.v1 import telemetry_pb2 as pb
 
-__all__ = ["builder_state_from_proto", "builder_state_to_proto", "frozen_from_bytes", "frozen_to_bytes", "merge_states"]
+__all__ = ["builder_state_from_proto", "builder_state_to_proto", "frozen_from_bytes", "frozen_to_bytes",
+           "merge_states"]
 
 #: Largest reservoir one exported state may carry (the builder keeps 20,000).
 MAX_RESERVOIR = 1_000_000
 #: Largest frozen document accepted, in bytes.
 MAX_FROZEN_BYTES = 16 << 20
-
-
 def builder_state_to_proto(s: BuilderState) -> pb.BaselineBuilderState:
     """The wire form of a builder's state (float64 throughout, so merges stay exact)."""
     msg = pb.BaselineBuilderState(
@@ -40,6 +44,7 @@ def builder_state_to_proto(s: BuilderState) -> pb.BaselineBuilderState:
         skipped_passes=s.skipped_passes, count=s.count, mean=s.mean, m2=s.m2, min=s.min, max=s.max,
         values=s.values.tolist(), keys=s.keys.tolist(),
     )
+    msg.phase = PHASE_BY_NAME[s.phase]  # type: ignore[assignment]
     if s.channel_mean is not None and s.channel_m2 is not None:
         msg.channel_count = s.channel_count
         msg.channel_mean.extend(s.channel_mean.tolist())
@@ -67,6 +72,9 @@ def builder_state_from_proto(msg: pb.BaselineBuilderState, field: str) -> Builde
     point = msg.point or pb.POINT_OUTPUT  # as in SetBaseline
     if point not in POINT_NAMES:
         raise InvalidField(f"{field}.point", f"unknown point {msg.point}")
+    phase = int(msg.phase)
+    if phase not in PHASE_NAMES:
+        raise InvalidField(f"{field}.phase", f"unknown phase {phase}")
     for name in ("mean", "m2"):
         if not math.isfinite(getattr(msg, name)):
             raise InvalidField(f"{field}.{name}", f"must be finite, got {getattr(msg, name)}")
@@ -100,12 +108,12 @@ def builder_state_from_proto(msg: pb.BaselineBuilderState, field: str) -> Builde
         layer=msg.layer, point=POINT_NAMES[point], target_passes=msg.target_passes, passes=msg.passes,
         skipped_passes=msg.skipped_passes, count=msg.count, mean=msg.mean, m2=msg.m2, min=msg.min, max=msg.max,
         values=values, keys=keys, channel_count=msg.channel_count if c_mean is not None else 0.0,
-        channel_mean=c_mean, channel_m2=c_m2,
+        channel_mean=c_mean, channel_m2=c_m2, phase=PHASE_NAMES[phase],
     )
 
 
 def merge_states(tap: str, states: list[BuilderState], *, reservoir_size: int = 20_000) -> BaselineBuilder:
-    """One builder holding every state (same layer and point), as if it had seen all their passes.
+    """One builder holding every state (same layer, point and phase), as if it had seen all their passes.
 
     The merged reservoir keeps the ``reservoir_size`` largest keys of all states.
     """

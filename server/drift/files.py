@@ -1,4 +1,4 @@
-"""Baseline files: one JSON document per (tap, layer, point), never pickle.
+"""Baseline files: one JSON document per (tap, layer, point, phase), never pickle.
 
 Writes are atomic (temporary file in the same directory, fsync,
 ``os.replace``, fsync of the directory) so a crash never leaves a torn file,
@@ -16,15 +16,21 @@ from pathlib import Path
 from typing import Any
 
 from layertap.server.drift.baseline import Baseline
+from layertap.server.drift.phases import FORWARD
 from layertap.server.drift.schema import BaselineFormatError, KnownLayers, baseline_from_dict, baseline_to_dict
 
 __all__ = ["baseline_filename", "load_baselines", "save_baseline"]
 
 
 def baseline_filename(b: Baseline) -> str:
-    """A stable, filesystem-safe file name for ``b``'s (tap, layer, point)."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{b.layer}.{b.point}")[:120]
-    digest = hashlib.sha256("\0".join(b.key).encode()).hexdigest()[:12]
+    """A stable, filesystem-safe file name for ``b``'s (tap, layer, point, phase).
+
+    A forward baseline keeps the name v1 servers gave it (no phase in it), so
+    saving it again replaces its old file instead of leaving a duplicate.
+    """
+    key = b.key if b.phase != FORWARD else b.key[:3]
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", ".".join(key[1:]))[:120]
+    digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:12]
     return f"baseline-{safe}-{digest}.json"
 
 
@@ -95,7 +101,7 @@ def load_baselines(
         return [], []
     out: list[Baseline] = []
     errors: list[str] = []
-    seen: set[tuple[str, str, str]] = set()
+    seen: set[tuple[str, str, str, str]] = set()
     for p in sorted(d.glob("*.json")):
         if p.name.startswith(".tmp-"):
             continue  # a write interrupted before os.replace
@@ -103,7 +109,8 @@ def load_baselines(
             doc = json.loads(p.read_text(encoding="utf-8"), parse_constant=_reject_constant)
             b = baseline_from_dict(doc, known_layers)
             if b.key in seen:
-                raise BaselineFormatError(f"duplicate baseline for tap {b.tap!r} layer {b.layer!r} point {b.point!r}")
+                raise BaselineFormatError(f"duplicate baseline for tap {b.tap!r} layer {b.layer!r} point {b.point!r} "
+                                          f"phase {b.phase!r}")
             seen.add(b.key)
             out.append(b)
         except json.JSONDecodeError as exc:

@@ -1,21 +1,30 @@
-"""One layer of a baseline tap: its entry (collecting, frozen, saved or not) and the reducers its tap runs."""
+"""One layer of a baseline tap in one phase: its entry (collecting, frozen, saved or not) and the reducers its tap runs."""
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from layertap.server.drift.baseline import Baseline
 from layertap.server.drift.builder import BaselineBuilder
+from layertap.server.drift.exchange import builder_state_to_proto, frozen_to_bytes
+from layertap.server.drift.files import save_baseline
+from layertap.server.drift.phases import FORWARD, PHASE_BY_NAME
 from layertap.server.drift.scores import DriftScore
-from layertap.server.drift.thresholds import DriftThresholds
+from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.drift.window import SlidingWindow
+from layertap.server.host.hooks import POINT_BY_NAME
 from layertap.server.taps.tap import Tap
 from layertap.v1 import telemetry_pb2 as pb
 
+log = logging.getLogger("layertap.server")
+
 __all__ = ["COLLECT_PROBABILITIES", "SAVE_RETRY_FIRST_SECONDS", "SAVE_RETRY_MAX_SECONDS", "LayerEntry",
-           "layer_reducers"]
+           "layer_reducers", "phases_reducers"]
 
 #: Percentiles reported per pass while a baseline collects.
 COLLECT_PROBABILITIES = tuple(round(i / 100, 2) for i in range(1, 100))
@@ -26,24 +35,49 @@ SAVE_RETRY_FIRST_SECONDS = 1.0
 SAVE_RETRY_MAX_SECONDS = 60.0
 
 
-def layer_reducers(*, per_channel: bool, edges: np.ndarray | None) -> list[pb.ReducerSpec]:
+def layer_reducers(*, per_channel: bool, edges: Iterable[np.ndarray] = (), collect: bool = True) -> list[pb.ReducerSpec]:
+    """The reducers of one layer of a baseline tap.
+
+    Args:
+        per_channel: Per-channel means (the channel drift fraction).
+        edges: One histogram per frozen baseline's edges (equal edges once).
+        collect: Dense quantiles, for the builders still collecting.
+    """
     specs = [pb.ReducerSpec(kind=pb.REDUCER_KIND_MOMENTS), pb.ReducerSpec(kind=pb.REDUCER_KIND_MINMAX),
              pb.ReducerSpec(kind=pb.REDUCER_KIND_NONFINITE)]
-    if edges is None:
+    if collect:
         specs.append(pb.ReducerSpec(kind=pb.REDUCER_KIND_QUANTILES,
                                     quantiles=pb.QuantileParams(probabilities=COLLECT_PROBABILITIES)))
-    else:
-        specs.append(pb.ReducerSpec(kind=pb.REDUCER_KIND_HISTOGRAM,
-                                    histogram=pb.HistogramParams(edges=[float(e) for e in edges])))
+    seen: set[tuple[float, ...]] = set()
+    for e in edges:
+        key = tuple(float(x) for x in e)
+        if key not in seen:  # a plan refuses a duplicate reducer
+            seen.add(key)
+            specs.append(pb.ReducerSpec(kind=pb.REDUCER_KIND_HISTOGRAM, histogram=pb.HistogramParams(edges=key)))
     if per_channel:
         # No dim: the model's feature axis (hidden units of a token model, channels of a map).
         specs.append(pb.ReducerSpec(kind=pb.REDUCER_KIND_PER_CHANNEL, per_channel=pb.PerChannelParams()))
     return specs
 
 
+def phases_reducers(entries: Iterable[LayerEntry]) -> list[pb.ReducerSpec]:
+    """The reducers one layer runs for the baselines of all its phases (one tap plan serves every pass).
+
+    Quantiles while any phase collects, and a histogram over each frozen
+    phase's edges (forward, prefill, decode order), so each phase's passes
+    carry the counts on its own edges; drift reads the histogram whose edges
+    are its baseline's. An entry being reloaded (neither builder nor
+    baseline yet) asks for nothing.
+    """
+    entries = sorted(entries, key=lambda e: PHASE_BY_NAME[e.phase])
+    per_channel = any(e.baseline.channel_mean is not None if e.baseline is not None else e.per_channel for e in entries)
+    return layer_reducers(per_channel=per_channel, edges=[e.baseline.edges for e in entries if e.baseline is not None],
+                          collect=any(e.builder is not None for e in entries))
+
+
 @dataclass
 class LayerEntry:
-    """One layer of a baseline tap: collecting, then frozen and scored; its file saved or not."""
+    """One layer of a baseline tap in one phase: collecting, then frozen and scored; its file saved or not."""
 
     tap: str
     layer: str
@@ -65,6 +99,102 @@ class LayerEntry:
     #: Monotonic time of the next save retry, and the delay after that one.
     retry_at: float = 0.0
     retry_delay: float = SAVE_RETRY_FIRST_SECONDS
+    #: The passes it collects and scores (``"forward"``, ``"prefill"``, ``"decode"``).
+    phase: str = FORWARD
+    #: Whether the tap reports per-channel means for this layer while it collects.
+    per_channel: bool = False
+    #: The frozen edges as floats, to pick this phase's histogram out of a summary.
+    edge_list: list[float] | None = None
+
+    def save(self, baseline_dir: str | None, now: float) -> bool:
+        """Write the baseline's file; on failure mark the entry UNSAVED, with its next retry's time.
+
+        Why not refuse the baseline: it is valid and scores drift now; only
+        its survival of a restart is at risk, which the state, the error and
+        ``layertap_baselines_unsaved`` say until a retry writes it.
+        """
+        assert self.baseline is not None
+        if not baseline_dir:
+            self.save_error = ""
+            return True
+        try:
+            save_baseline(baseline_dir, self.baseline)
+        except OSError as exc:
+            first = not self.save_error
+            self.save_error = f"cannot write baseline file to {baseline_dir}: {exc}"
+            self.retry_at = now + self.retry_delay
+            (log.error if first else log.warning)("baseline %s/%s (%s) unsaved (retry in %.0f s): %s",
+                                                  self.tap, self.layer, self.phase, self.retry_delay, exc)
+            self.retry_delay = min(self.retry_delay * 2, SAVE_RETRY_MAX_SECONDS)
+            return False
+        if self.save_error:
+            log.info("baseline %s/%s (%s) saved after earlier failures", self.tap, self.layer, self.phase)
+        self.save_error = ""
+        self.retry_delay = SAVE_RETRY_FIRST_SECONDS
+        return True
+
+    def observe(self, res: dict[str, pb.ReducerResult], summary: pb.Summary) -> bool:
+        """Add a pass of this phase to the window and score it; False when there is nothing to score.
+
+        The pass's histogram is the one on this phase's own edges (the layer
+        runs one per frozen phase); a pass computed before the edges froze has none.
+        """
+        baseline, window = self.baseline, self.window
+        if baseline is None or window is None:
+            return False
+        hist = next((r.histogram for r in summary.results
+                     if r.WhichOneof("value") == "histogram" and list(r.histogram.edges) == self.edge_list), None)
+        if hist is None:
+            return False
+        m = res["moments"].moments
+        mm = res["minmax"].minmax if "minmax" in res else None
+        pc = res["per_channel"].per_channel if "per_channel" in res else None
+        chan = None
+        if pc is not None and baseline.channel_mean is not None and len(pc.mean) == len(baseline.channel_mean):
+            chan = np.asarray(pc.mean, dtype=np.float64)
+        window.add(np.asarray(hist.counts, dtype=np.int64), m.count, m.mean, m.std,
+                   mm.min if mm else math.nan, mm.max if mm else math.nan, channel_mean=chan)
+        self.score = window.score(baseline, self.thresholds)
+        return True
+
+    def drift_message(self) -> pb.LayerDrift:
+        """GetDrift's entry: state, thresholds, and the scores (NaN while collecting or with an empty window, never 0.0)."""
+        b, s = self.baseline, self.score
+        msg = pb.LayerDrift(
+            tap=self.tap, layer=self.layer, point=POINT_BY_NAME[self.point], state=self.state,
+            save_error=self.save_error, baseline_passes=b.passes if b else (self.builder.passes if self.builder else 0),
+            thresholds=pb.DriftThresholds(**self.thresholds.as_dict()), channel_drift_fraction=-1.0,
+        )
+        msg.phase = PHASE_BY_NAME[self.phase]  # type: ignore[assignment]
+        for metric, value in (dict.fromkeys(DRIFT_METRICS, math.nan) if s is None else s.as_dict()).items():
+            setattr(msg, metric, value)
+        if s is not None:
+            msg.window_passes = s.window_passes
+            msg.drifted = s.drifted
+            if s.channel_drift_fraction is not None:
+                msg.channel_drift_fraction = s.channel_drift_fraction
+        return msg
+
+    def export_message(self) -> pb.LayerBaseline | None:
+        """ExportBaseline's entry: the builder's state, or the frozen document.
+
+        None while being reloaded at start-up.
+        """
+        msg = pb.LayerBaseline(layer=self.layer, point=POINT_BY_NAME[self.point], phase=PHASE_BY_NAME[self.phase])
+        if self.baseline is not None:
+            msg.state, msg.frozen = self.state, frozen_to_bytes(self.baseline)
+        elif self.builder is not None:
+            msg.state = pb.BASELINE_STATE_COLLECTING
+            msg.builder.CopyFrom(builder_state_to_proto(self.builder.state()))
+        else:
+            return None
+        return msg
+
+    def sibling(self, phase: str) -> LayerEntry:
+        """A fresh entry of the same layer and settings for passes of ``phase``, collecting."""
+        return LayerEntry(self.tap, self.layer, self.point, self.passes, self.window_len, self.thresholds,
+                          builder=BaselineBuilder(self.tap, self.layer, self.point, passes=self.passes, phase=phase),
+                          handle=self.handle, hold=self.hold, phase=phase, per_channel=self.per_channel)
 
     @property
     def state(self) -> pb.BaselineState.ValueType:

@@ -10,6 +10,23 @@ the layer's baseline freezes: histogram edges at its quantiles, saved to
 histogram over those frozen edges, so every later pass adds exact counts to
 the sliding window that drift is scored on. Everything arrives as ordinary
 ``Summary`` messages on the host-transfer thread; nothing here runs in a hook.
+
+**One baseline per phase seen.** A generation's prefill, its decode steps
+and plain forwards (Infer) differ in shape and distribution (a decode step's
+``(batch, 1, hidden)`` against a prefill's ``(batch, prompt, hidden)``), so
+a layer has one entry per phase (``Summary.phase``), each with its own
+builder, baseline, window and scores: a window is scored only against the
+baseline of its own phase. SetBaseline starts every layer's forward entry
+(GetDrift lists it at once, as before phases); the first sampled pass of
+another phase starts that phase's entry with the same settings (passes,
+window, thresholds, hold); where no phase of the layer was collecting, the
+plan of that first pass had no quantiles, so collection starts with the
+next. A server that only generates keeps its forward entry collecting. The
+tap engine keeps one plan per layer, so it serves all phases
+(:func:`~.layer.phases_reducers`): quantiles while any phase collects, and
+a histogram over each frozen phase's edges; each phase is scored on the
+histogram with its own edges. Each phase's baseline is its own file (schema
+v2 names it; a v1 file loads as forward).
 """
 
 from __future__ import annotations
@@ -22,21 +39,17 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from layertap.server.drift.baseline import Baseline
 from layertap.server.drift.builder import BaselineBuilder, BuilderState
-from layertap.server.drift.exchange import (
-    builder_state_from_proto,
-    builder_state_to_proto,
-    frozen_from_bytes,
-    frozen_to_bytes,
-    merge_states,
-)
-from layertap.server.drift.files import baseline_filename, load_baselines, save_baseline
-from layertap.server.drift.layer import SAVE_RETRY_FIRST_SECONDS, SAVE_RETRY_MAX_SECONDS, LayerEntry, layer_reducers
+from layertap.server.drift.exchange import builder_state_from_proto, frozen_from_bytes, merge_states
+from layertap.server.drift.files import baseline_filename, load_baselines
+from layertap.server.drift.layer import SAVE_RETRY_FIRST_SECONDS, LayerEntry, layer_reducers, phases_reducers
 from layertap.server.drift.names import baseline_tap_id, check_not_baseline_name
+from layertap.server.drift.phases import FORWARD, PHASE_NAMES
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.drift.window import SlidingWindow
@@ -60,8 +73,12 @@ MAX_PASSES = 100_000
 def _results(summary: pb.Summary) -> dict[str, pb.ReducerResult]:
     return {r.WhichOneof("value"): r for r in summary.results}
 
-#: ``(tap, layer, point name, score or None, thresholds)``: one layer's new drift.
-ScoreListener = Callable[[str, str, str, DriftScore | None, DriftThresholds], None]
+
+class ScoreListener(Protocol):
+    """Told one layer's new drift in one phase: its score (None while collecting) and thresholds."""
+
+    def __call__(self, tap: str, layer: str, point: str, score: DriftScore | None, thresholds: DriftThresholds,
+                 *, phase: str) -> None: ...
 
 
 class DriftMonitor(Sink):
@@ -93,18 +110,25 @@ class DriftMonitor(Sink):
         #: Serialises feeding and freezing builders (host-transfer thread) with
         #: exporting and installing them (RPC threads).
         self._build_lock = threading.Lock()
-        self._layers: dict[tuple[str, str], LayerEntry] = {}
+        #: Serialises reading a layer's phases and installing the plan made of them.
+        self._plan_lock = threading.Lock()
+        #: (tap, layer) -> phase -> entry.
+        self._layers: dict[tuple[str, str], dict[str, LayerEntry]] = {}
         #: Taps this monitor created (the only ones SetBaseline may replace).
         self._own: set[str] = set()
         #: Passes refused by any builder, ever: kept here because builders go
         #: away when they freeze or their tap is deleted.
         self._skipped = 0
 
-    def baseline_for(self, layer: str, point: str) -> Baseline | None:
-        """A frozen baseline of ``layer`` at ``point`` (any tap): the flight recorder's mean trigger."""
+    def _all(self) -> list[LayerEntry]:
+        """Every entry, all phases (the caller holds ``_lock``)."""
+        return [e for phases in self._layers.values() for e in phases.values()]
+
+    def baseline_for(self, layer: str, point: str, phase: str = FORWARD) -> Baseline | None:
+        """A frozen baseline of ``layer`` at ``point`` in ``phase`` (any tap): the flight recorder's mean trigger."""
         with self._lock:
-            for e in self._layers.values():
-                if e.layer == layer and e.point == point and e.baseline is not None:
+            for e in self._all():
+                if e.layer == layer and e.point == point and e.phase == phase and e.baseline is not None:
                     return e.baseline
         return None
 
@@ -140,7 +164,7 @@ class DriftMonitor(Sink):
         thresholds = DriftThresholds.from_message(req.thresholds)
         per_channel = all(self._channels(layer) is not None for layer in layers)
         spec = pb.TapSpec(name=tap_id, selector=req.selector, point=point, sampling=req.sampling,
-                          reducers=layer_reducers(per_channel=per_channel, edges=None))
+                          reducers=layer_reducers(per_channel=per_channel))
         existing = {t.id for t in self.engine.all_taps()}
         if tap_id in existing:
             if tap_id not in self._own:
@@ -148,10 +172,10 @@ class DriftMonitor(Sink):
             self.engine.delete(tap_id, reason="replaced")
         entries = {layer: LayerEntry(tap_id, layer, POINT_NAMES[point], passes, window, thresholds,
                                  builder=BaselineBuilder(tap_id, layer, POINT_NAMES[point], passes=passes),
-                                 hold=req.hold)
+                                 hold=req.hold, per_channel=per_channel)
                    for layer in layers}
         with self._lock:
-            self._layers.update({(tap_id, layer): e for layer, e in entries.items()})
+            self._layers.update({(tap_id, layer): {FORWARD: e} for layer, e in entries.items()})
         try:
             tap = self.engine.create(spec, forever=True)
         except Exception:
@@ -160,63 +184,38 @@ class DriftMonitor(Sink):
                     self._layers.pop((tap_id, layer), None)
             raise
         self._own.add(tap_id)
+        with self._lock:  # a phase's entry may have started from a pass since create
+            for layer in layers:
+                for e in self._layers.get((tap_id, layer), {}).values():
+                    e.handle = tap
         for entry in entries.values():
-            entry.handle = tap
             self._export(entry)
         log.info("baseline %s collecting %d passes over %d layer(s)", tap_id, passes, len(layers))
         return tap_id, layers
 
     def drift(self, selector: str = "") -> list[pb.LayerDrift]:
-        """Current scores, one entry per baselined layer."""
+        """Current scores, one entry per baselined layer and phase."""
         with self._lock:
-            entries = list(self._layers.values())
+            entries = self._all()
         if selector:
             keep = set(select_layers(selector, self.engine.host.layer_names))
             entries = [e for e in entries if e.layer in keep]
-        out = []
-        for e in entries:
-            msg = pb.LayerDrift(
-                tap=e.tap, layer=e.layer, point=POINT_BY_NAME[e.point],
-                state=e.state, save_error=e.save_error,
-                baseline_passes=e.baseline.passes if e.baseline else (e.builder.passes if e.builder else 0),
-                thresholds=pb.DriftThresholds(**e.thresholds.as_dict()),
-                channel_drift_fraction=-1.0,
-            )
-            s = e.score
-            # Collecting, or an empty window: no score yet (NaN, never 0.0).
-            for metric, value in (dict.fromkeys(DRIFT_METRICS, math.nan) if s is None else s.as_dict()).items():
-                setattr(msg, metric, value)
-            if s is not None:
-                msg.window_passes = s.window_passes
-                msg.drifted = s.drifted
-                if s.channel_drift_fraction is not None:
-                    msg.channel_drift_fraction = s.channel_drift_fraction
-            out.append(msg)
-        return out
+        return [e.drift_message() for e in entries]
 
     # -- fleet-wide baselines (see ``exchange``) -----------------------------
-    def _entries(self, tap: str) -> dict[str, LayerEntry]:
+    def _entries(self, tap: str) -> dict[str, dict[str, LayerEntry]]:
+        """Layer -> phase -> entry of baseline ``tap``."""
         with self._lock:
-            entries = {e.layer: e for e in self._layers.values() if e.tap == tap}
+            entries = {layer: dict(phases) for (t, layer), phases in self._layers.items() if t == tap}
         if not entries:
             raise NotFound(f"tap: no baseline tap {tap!r}; SetBaseline returns its id", field="tap")
         return entries
 
     def export(self, tap: str) -> list[pb.LayerBaseline]:
-        """Each layer of baseline ``tap``: its builder's state, or its frozen document."""
-        out = []
+        """Each layer and phase of baseline ``tap``: its builder's state, or its frozen document."""
         with self._build_lock:
-            for e in self._entries(tap).values():
-                msg = pb.LayerBaseline(layer=e.layer, point=POINT_BY_NAME[e.point])
-                if e.baseline is not None:
-                    msg.state, msg.frozen = e.state, frozen_to_bytes(e.baseline)
-                elif e.builder is not None:
-                    msg.state = pb.BASELINE_STATE_COLLECTING
-                    msg.builder.CopyFrom(builder_state_to_proto(e.builder.state()))
-                else:
-                    continue  # being reloaded at start-up
-                out.append(msg)
-        return out
+            msgs = [e.export_message() for phases in self._entries(tap).values() for e in phases.values()]
+        return [m for m in msgs if m is not None]
 
     def install(self, req: pb.InstallBaselineRequest) -> list[Baseline]:
         """Freeze the merged ``req.builders`` (or take ``req.frozen``) as the reference of ``req.tap``'s layers.
@@ -231,17 +230,19 @@ class DriftMonitor(Sink):
         if bool(req.builders) == bool(req.frozen):
             raise InvalidField("builders", "give exported builders or frozen documents (exactly one of the two)")
         entries = self._entries(req.tap)
-        baselines: dict[str, Baseline] = {}
+        # Per (layer, phase): a phase the layer has not seen yet gets its entry when installed.
+        baselines: dict[tuple[str, str], Baseline] = {}
         if req.builders:
-            groups: dict[str, list[BuilderState]] = {}
+            groups: dict[tuple[str, str], list[BuilderState]] = {}
             for i, msg in enumerate(req.builders):
                 state = builder_state_from_proto(msg, f"builders[{i}]")
                 self._check_layer(entries, state.layer, state.point, f"builders[{i}]")
-                groups.setdefault(state.layer, []).append(state)
-            for layer, states in groups.items():
-                e = entries[layer]
+                groups.setdefault((state.layer, state.phase), []).append(state)
+            for (layer, phase), states in groups.items():
+                e = next(iter(entries[layer].values()))
                 try:
-                    baselines[layer] = merge_states(req.tap, states).freeze(window=e.window_len, thresholds=e.thresholds)
+                    baselines[layer, phase] = merge_states(req.tap, states).freeze(window=e.window_len,
+                                                                                   thresholds=e.thresholds)
                 except ValueError as exc:
                     raise Unsupported(f"builders: {exc}; collect more passes first", field="builders") from None
         else:
@@ -249,22 +250,24 @@ class DriftMonitor(Sink):
             for i, data in enumerate(req.frozen):
                 b = frozen_from_bytes(data, f"frozen[{i}]", known)
                 self._check_layer(entries, b.layer, b.point, f"frozen[{i}]")
-                if b.layer in baselines:
-                    raise InvalidField(f"frozen[{i}]", f"a second document for layer {b.layer!r}")
-                e = entries[b.layer]
-                baselines[b.layer] = replace(b, tap=req.tap, window=e.window_len, thresholds=e.thresholds)
+                if (b.layer, b.phase) in baselines:
+                    raise InvalidField(f"frozen[{i}]", f"a second document for layer {b.layer!r} in phase {b.phase!r}")
+                e = next(iter(entries[b.layer].values()))
+                baselines[b.layer, b.phase] = replace(b, tap=req.tap, window=e.window_len, thresholds=e.thresholds)
         with self._build_lock:
-            for layer, b in baselines.items():
-                if not self._freeze(entries[layer], b):
+            for (layer, phase), b in baselines.items():
+                entry = entries[layer].get(phase) or self._add_phase(req.tap, layer, phase, replan=False)
+                if entry is None or not self._freeze(entry, b):
                     raise NotFound(f"tap: baseline tap {req.tap!r} was deleted or replaced meanwhile", field="tap")
         return list(baselines.values())
 
     @staticmethod
-    def _check_layer(entries: dict[str, LayerEntry], layer: str, point: str, field: str) -> None:
+    def _check_layer(entries: dict[str, dict[str, LayerEntry]], layer: str, point: str, field: str) -> None:
         if layer not in entries:
             raise InvalidField(f"{field}.layer", f"{layer!r} is not a layer of this baseline tap ({', '.join(entries)})")
-        if entries[layer].point != point:
-            raise InvalidField(f"{field}.point", f"{point!r}, but the tap reads {layer!r} at {entries[layer].point!r}")
+        at = next(iter(entries[layer].values())).point
+        if at != point:
+            raise InvalidField(f"{field}.point", f"{point!r}, but the tap reads {layer!r} at {at!r}")
 
     def skipped_passes(self) -> int:
         """Passes refused while collecting baselines, over every builder this monitor ran.
@@ -290,13 +293,15 @@ class DriftMonitor(Sink):
             by_tap.setdefault((b.tap, b.point), []).append(b)
         loaded = 0
         for (tap_id, point), group in by_tap.items():
-            selector = "re:" + "|".join(re.escape(b.layer) for b in group)
+            selector = "re:" + "|".join(re.escape(layer) for layer in dict.fromkeys(b.layer for b in group))
             per_channel = all(b.channel_mean is not None for b in group)
             spec = pb.TapSpec(name=tap_id, selector=selector, point=POINT_BY_NAME[point],
-                              reducers=layer_reducers(per_channel=per_channel, edges=None))
+                              reducers=layer_reducers(per_channel=per_channel))
             with self._lock:
                 for b in group:
-                    self._layers[(tap_id, b.layer)] = LayerEntry(tap_id, b.layer, point, b.passes, b.window, b.thresholds)
+                    self._layers.setdefault((tap_id, b.layer), {})[b.phase] = LayerEntry(
+                        tap_id, b.layer, point, b.passes, b.window, b.thresholds, phase=b.phase,
+                        per_channel=b.channel_mean is not None)
             try:
                 tap = self.engine.create(spec, forever=True, trusted_selector=True)
                 self._own.add(tap_id)
@@ -310,9 +315,9 @@ class DriftMonitor(Sink):
                         self._layers.pop((tap_id, b.layer), None)
                 continue
             for b in group:
-                entry = self._layers[(tap_id, b.layer)]
-                entry.handle = tap
-                if self._install(entry, b):
+                self._layers[(tap_id, b.layer)][b.phase].handle = tap
+            for b in group:
+                if self._install(self._layers[(tap_id, b.layer)][b.phase], b):
                     loaded += 1
         if loaded:
             log.info("reloaded %d baseline(s) from %s", loaded, self.baseline_dir)
@@ -323,19 +328,46 @@ class DriftMonitor(Sink):
         for s in summaries:
             if s.output_index != 0 or s.call_index != 0 or s.unsampled:
                 continue
+            phase = PHASE_NAMES.get(s.phase)
             with self._lock:
-                entry = self._layers.get((s.tap, s.layer))
-            if entry is None:
-                continue
+                phases = self._layers.get((s.tap, s.layer))
+                entry = phases.get(phase) if phases is not None and phase is not None else None
+            if phases is None or phase is None:
+                continue  # not a baseline's layer, or a phase this build does not know
             res = _results(s)
             if "moments" not in res:
                 continue
+            if entry is None:
+                with self._build_lock:
+                    entry = self._add_phase(s.tap, s.layer, phase)
+                if entry is None:
+                    continue
             if entry.baseline is None and entry.builder is not None:
                 with self._build_lock:
                     if entry.builder is not None:  # an install may have landed meanwhile
                         self._collect(entry, res)
-            elif entry.baseline is not None and entry.window is not None:
-                self._observe(entry, res)
+            elif entry.observe(res, s):
+                self._export(entry)
+
+    def _add_phase(self, tap: str, layer: str, phase: str, *, replan: bool = True) -> LayerEntry | None:
+        """The entry of ``phase`` on a baseline's layer, started (collecting) if this is the phase's first pass.
+
+        None when the tap went meanwhile. The caller holds ``_build_lock``.
+        """
+        with self._lock:
+            phases = self._layers.get((tap, layer))
+            if phases is None:
+                return None
+            entry = phases.get(phase)
+            if entry is not None:
+                return entry
+            entry = phases[phase] = next(iter(phases.values())).sibling(phase)
+        if replan:
+            if not self._replan(entry):
+                return None
+            log.info("baseline %s/%s: first %s pass, collecting %d", tap, layer, phase, entry.passes)
+        self._export(entry)
+        return entry
 
     def _collect(self, entry: LayerEntry, res: dict[str, pb.ReducerResult]) -> None:
         if "quantiles" not in res:
@@ -361,6 +393,10 @@ class DriftMonitor(Sink):
         if builder.done and not entry.hold:
             self._freeze(entry, builder.freeze(window=entry.window_len, thresholds=entry.thresholds))
 
+    def _live(self, entry: LayerEntry) -> bool:
+        """Whether ``entry`` is still its layer's entry for its phase (the caller holds ``_lock``)."""
+        return self._layers.get((entry.tap, entry.layer), {}).get(entry.phase) is entry
+
     def _freeze(self, entry: LayerEntry, baseline: Baseline) -> bool:
         """Make ``baseline`` the layer's reference: save it, then switch the tap to its edges.
 
@@ -372,45 +408,23 @@ class DriftMonitor(Sink):
             # deleted baseline would come back at the next start. Saved under
             # the lock, with ``entry.baseline`` set, so that a removal that comes
             # after this sees the file and deletes it.
-            key = (entry.tap, entry.layer)
-            if key not in self._layers or self._layers[key] is not entry:
+            if not self._live(entry):
                 return False
             entry.baseline = baseline
             entry.retry_delay = SAVE_RETRY_FIRST_SECONDS
             self._save(entry)
         if not self._install(entry, baseline):
             return False
-        log.info("baseline %s/%s frozen after %d passes", entry.tap, entry.layer, baseline.passes)
+        log.info("baseline %s/%s (%s) frozen after %d passes", entry.tap, entry.layer, entry.phase, baseline.passes)
         return True
 
     def _save(self, entry: LayerEntry) -> bool:
-        """Write the entry's baseline file (caller holds ``_lock``); on failure mark it UNSAVED.
-
-        Why not refuse the baseline: it is valid and scores drift now; only
-        its survival of a restart is at risk, which the state, the error and
-        ``layertap_baselines_unsaved`` say until a retry writes it.
-        """
-        assert entry.baseline is not None
-        if not self.baseline_dir:
-            entry.save_error = ""
+        """Write the entry's baseline file (caller holds ``_lock``); on failure it is UNSAVED (see ``LayerEntry.save``)."""
+        if entry.save(self.baseline_dir, self._clock()):
             return True
-        try:
-            save_baseline(self.baseline_dir, entry.baseline)
-        except OSError as exc:
-            first = not entry.save_error
-            entry.save_error = f"cannot write baseline file to {self.baseline_dir}: {exc}"
-            entry.retry_at = self._clock() + entry.retry_delay
-            (log.error if first else log.warning)(
-                "baseline %s/%s unsaved (retry in %.0f s): %s", entry.tap, entry.layer, entry.retry_delay, exc)
-            entry.retry_delay = min(entry.retry_delay * 2, SAVE_RETRY_MAX_SECONDS)
-            if self._on_save_error is not None:
-                self._on_save_error(entry.save_error)
-            return False
-        if entry.save_error:
-            log.info("baseline %s/%s saved after earlier failures", entry.tap, entry.layer)
-        entry.save_error = ""
-        entry.retry_delay = SAVE_RETRY_FIRST_SECONDS
-        return True
+        if self._on_save_error is not None:
+            self._on_save_error(entry.save_error)
+        return False
 
     def retry_saves(self) -> int:
         """Retry writing every UNSAVED baseline whose backoff has passed; returns how many are still unsaved.
@@ -420,56 +434,49 @@ class DriftMonitor(Sink):
         """
         now = self._clock()
         with self._lock:
-            for e in self._layers.values():
+            entries = self._all()
+            for e in entries:
                 if e.save_error and e.baseline is not None and e.retry_at <= now:
                     self._save(e)
-            return sum(1 for e in self._layers.values() if e.save_error)
+            return sum(1 for e in entries if e.save_error)
 
     def unsaved(self) -> int:
         """Frozen baselines whose file is not written yet (``layertap_baselines_unsaved``)."""
         with self._lock:
-            return sum(1 for e in self._layers.values() if e.save_error)
+            return sum(1 for e in self._all() if e.save_error)
 
     def _install(self, entry: LayerEntry, baseline: Baseline) -> bool:
         """Switch the layer to the frozen edges; False when its tap went meanwhile."""
         entry.baseline = baseline
         entry.builder = None
         entry.window = SlidingWindow.for_baseline(baseline, entry.window_len)
-        try:
-            self.engine.set_layer_reducers(entry.tap, entry.layer, layer_reducers(
-                per_channel=baseline.channel_mean is not None, edges=baseline.edges), tap=entry.handle)
-        except NotFound:  # deleted or replaced: on_tap_removed forgot the entry and its file
+        entry.edge_list = baseline.edges.tolist()
+        if not self._replan(entry):
             return False
         self._export(entry)
         return True
 
-    def _observe(self, entry: LayerEntry, res: dict[str, pb.ReducerResult]) -> None:
-        baseline, window = entry.baseline, entry.window
-        assert baseline is not None and window is not None
-        hist = res["histogram"].histogram if "histogram" in res else None
-        if hist is None or len(hist.edges) != len(baseline.edges):
-            return  # a pass computed before the edges froze
-        m = res["moments"].moments
-        mm = res["minmax"].minmax if "minmax" in res else None
-        pc = res["per_channel"].per_channel if "per_channel" in res else None
-        chan = None
-        if pc is not None and baseline.channel_mean is not None and len(pc.mean) == len(baseline.channel_mean):
-            chan = np.asarray(pc.mean, dtype=np.float64)
-        window.add(np.asarray(hist.counts, dtype=np.int64), m.count, m.mean, m.std,
-                   mm.min if mm else math.nan, mm.max if mm else math.nan, channel_mean=chan)
-        entry.score = window.score(baseline, entry.thresholds)
-        self._export(entry)
+    def _replan(self, entry: LayerEntry) -> bool:
+        """Give ``entry``'s layer the reducers all its phases need now; False when its tap went meanwhile."""
+        with self._plan_lock:
+            with self._lock:
+                phases = list(self._layers.get((entry.tap, entry.layer), {}).values())
+            try:
+                self.engine.set_layer_reducers(entry.tap, entry.layer, phases_reducers(phases), tap=entry.handle)
+            except NotFound:  # deleted or replaced: on_tap_removed forgot the entry and its file
+                return False
+        return True
 
     def _export(self, entry: LayerEntry) -> None:
         if self._on_score is not None:
-            self._on_score(entry.tap, entry.layer, entry.point, entry.score, entry.thresholds)
+            self._on_score(entry.tap, entry.layer, entry.point, entry.score, entry.thresholds, phase=entry.phase)
 
     def on_tap_removed(self, tap: TapView, reason: str) -> None:
         if not tap.durable:
             return
         with self._lock:
             self._own.discard(tap.id)
-            gone = [self._layers.pop(k) for k in [k for k in self._layers if k[0] == tap.id]]
+            gone = [e for k in [k for k in self._layers if k[0] == tap.id] for e in self._layers.pop(k).values()]
         # A deleted (or replaced) baseline must not come back at the next start.
         if self.baseline_dir:
             for entry in gone:

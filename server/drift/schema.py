@@ -1,7 +1,16 @@
-"""The ``layertap.baseline`` v1 JSON document: written from, and validated into, a Baseline.
+"""The ``layertap.baseline`` JSON document: written from, and validated into, a Baseline.
 
 Baseline files come from disk and from other replicas, so every field is
 checked and a refusal carries a one-line reason for the operator.
+
+Versions. v1 has no phase: its baseline was frozen from plain forward
+passes. v2 adds ``"phase"`` (``"forward"``, ``"prefill"`` or ``"decode"``,
+:mod:`.phases`). Both load. A document is written at the lowest version that
+holds it: a forward baseline stays v1, byte for byte what v1 servers wrote,
+so a server rolled back, or an older replica of a fleet (frozen documents
+travel between replicas), still loads it; only prefill and decode baselines,
+which no v1 server could score anyway, are v2. A v1 document that names a
+phase is refused: an older server would read it as a forward baseline.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from layertap.server.drift.baseline import Baseline
+from layertap.server.drift.phases import FORWARD, PHASE_BY_NAME
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.host.hooks import POINT_BY_NAME
 from layertap.server.reducers.spec import MAX_BINS
@@ -21,6 +31,7 @@ from layertap.server.reducers.spec import MAX_BINS
 __all__ = [
     "BASELINE_SCHEMA",
     "BASELINE_VERSION",
+    "BASELINE_VERSIONS",
     "BaselineFormatError",
     "KnownLayers",
     "baseline_from_dict",
@@ -33,7 +44,10 @@ FloatArray = npt.NDArray[np.float64]
 KnownLayers: TypeAlias = Collection[str] | Mapping[str, int | None]
 
 BASELINE_SCHEMA = "layertap.baseline"
-BASELINE_VERSION = 1
+#: The newest version (the one with ``phase``).
+BASELINE_VERSION = 2
+#: Versions this build reads.
+BASELINE_VERSIONS = (1, 2)
 
 
 class BaselineFormatError(ValueError):
@@ -41,10 +55,10 @@ class BaselineFormatError(ValueError):
 
 
 def baseline_to_dict(b: Baseline) -> dict[str, Any]:
-    """The JSON document for ``b`` (schema ``layertap.baseline`` v1)."""
-    return {
+    """The JSON document for ``b``: v1 for a forward baseline, v2 (with ``phase``) otherwise."""
+    doc: dict[str, Any] = {
         "schema": BASELINE_SCHEMA,
-        "version": BASELINE_VERSION,
+        "version": 1 if b.phase == FORWARD else 2,
         "tap": b.tap,
         "layer": b.layer,
         "point": b.point,
@@ -63,6 +77,9 @@ def baseline_to_dict(b: Baseline) -> dict[str, Any]:
         "thresholds": b.thresholds.as_dict(),
         "created_at": float(b.created_at),
     }
+    if b.phase != FORWARD:
+        doc["phase"] = b.phase
+    return doc
 
 
 def _num(d: Mapping[str, Any], key: str, kind: type = float) -> Any:
@@ -101,8 +118,19 @@ def baseline_from_dict(d: Any, known_layers: KnownLayers | None = None) -> Basel
         raise BaselineFormatError("top level is not a JSON object")
     if d.get("schema") != BASELINE_SCHEMA:
         raise BaselineFormatError(f"schema is {d.get('schema')!r}, expected {BASELINE_SCHEMA!r}")
-    if d.get("version") != BASELINE_VERSION:
-        raise BaselineFormatError(f"schema version {d.get('version')!r} is not supported (expected {BASELINE_VERSION})")
+    version = d.get("version")
+    if isinstance(version, bool) or version not in BASELINE_VERSIONS:
+        raise BaselineFormatError(f"schema version {version!r} is not supported "
+                                  f"(expected one of {', '.join(map(str, BASELINE_VERSIONS))})")
+    if version == 1:
+        if "phase" in d:
+            raise BaselineFormatError("field 'phase' needs schema version 2 (a v1 reader takes it for a forward baseline)")
+        phase = FORWARD
+    else:
+        named = d.get("phase")
+        if not isinstance(named, str) or named not in PHASE_BY_NAME:
+            raise BaselineFormatError(f"phase {named!r:.40} is not one of {', '.join(PHASE_BY_NAME)}")
+        phase = named
     for key in ("tap", "layer", "point"):
         if not isinstance(d.get(key), str) or not d[key]:
             raise BaselineFormatError(f"field {key!r} must be a non-empty string")
@@ -164,5 +192,5 @@ def baseline_from_dict(d: Any, known_layers: KnownLayers | None = None) -> Basel
         tap=d["tap"], layer=layer, point=d["point"], edges=edges, counts=counts, count=count,
         mean=mean, m2=m2, min=lo, max=hi, passes=passes, quantiles=quantiles,
         channel_mean=cmean, channel_std=cstd, window=window, thresholds=thresholds,
-        created_at=float(created) if isinstance(created, (int, float)) else 0.0,
+        created_at=float(created) if isinstance(created, (int, float)) else 0.0, phase=phase,
     )

@@ -2,7 +2,11 @@
 
 Reading snapshots at scrape time means nothing is updated per pass and each
 scrape sees one consistent copy. Every series carries ``model, layer, point,
-tap``; no label ever holds a channel index or another unbounded value.
+tap, phase``; no label ever holds a channel index or another unbounded value.
+``phase`` is ``forward`` (Infer and every other plain pass), ``prefill`` or
+``decode``: a generation's steps never overwrite a plain forward's series, and
+drift scores carry the phase of their baseline, so ``drift > threshold``
+still matches one to one.
 
 A scrape reads each family's values across all layers in one go (under
 traffic every layer changes between scrapes, so caching per layer buys
@@ -175,7 +179,7 @@ def _samples(slot: int, labels: tuple[LabelSet, ...], column: _Column) -> Callab
 class ActivationCollector(Collector):
     """Yields the ``layertap_activation_*`` families from a snapshot at scrape time.
 
-    At most ``max_layers`` distinct (tap, layer, point) are exported. Layers
+    At most ``max_layers`` distinct (tap, layer, point, phase) are exported. Layers
     are admitted first come, first served and keep their slot while they
     exist, so the exported set does not flap between scrapes; the rest are
     counted in ``layertap_export_layers_dropped`` and logged once per change.
@@ -200,7 +204,8 @@ class ActivationCollector(Collector):
         Args:
             snapshot_fn: Returns the current snapshots, e.g. ``store.snapshot``.
             model_name: Value of the ``model`` label.
-            max_layers: Cap on exported (tap, layer, point).
+            max_layers: Cap on exported (tap, layer, point, phase): each phase
+                of a layer is one series set.
             max_buckets: Cap on ``le`` buckets per layer in ``layertap_activation_value``.
         """
         if max_buckets < 2:
@@ -213,7 +218,7 @@ class ActivationCollector(Collector):
         # Held while layers are read and lines rendered: two concurrent
         # scrapes must not interleave on the shared caches.
         self._render_lock = threading.Lock()
-        self._admitted: dict[tuple[str, str, str], LabelSet] = {}
+        self._admitted: dict[tuple[str, str, str, str], LabelSet] = {}
         self._last_dropped = 0
         self._le_cache: dict[tuple[float, ...], tuple[list[int], tuple[str, ...]]] = {}
         self._idx_cache: dict[int, list[int]] = {}
@@ -235,7 +240,7 @@ class ActivationCollector(Collector):
                 del self._admitted[k]
             for k in by_key:
                 if k not in self._admitted and len(self._admitted) < self.max_layers:
-                    self._admitted[k] = LabelSet(self.model, k[1], k[2], k[0])
+                    self._admitted[k] = LabelSet(self.model, k[1], k[2], k[0], k[3])
             kept = [by_key[k] for k in self._admitted]
             labels = tuple(self._admitted.values())
             dropped = len(by_key) - len(kept)

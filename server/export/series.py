@@ -81,12 +81,12 @@ def escape_label(v: str) -> str:
 
 
 class LabelSet:
-    """The ``model, layer, point, tap`` labels of one layer, escaped once and reused every scrape."""
+    """The ``model, layer, point, tap, phase`` labels of one layer, escaped once and reused every scrape."""
 
     __slots__ = ("labels", "_parts")
 
-    def __init__(self, model: str, layer: str, point: str, tap: str) -> None:
-        self.labels = {"model": model, "layer": layer, "point": point, "tap": tap}
+    def __init__(self, model: str, layer: str, point: str, tap: str, phase: str) -> None:
+        self.labels = {"model": model, "layer": layer, "point": point, "tap": tap, "phase": phase}
         self._parts: dict[str, tuple[str, str]] = {}
 
     def prefix(self, name: str, key: str = "", value: str = "") -> str:

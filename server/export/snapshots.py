@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from layertap._results import RESULTS
+from layertap.server.drift.phases import FORWARD, phase_name
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DriftThresholds
 from layertap.server.host.hooks import POINT_NAMES
@@ -33,6 +34,8 @@ __all__ = ["EXPORTED_QUANTILES", "LayerSnapshot", "SnapshotStore", "point_name"]
 #: probabilities a tap computes (a drift baseline collects 99 of them).
 EXPORTED_QUANTILES: frozenset[float] = frozenset(DEFAULT_PROBABILITIES)
 _MAX_TOMBSTONES = 4096
+#: A layer's key: (tap, layer, point, phase), label values all.
+_Key = tuple[str, str, str, str]
 
 
 def point_name(point: int) -> str:
@@ -48,7 +51,12 @@ def point_name(point: int) -> str:
 
 @dataclass(frozen=True, eq=False)
 class LayerSnapshot:
-    """The latest telemetry of one (tap, layer, point); None means "not tapped", and the series is omitted.
+    """The latest telemetry of one (tap, layer, point, phase); None means "not tapped", and the series is omitted.
+
+    A prefill, a decode step and a plain forward (Infer) of one layer are
+    three snapshots: their tensors differ in shape and distribution, so one
+    never overwrites another's series (``phase``: see
+    :mod:`layertap.server.drift.phases`).
 
     Attributes:
         histogram: ``(inner_edges, counts)`` with counts cumulative since the
@@ -62,6 +70,7 @@ class LayerSnapshot:
     tap: str
     layer: str
     point: str
+    phase: str = FORWARD
     mean: float | None = None
     std: float | None = None
     min: float | None = None
@@ -90,18 +99,21 @@ class LayerSnapshot:
     logits_margin_min: float | None = None
 
     @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.tap, self.layer, self.point)
+    def key(self) -> tuple[str, str, str, str]:
+        return (self.tap, self.layer, self.point, self.phase)
 
 
+#: The fields that name a snapshot (its key); the others are its state.
+_KEY_FIELDS = ("tap", "layer", "point", "phase")
 _SNAPSHOT_FIELDS = tuple(f.name for f in fields(LayerSnapshot))
 #: A layer's own fields; every other field but the key is a reducer result's.
 _LAYER_FIELDS = ("last_update", "drift", "thresholds", "channel_drift_fraction")
 _RESULT_FIELDS = tuple(name for r in RESULTS for name, _ in r.snapshot)
-if sorted(_SNAPSHOT_FIELDS) != sorted(("tap", "layer", "point", *_LAYER_FIELDS, *_RESULT_FIELDS)):
+if _SNAPSHOT_FIELDS[:len(_KEY_FIELDS)] != _KEY_FIELDS or sorted(_SNAPSHOT_FIELDS) != sorted(
+        (*_KEY_FIELDS, *_LAYER_FIELDS, *_RESULT_FIELDS)):
     raise ImportError(f"LayerSnapshot's fields and the result table (layertap._results) disagree: {_SNAPSHOT_FIELDS}")
 #: A layer's state values in LayerSnapshot field order (after the key): one C call per snapshot.
-_state_values = itemgetter(*_SNAPSHOT_FIELDS[3:])
+_state_values = itemgetter(*_SNAPSHOT_FIELDS[len(_KEY_FIELDS):])
 #: Oneof field -> how its result folds, and the (snapshot field, message field) pairs it writes.
 _FOLDS = {r.field: (r.fold, r.snapshot) for r in RESULTS if r.snapshot}
 #: What a sampled primary summary clears when it lacks the result: every
@@ -126,7 +138,7 @@ def _frozen_snapshot(values: tuple[Any, ...]) -> LayerSnapshot:
 class _LayerState:
     #: Every LayerSnapshot field but the key (None: no series). Values are
     #: replaced on write, never mutated, so snapshots may share them.
-    values: dict[str, Any] = field(default_factory=lambda: dict.fromkeys(_SNAPSHOT_FIELDS[3:]))
+    values: dict[str, Any] = field(default_factory=lambda: dict.fromkeys(_SNAPSHOT_FIELDS[len(_KEY_FIELDS):]))
     #: (pass index, sum of squared L2 norms) of the first call's tensors in that pass.
     l2_pass: tuple[int, float] | None = None
 
@@ -142,12 +154,12 @@ class SnapshotStore:
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._lock = threading.Lock()
-        self._layers: dict[tuple[str, str, str], _LayerState] = {}
+        self._layers: dict[_Key, _LayerState] = {}
         self._clock = clock
         # The latest copy of each layer, and the layers written since (ordered
         # like _layers, so the snapshot order is the order layers appeared).
-        self._snaps: dict[tuple[str, str, str], LayerSnapshot] = {}
-        self._dirty: dict[tuple[str, str, str], None] = {}
+        self._snaps: dict[_Key, LayerSnapshot] = {}
+        self._dirty: dict[_Key, None] = {}
         # Removed taps (oldest first, bounded): a summary still in flight must
         # not resurrect their series.
         self._gone: dict[str, None] = {}
@@ -171,7 +183,7 @@ class SnapshotStore:
 
     def _fold(self, tap_id: str, summary: Any) -> None:
         """One summary into its layer's state (the caller holds the lock)."""
-        key = (tap_id or summary.tap, summary.layer, point_name(summary.point))
+        key = (tap_id or summary.tap, summary.layer, point_name(summary.point), phase_name(summary.phase))
         ts = summary.wall_time.seconds + summary.wall_time.nanos * 1e-9 if summary.HasField("wall_time") else self._clock()
         first_call = getattr(summary, "call_index", 0) == 0
         sampled = not getattr(summary, "unsampled", False)
@@ -196,6 +208,7 @@ class SnapshotStore:
                     if fold == "pass_l2":
                         st.l2_pass = None
         # How each fold works: the Fold type in layertap._results.
+        histogram_seen = False
         for res in summary.results:
             kind = res.WhichOneof("value")
             how = _FOLDS.get(kind)
@@ -227,6 +240,12 @@ class SnapshotStore:
                 v[pairs[0][0]] = {float(p): float(x) for p, x in zip(msg.probabilities, msg.values)
                                   if round(float(p), 6) in EXPORTED_QUANTILES} or None
             elif fold == "cumulative_histogram":
+                if histogram_seen:
+                    # One counter per series: a second histogram (a baseline tap
+                    # scoring several phases runs one per phase's edges) would
+                    # restart it on every summary.
+                    continue
+                histogram_seen = True
                 name = pairs[0][0]
                 edges = tuple(msg.edges)
                 counts = np.asarray(msg.counts, dtype=np.int64)
@@ -245,6 +264,8 @@ class SnapshotStore:
         score: DriftScore | None,
         thresholds: DriftThresholds | None = None,
         channel_fraction: float | None = None,
+        *,
+        phase: str = FORWARD,
     ) -> None:
         """Set a layer's drift scores (None while its baseline is collecting).
 
@@ -255,12 +276,15 @@ class SnapshotStore:
             score: Current scores, or None to export thresholds only.
             thresholds: Thresholds to export; default ``score.thresholds``.
             channel_fraction: Overrides ``score.channel_drift_fraction``.
+            phase: Phase label value of the baseline (``"decode"``...): the
+                scores join that phase's activation series.
         """
+        key = (tap, layer, point, phase)
         with self._lock:
             if tap in self._gone:
                 return
-            st = self._layers.setdefault((tap, layer, point), _LayerState())
-            self._dirty[(tap, layer, point)] = None
+            st = self._layers.setdefault(key, _LayerState())
+            self._dirty[key] = None
             v = st.values
             v["drift"], v["thresholds"], v["channel_drift_fraction"] = score, thresholds, channel_fraction
 

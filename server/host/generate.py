@@ -47,29 +47,14 @@ from layertap.server.host.generation_request import (
     TokenEvent,
 )
 from layertap.server.host.model_host import PHASE_DECODE, PHASE_PREFILL, ModelHost, PassContext, RequestRows, model_raised
+from layertap.server.host.rows import RequestCut, find_request
 
-__all__ = ["Generator", "request_view"]
+__all__ = ["Generator"]
 
 log = logging.getLogger(__name__)
 
 #: Rows decoded together at most; more requests wait for rows to free.
 DEFAULT_MAX_ROWS = 16
-
-
-def request_view(ctx: PassContext, rows: RequestRows, tensor: torch.Tensor) -> torch.Tensor:
-    """A request's own part of a batched pass's tensor: its rows, and for a
-    prefill not its shared left padding. A view on the device, no sync.
-
-    A tensor whose first dimension is not the pass's batch (rotary tables of
-    batch 1, say) is returned whole: it holds no row of anyone's.
-    """
-    batch = max(r.rows.stop for r in ctx.requests)
-    if tensor.dim() == 0 or tensor.shape[0] != batch:
-        return tensor
-    view = tensor[rows.rows]
-    if ctx.phase == PHASE_PREFILL and rows.pad and view.dim() >= 2 and view.shape[1] == ctx.tokens:
-        view = view[:, rows.pad:]
-    return view
 
 
 @dataclass
@@ -437,13 +422,13 @@ class Generator:
         seen = [-1, 0]  # pass index, calls of the layer in it
 
         def capture(ctx: PassContext, value: Any) -> None:
-            rows = next((r for r in ctx.requests if r.request_id == request.id), None)
+            rows = find_request(ctx, request.id)
             if rows is None or not isinstance(value, torch.Tensor):
                 return
             if seen[0] != ctx.index:
                 seen[:] = [ctx.index, 0]
             call, seen[1] = seen[1], seen[1] + 1
-            view = request_view(ctx, rows, value)
+            view = RequestCut(ctx, rows)(value)
             dtype = request.capture_dtype if view.is_floating_point() and request.capture_dtype else view.dtype
             # A device copy now; it reaches the host after the step's token read-back.
             self._step_captures.setdefault(request.id, []).append((layer, call, view.to(dtype=dtype, copy=True)))

@@ -14,6 +14,13 @@ Data flow, by thread:
   incident per tap to the ring (owned by the tap's owner: see
   ``server/rpc/incidents.py``), counts it and tells the tap's subscribers (a
   ``TapEvent`` of kind ``incident`` whose message is the incident id).
+
+A Generate pass's incident carries its place in the generation (phase,
+position, request ids) in its summaries and in every stored tensor's header;
+``Incident`` itself has no field for it. A decode step is never replayed: it
+reads its requests' KV cache, which is not retained, so its input is not kept
+either. A prefill is replayed when its pass named its inputs
+(``PassContext.inputs``).
 """
 
 from __future__ import annotations
@@ -32,16 +39,17 @@ from prometheus_client.registry import Collector
 
 from layertap.server.codec import tensor_to_bytes, wire_dtype
 from layertap.server.drift.monitor import DriftMonitor
+from layertap.server.drift.phases import phase_name
 from layertap.server.host.hooks import POINT_NAMES
 from layertap.server.host.inputs import ModelInputs
-from layertap.server.host.model_host import PassContext, flatten_tensors
+from layertap.server.host.model_host import PHASE_DECODE, PHASE_NONE, PassContext, flatten_tensors
 from layertap.server.host.priority import telemetry_thread
 from layertap.server.record.replay import Share, anomalous_rows, replay
 from layertap.server.record.retention import InputRetention
 from layertap.server.record.store import IncidentStore, StoredTensor, new_id
 from layertap.server.record.triggers import Firing, RateLimit, check_triggers, enabled, evaluate, interval_of
 from layertap.server.stream.sinks import Sink, TapView
-from layertap.server.stream.summary_wire import timestamp
+from layertap.server.stream.summary_wire import Place, timestamp
 from layertap.server.taps.engine import TapEngine
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -124,10 +132,12 @@ class Recorder(Sink):
 
     # -- model thread --------------------------------------------------------------
     def _keep_input(self, ctx: PassContext, args: object) -> None:
-        if ctx.active or self.retention is None:
+        if ctx.active or self.retention is None or _unreplayable(ctx) is not None:
             return
         # A server-side pass knows its positional and keyword inputs; a training step only its arguments.
         inputs = ctx.inputs if ctx.inputs is not None else ModelInputs.positional([t for _k, t in flatten_tensors(args)])
+        if not all(isinstance(t, torch.Tensor) for t in inputs.tensors()):
+            return  # a cache object among them: the pass depends on state a copy would not hold
         if inputs.nbytes <= self.retention.max_bytes:
             # A copy, taken before the forward runs: a model may write to its input in place.
             # On CUDA it is asynchronous (pinned); it is read only from on_summaries, after the
@@ -184,10 +194,10 @@ class Recorder(Sink):
             fired.append((tap, Firing(layers, hits)))
         return fired
 
-    def _baseline(self, layer: str, point: int) -> tuple[float, float] | None:
+    def _baseline(self, layer: str, point: int, phase: int = 0) -> tuple[float, float] | None:
         if self.drift is None:
             return None
-        b = self.drift.baseline_for(layer, POINT_NAMES.get(point or pb.POINT_OUTPUT, "output"))
+        b = self.drift.baseline_for(layer, POINT_NAMES.get(point or pb.POINT_OUTPUT, "output"), phase_name(phase))
         return None if b is None else (b.mean, b.std)
 
     # -- recorder thread -------------------------------------------------------------
@@ -212,7 +222,8 @@ class Recorder(Sink):
         note = ""
         if job.inputs is None:
             note = ("the input was not retained: --record-inputs is off" if self.retention is None
-                    else "the input was not retained (pushed out by the --record-inputs bound or lost)")
+                    else _unreplayable(ctx)
+                    or "the input was not retained (pushed out by the --record-inputs bound or lost)")
         else:
             try:
                 captured = replay(self.host, shares, job.inputs)
@@ -265,14 +276,25 @@ class Recorder(Sink):
         self._thread.join(5.0)
 
 
+def _unreplayable(ctx: PassContext) -> str | None:
+    """Why a live pass cannot be replayed from its input alone, or None when it can."""
+    if ctx.phase == PHASE_DECODE:
+        return "a decode step reads its requests' KV cache, which is not retained: no replay"
+    if ctx.phase != PHASE_NONE and ctx.inputs is None:
+        return "the Generate pass did not name its inputs: no replay"
+    return None
+
+
 def _stored(t: torch.Tensor, layer: str, point: int, index: int, call: int, ctx: PassContext) -> StoredTensor:
-    """A replayed tensor, headed by the live pass that fired (its index and training step)."""
+    """A replayed tensor, headed by the live pass that fired (its index, training step and place in a generation)."""
     data = tensor_to_bytes(t)
     header = pb.CaptureHeader(layer=layer, point=point, output_index=index, call_index=call,
                               dtype=wire_dtype(t.dtype), shape=list(t.shape), pass_index=ctx.index,
                               total_bytes=len(data))
     if ctx.step is not None:
         header.step, header.has_step = ctx.step, True
+    if (place := Place.of_pass(ctx)) is not None:
+        place.stamp(header)
     return StoredTensor(header, data)
 
 

@@ -37,7 +37,7 @@ NEEDS: dict[str, int] = {
 REPLAYABLE_POINTS = (pb.POINT_OUTPUT, pb.POINT_INPUT)
 
 #: ``(layer, point name) -> (baseline mean, baseline std)``, or None without a baseline.
-BaselineLookup = Callable[[str, int], "tuple[float, float] | None"]
+BaselineLookup = Callable[[str, int, int], "tuple[float, float] | None"]
 
 
 def enabled(triggers: pb.Triggers) -> list[str]:
@@ -115,7 +115,7 @@ def fired(triggers: pb.Triggers, summary: pb.Summary, baseline: BaselineLookup) 
         if v > triggers.abs_max_above or math.isnan(v):
             out.append(ABS_MAX)
     if triggers.mean_sigma and "moments" in res:
-        ref = baseline(summary.layer, summary.point)
+        ref = baseline(summary.layer, summary.point, summary.phase)  # a decode step against a decode baseline
         if ref is not None:
             mean, std = ref
             m = res["moments"].moments.mean

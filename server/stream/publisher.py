@@ -5,6 +5,11 @@ and, on the host-transfer thread, their values) and tap events; it never gets
 summaries back. The publisher builds the ``Summary`` messages, gives them to
 the broker (subscribers) and then to every sink (metrics, drift, recorder),
 in that order, so a stream never lags the metrics it explains.
+
+Every summary carries its pass's place in a generation (``phase``,
+``position``, ``request_ids``): the whole pass's for a tap that sees the
+whole batch, its own request's for a request's inline tap (a piece with
+``request``). A plain forward has no place and pays nothing for it.
 """
 
 from __future__ import annotations
@@ -16,12 +21,12 @@ from typing import Generic, Protocol, TypeVar
 import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from layertap.server.host.model_host import PassContext
+from layertap.server.host.model_host import PassContext, RequestRows
 from layertap.server.reducers.latency import Lap, fill_latency
 from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.stream.broker import Broker
 from layertap.server.stream.sinks import Sinks, TapView
-from layertap.server.stream.summary_wire import SummaryWire, results_bytes, timestamp
+from layertap.server.stream.summary_wire import Place, SummaryWire, results_bytes, timestamp
 from layertap.v1 import telemetry_pb2 as pb
 
 __all__ = ["Piece", "PublishedTap", "Publisher"]
@@ -54,6 +59,8 @@ class Piece(Generic[_TapT]):
     lap: Lap | None = None
     #: The keyword path of a keyword argument's tensor (``position_embeddings.0``), else "".
     output_key: str = ""
+    #: A request's inline tap reduced only these rows of the pass: its summary names that request alone.
+    request: RequestRows | None = None
 
 
 class Publisher:
@@ -82,18 +89,30 @@ class Publisher:
         wall = timestamp(ctx.wall_time)
         pass_part = SummaryWire.pass_part(ctx.index, ctx.step, wall.seconds, wall.nanos)
         rank_part = SummaryWire.rank_part(rank)
+        place = Place.of_pass(ctx)
+        # The tail after a summary's own fields: its place in a generation, then the rank.
+        tail = rank_part if place is None else place.wire() + rank_part
+        # A request's place and tail, made once per pass for its inline taps' pieces.
+        own: dict[str, tuple[Place, bytes]] = {}
         summaries = []
         seen: set[str] = set()
         for i, p in enumerate(pieces):
             if p.tap.disabled:
                 continue  # its pieces in this pass are partial
+            piece_place, piece_tail = place, tail
+            if p.request is not None:
+                mine = own.get(p.request.request_id)
+                if mine is None:
+                    at = Place.of_request(ctx, p.request)
+                    mine = own[p.request.request_id] = (at, at.wire() + rank_part)
+                piece_place, piece_tail = mine
             layout = p.plan.basic_layout
             if layout is not None and p.lap is None:  # the common case: see summary_wire
                 results = results_bytes(layout, values[i].tolist(), p.shape)
                 summary = self._wire.summary(p.tap.id, p.layer, p.tap.spec.point, p.output_index, p.call_index,
-                                             not p.sampled, pass_part, results, rank_part, p.output_key)
+                                             not p.sampled, pass_part, results, piece_tail, p.output_key)
             else:
-                summary = self._summary(ctx, p, wall, values[i], rank)
+                summary = self._summary(ctx, p, wall, values[i], rank, piece_place)
             summaries.append(summary)
             if p.sampled and p.tap.id not in seen:
                 seen.add(p.tap.id)
@@ -102,7 +121,8 @@ class Publisher:
         self.sinks.on_summaries(ctx, summaries)
 
     @staticmethod
-    def _summary(ctx: PassContext, p: Piece[PublishedTap], wall: Timestamp, values: np.ndarray, rank: int | None) -> pb.Summary:
+    def _summary(ctx: PassContext, p: Piece[PublishedTap], wall: Timestamp, values: np.ndarray, rank: int | None,
+                 place: Place | None = None) -> pb.Summary:
         """A summary built from messages: plans with distribution or latency reducers."""
         results = p.plan.decode(values, p.shape)
         if p.lap is not None:
@@ -115,6 +135,8 @@ class Publisher:
         if ctx.step is not None:
             summary.step = ctx.step
             summary.has_step = True
+        if place is not None:
+            place.stamp(summary)
         if rank is not None:
             summary.rank, summary.has_rank = rank, True
         return summary

@@ -8,6 +8,11 @@ them with upb costs a few. Field numbers and types come from the generated
 descriptors, so nothing here restates the schema. The result is an ordinary
 ``pb.Summary``: consumers cannot tell the paths apart (a test compares them
 byte for byte after a round trip).
+
+A pass's place in a generation (:class:`Place`: phase, position, request
+ids) is written once per pass, or once per request for a request's inline
+taps, and appended to every summary of it; a plain forward has none and
+writes nothing.
 """
 
 from __future__ import annotations
@@ -15,15 +20,17 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from layertap.server.host.model_host import PHASE_NONE, PassContext, RequestRows
 from layertap.server.protowire import varint
 from layertap.server.reducers.basic import BasicReducer
 from layertap.v1 import telemetry_pb2 as pb
 
-__all__ = ["SummaryWire", "results_bytes"]
+__all__ = ["Place", "SummaryWire", "results_bytes"]
 
 _VARINT, _FIXED64, _LENGTH = 0, 1, 2
 _SUMMARY = pb.Summary.DESCRIPTOR.fields_by_name
@@ -70,6 +77,47 @@ def _summary_field(name: str, value: object) -> bytes:
 
 
 _RESULTS_KEY = _key(_SUMMARY["results"].number, _LENGTH)
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a pass stands in a generation, as ``Summary`` and ``CaptureHeader`` carry it.
+
+    Both messages name the fields alike (``phase``, ``position``,
+    ``has_position``, ``request_ids``), so one stamp serves both.
+    """
+
+    phase: int
+    #: The one position its rows produce, or None.
+    position: int | None
+    request_ids: tuple[str, ...]
+
+    @classmethod
+    def of_pass(cls, ctx: PassContext) -> Place | None:
+        """The whole pass's place; None for a plain forward (nothing to write)."""
+        if ctx.phase == PHASE_NONE and not ctx.requests:
+            return None
+        return cls(ctx.phase, ctx.position, tuple(r.request_id for r in ctx.requests))
+
+    @classmethod
+    def of_request(cls, ctx: PassContext, rows: RequestRows) -> Place:
+        """One request's place in the pass: its own id and, when its rows share one, its position."""
+        return cls(ctx.phase, rows.position, (rows.request_id,))
+
+    def stamp(self, msg: pb.Summary | pb.CaptureHeader) -> None:
+        msg.phase = pb.Phase.ValueType(self.phase)
+        if self.position is not None:
+            msg.position, msg.has_position = self.position, True
+        msg.request_ids.extend(self.request_ids)
+
+    def wire(self) -> bytes:
+        """The fields as ``Summary`` wire bytes, zero values left out as proto3 does."""
+        out = _summary_field("phase", self.phase) if self.phase else b""
+        if self.position is not None:
+            if self.position:
+                out += _summary_field("position", self.position)
+            out += _summary_field("has_position", 1)
+        return out + b"".join([_summary_field("request_ids", r) for r in self.request_ids])
 
 
 @functools.cache
@@ -160,7 +208,11 @@ class SummaryWire:
 
     def summary(self, tap: str, layer: str, point: int, output_index: int, call_index: int, unsampled: bool,
                 pass_part: bytes, results: bytes, rank_part: bytes = b"", output_key: str = "") -> pb.Summary:
-        """A parsed ``Summary``; ``results`` is :func:`results_bytes` of its plan."""
+        """A parsed ``Summary``; ``results`` is :func:`results_bytes` of its plan.
+
+        ``rank_part`` is the summary's tail: a :meth:`Place.wire` (fields 13-16),
+        if any, then :meth:`rank_part`'s (20-21).
+        """
         key = (tap, layer, point, output_index, call_index, unsampled, output_key)
         header = self._headers.get(key)
         if header is None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from layertap.server.codec import host_bytes, wire_dtype
 from layertap.server.protowire import varint
+from layertap.server.stream.summary_wire import Place
 from layertap.v1 import telemetry_pb2 as pb
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ def encode_pass(rec: CapturedPass, opts: CaptureOptions, tensor_ids: Iterator[in
     rank = {name: i for i, name in enumerate(opts.layers)}
     point = opts.point
     order = sorted(rec.tensors, key=lambda c: (rank[c.layer], c.call_index, c.output_index))
+    place = Place.of_pass(rec.ctx)
     for cap in order:
         host_t = cap.tensor.to("cpu")
         # A byte view of the tensor itself (numpy's copy first when it is a
@@ -74,6 +76,8 @@ def encode_pass(rec: CapturedPass, opts: CaptureOptions, tensor_ids: Iterator[in
         )
         if rec.ctx.step is not None:  # has_step tells step 0 from a pass without one
             header.step, header.has_step = rec.ctx.step, True
+        if place is not None:  # a Generate pass: the whole batch's phase, position and requests
+            place.stamp(header)
         yield pb.CaptureResponse(header=header).SerializeToString(), 0
         for i in range(nchunks):
             off = i * CHUNK_BYTES

@@ -6,6 +6,11 @@ to the host-transfer thread in one device-to-host copy, and its values to the
 publisher (``stream.publisher``), which turns them into ``Summary`` messages
 for the broker and the sinks (metrics, drift, recorder). The engine never
 sees a summary.
+
+Which passes feed a tap is settled once per pass, at its first firing: not
+an active pass, a phase it names (``TapSpec.phases``), and for a Generate
+request's inline tap a pass that holds that request, whose rows alone it then
+reduces (``taps.rows``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 from layertap.server.errors import AlreadyExists, InvalidField, LimitExceeded, NotFound, Unsupported, echo
 from layertap.server.host.hooks import POINT_NAMES, CallArgs, ParamGrad
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
+from layertap.server.host.rows import RequestCut, find_request
 from layertap.server.limits import check_name, check_ttl
 from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.compiled_kernel import DENSE, Signature
@@ -40,6 +46,28 @@ from layertap.v1 import telemetry_pb2 as pb
 log = logging.getLogger("layertap.server")
 
 DEFAULT_TTL_SECONDS = 600.0
+#: Points a request's inline tap may watch: a Generate pass runs no backward.
+FORWARD_POINTS = (pb.POINT_OUTPUT, pb.POINT_INPUT)
+
+
+def check_phases(spec: pb.TapSpec, field_prefix: str = "spec") -> frozenset[int] | None:
+    """The phases a spec names, or None when it names none (every pass).
+
+    A phase named twice counts once: ``phases`` is a set, and refusing a
+    repeat would only make callers deduplicate.
+
+    Raises:
+        InvalidField: An unknown ``Phase`` value, naming ``spec.phases[i]``.
+    """
+    if not spec.phases:
+        return None
+    known = set(pb.Phase.values())
+    for i, phase in enumerate(spec.phases):
+        if phase not in known:
+            raise InvalidField(f"{field_prefix}.phases[{i}]",
+                               f"unknown phase {phase}; use PHASE_UNSPECIFIED (plain forwards), PHASE_PREFILL "
+                               "or PHASE_DECODE")
+    return frozenset(spec.phases)
 
 
 class TapEngine:
@@ -87,11 +115,15 @@ class TapEngine:
     # -- registry ------------------------------------------------------------
     def create(self, spec: pb.TapSpec, *, kind: pb.TapKind.ValueType = pb.TAP_KIND_DURABLE, ttl: float | None = None,
                forever: bool = False, field_prefix: str = "spec", trusted_selector: bool = False,
-               owner: str = SERVER_OWNER) -> Tap:
+               owner: str = SERVER_OWNER, request_id: str | None = None) -> Tap:
         """Validate ``spec``, install hooks and return the new tap.
 
         ``trusted_selector`` lifts the selector size cap for selectors the
         server writes itself (a reloaded baseline lists all its layers).
+        ``request_id`` binds the tap to one Generate request: it fires only on
+        passes that hold the request and reduces only the request's rows (see
+        ``taps.rows`` for what is sliced and what is reduced whole); its
+        summaries name that request alone. Such a tap watches a forward point.
 
         Raises:
             InvalidField: a field is wrong (the message names it).
@@ -107,6 +139,10 @@ class TapEngine:
         point = spec.point or pb.POINT_OUTPUT
         if point not in POINT_NAMES:
             raise InvalidField(f"{field_prefix}.point", f"unknown point {spec.point}")
+        if request_id is not None and point not in FORWARD_POINTS:
+            raise InvalidField(f"{field_prefix}.point", "a request's inline tap sees forward passes only: "
+                                                       "use point output or input")
+        phases = check_phases(spec, field_prefix)
         if not spec.reducers:
             raise InvalidField(f"{field_prefix}.reducers", "name at least one reducer, e.g. moments")
         try:
@@ -139,6 +175,7 @@ class TapEngine:
             stored.point = point
             tap = Tap(tap_id, stored, kind, layers, plan, plan.nonfinite_only(), sampler, self.wall())
             tap.owner = owner
+            tap.phases, tap.request_id = phases, request_id
             if kind == pb.TAP_KIND_DURABLE and not forever:
                 life = DEFAULT_TTL_SECONDS if ttl is None else ttl
                 tap.expires_at = self.clock() + life
@@ -234,11 +271,15 @@ class TapEngine:
         if ctx.active or tap.disabled:
             self._reuse.clear()  # whatever ran since the last firing is unknown
             return  # active-capture passes are never fed to taps
-        t0 = time.perf_counter()
         if tap._pass != ctx.index:
             tap._pass = ctx.index
-            tap._sampled = tap.sampler.sample()
+            tap._skip = not self._feeds(tap, ctx)
+            if not tap._skip:  # a pass the tap does not see takes no sampling budget
+                tap._sampled = tap.sampler.sample()
             tap.calls.clear()
+        if tap._skip:
+            return  # as if the tap had no hook: nothing reduced, nothing for reuse to forget
+        t0 = time.perf_counter()
         # A gradient arrives one tensor at a time: count calls per tensor position
         # (as captures do), so a module's parameters all belong to call 0.
         slot = (layer, value.position) if isinstance(value, ParamGrad) else layer
@@ -255,22 +296,41 @@ class TapEngine:
         offset = value.position if isinstance(value, ParamGrad) else 0
         # Keyword tensors (after the positional ones) carry their path; nothing to build otherwise.
         keyword_from = value.positional if isinstance(value, CallArgs) else None
+        cut = tap._cut
         try:
             key = plan.reuse_key
+            if cut is not None and key is not None:
+                # Reused only for the same cut of the same tensor: never the whole tensor's result, nor another request's.
+                key = (key, cut.key)
             for i, (name, tensor) in enumerate(flatten_tensors(value)):
                 vec = self._reuse.get(key, tensor) if key is not None else None
+                part = tensor if cut is None else cut(tensor)
                 if vec is None:
-                    vec = plan.run(tensor)
+                    vec = plan.run(part)
                     if key is not None:
                         self._reuse.put(key, tensor, vec)
                 self._buffer.add(len(self._pieces), vec)
-                self._pieces.append(Piece(tap, layer, offset + i, call, tuple(tensor.shape), plan, tap._sampled,
+                self._pieces.append(Piece(tap, layer, offset + i, call, tuple(part.shape), plan, tap._sampled,
                                            lap if plan.timed else None,
-                                           name if keyword_from is not None and i >= keyword_from else ""))
+                                           name if keyword_from is not None and i >= keyword_from else "",
+                                           None if cut is None else cut.rows))
         except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
             self._fail(tap, layer, exc)
         finally:
             self._hook_seconds += time.perf_counter() - t0
+
+    @staticmethod
+    def _feeds(tap: Tap, ctx: PassContext) -> bool:
+        """Whether this pass is one the tap sees; sets its request's cut for the pass."""
+        tap._cut = None
+        if tap.phases is not None and ctx.phase not in tap.phases:
+            return False
+        if tap.request_id is not None:
+            rows = find_request(ctx, tap.request_id)
+            if rows is None:
+                return False
+            tap._cut = RequestCut(ctx, rows)
+        return True
 
     def _fail(self, tap: Tap, layer: str, exc: BaseException) -> None:
         tap.errors += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from layertap.server.host.hooks import HookHandle
+from layertap.server.host.rows import RequestCut
 from layertap.server.reducers.latency import LayerTimer
 from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.stream.summary_wire import timestamp
@@ -49,8 +50,16 @@ class Tap:
     layer_plans: dict[str, ReducerPlan] = field(default_factory=dict)
     #: Times each layer's forward when the plan has a latency reducer.
     timer: LayerTimer | None = None
+    #: ``PassContext.phase`` values of the passes it sees (``spec.phases``); None: every pass.
+    phases: frozenset[int] | None = None
+    #: The Generate request whose inline tap this is: it sees only that request's rows of its passes.
+    request_id: str | None = None
     _pass: int = -1
     _sampled: bool = False
+    #: The current pass is not for this tap (another phase, or without its request).
+    _skip: bool = False
+    #: The current pass's cut of its request's rows (request taps only).
+    _cut: RequestCut | None = None
 
     @property
     def durable(self) -> bool:

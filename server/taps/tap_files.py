@@ -1,14 +1,18 @@
 """Durable taps from a YAML or JSON file given to ``layertap serve --taps``.
 
 The file holds ``{"taps": [...]}`` (or a bare list). Each entry mirrors
-``TapSpec`` with two conveniences: ``point`` and reducer names may be written
-in lower case, and a reducer may be a bare name or ``{name: {params}}``::
+``TapSpec`` with two conveniences: ``point``, ``phases`` and reducer names may
+be written in lower case, and a reducer may be a bare name or ``{name: {params}}``::
 
     taps:
       - name: blocks
         selector: "layer*"
         reducers: [moments, nonfinite, {histogram: {bins: 32, min: -4, max: 4}}]
         sampling: {every_n: 10}
+      - name: decode-only
+        selector: "model.layers.*"
+        reducers: [moments]
+        phases: [decode]      # unspecified (plain forwards), prefill, decode
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ def tap_spec_from_dict(entry: dict[str, Any], field: str) -> pb.TapSpec:
     entry = dict(entry)
     reducers = entry.pop("reducers", [])
     point = entry.pop("point", None)
+    phases = entry.pop("phases", [])
     spec = pb.TapSpec()
     try:
         json_format.ParseDict(entry, spec)
@@ -71,6 +76,15 @@ def tap_spec_from_dict(entry: dict[str, Any], field: str) -> pb.TapSpec:
         if name not in pb.Point.keys():
             raise InvalidField(f"{field}.point", f"unknown point {point!r}; valid: {', '.join(POINT_BY_NAME)}")
         spec.point = pb.Point.Value(name)
+    if not isinstance(phases, list):
+        raise InvalidField(f"{field}.phases", "expected a list, e.g. [prefill, decode]")
+    for i, phase in enumerate(phases):
+        name = str(phase).upper()
+        name = name if name.startswith("PHASE_") else f"PHASE_{name}"
+        if name not in pb.Phase.keys():
+            valid = ", ".join(k.removeprefix("PHASE_").lower() for k in pb.Phase.keys())
+            raise InvalidField(f"{field}.phases[{i}]", f"unknown phase {phase!r}; valid: {valid}")
+        spec.phases.append(pb.Phase.Value(name))
     if not isinstance(reducers, list):
         raise InvalidField(f"{field}.reducers", "expected a list")
     for i, r in enumerate(reducers):

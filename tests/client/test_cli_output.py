@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import io
 import json
@@ -98,6 +99,10 @@ def test_watch_line_sampled_and_unsampled():
     assert watch_line(sampled) == "layer2[1] pass=7 mean=0.25 std=1 min=-2 max=3 nan=1 inf=0"
     unsampled = Summary("t", "layer2", "output", 0, 8, None, 0.0, True, {"nonfinite": Nonfinite(0, 2)})
     assert watch_line(unsampled) == "layer2 pass=8 unsampled nan=0 inf=2"
+    decode = dataclasses.replace(sampled, phase="decode", position=17, request_ids=("g1",))
+    assert watch_line(decode) == "layer2[1] pass=7 phase=decode pos=17 mean=0.25 std=1 min=-2 max=3 nan=1 inf=0"
+    ragged = dataclasses.replace(unsampled, phase="prefill")
+    assert watch_line(ragged) == "layer2 pass=8 phase=prefill unsampled nan=0 inf=2"
 
 
 EVERY = {"moments": Moments(8, 0.25, 1.0), "abs_max": AbsMax(3.0), "zero_fraction": ZeroFraction(0.125, 1),

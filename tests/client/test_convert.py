@@ -379,19 +379,24 @@ def test_summary_conversion_matches_the_generic_field_copy() -> None:
     """summary_from_proto is written out for speed: it must agree with _from_fields on every field and kind."""
     s = _filled(telemetry_pb2.Summary(), 1)
     s.point = telemetry_pb2.POINT_GRAD_OUTPUT
+    s.phase = telemetry_pb2.PHASE_DECODE
     s.wall_time.FromNanoseconds(2_250_000_000)
     for n, kind in enumerate(convert._RESULT_TYPES):
         _filled(getattr(s.results.add(), kind), 10 * n + 3)
     s.results.add()  # an empty oneof (a reducer newer than this client): skipped
     out = convert.summary_from_proto(s)
     generic = convert._from_fields(
-        layertap.Summary, s, point="grad_output", step=s.step, rank=s.rank, wall_time=2.25,
+        layertap.Summary, s, point="grad_output", step=s.step, rank=s.rank, wall_time=2.25, phase="decode",
+        position=s.position, request_ids=tuple(s.request_ids),
         results={kind: convert._from_fields(cls, getattr(r, kind))
                  for r, (kind, cls) in zip(s.results, convert._RESULT_TYPES.items())})
     assert out == generic
     assert set(out.results) == set(convert._RESULT_TYPES)
-    s.has_step = s.has_rank = False
-    assert convert.summary_from_proto(s).step is None and convert.summary_from_proto(s).rank is None
+    s.has_step = s.has_rank = s.has_position = False
+    plain = convert.summary_from_proto(s)
+    assert plain.step is None and plain.rank is None and plain.position is None
+    s.phase = telemetry_pb2.PHASE_UNSPECIFIED
+    assert convert.summary_from_proto(s).phase == ""
 
 
 def test_drift_conversion() -> None:

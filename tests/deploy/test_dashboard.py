@@ -12,13 +12,14 @@ import yaml
 from support.dashboard import DASHBOARD, dashboard_exprs, dashboard_targets, dashboard_variables, load_dashboard
 
 DEPLOY = DASHBOARD.parents[1]
-VALUES = {"model": "demo", "layer": "layer3", "tap": "baseline-0123abcd"}
+VALUES = {"model": "demo", "layer": "layer3", "phase": "decode", "tap": "baseline-0123abcd"}
 
 
 def test_dashboard_has_the_required_panels_and_variables() -> None:
     d = load_dashboard()
     assert d["uid"] == "layertap-drift"
-    assert dashboard_variables() == ["model", "layer", "tap"]  # tap: the heatmap sums buckets of one tap's edges
+    # phase: one at a time (each phase has its own edges and baseline); tap: the heatmap sums buckets of one tap's edges
+    assert dashboard_variables() == ["model", "layer", "phase", "tap"]
     panels = {(p["type"], p["title"]) for p in d["panels"]}
     types = {t for t, _ in panels}
     assert {"stat", "status-history", "heatmap", "timeseries"} <= types
@@ -48,6 +49,22 @@ def test_activation_queries_keep_the_layer_label() -> None:
         if "layertap_activation_" in expr and " by (" in expr:
             for clause in expr.split(" by (")[1:]:
                 assert "layer" in clause.split(")")[0], expr
+
+
+def test_per_layer_panels_show_one_phase_and_overviews_cover_all() -> None:
+    """A decode step's scores and an Infer pass's are separate series: the per-layer panels pick
+    one phase, the overviews keep every phase apart or take the worst (never mix their buckets)."""
+    phase_var = next(v for v in load_dashboard()["templating"]["list"] if v["name"] == "phase")
+    assert not phase_var["multi"] and not phase_var["includeAll"]  # the heatmap must not sum two phases' edges
+    for title, expr in dashboard_targets():
+        if "layertap_activation_" not in expr:
+            continue
+        if "$layer" in expr:
+            assert expr.count('phase=~"$phase"') == expr.count("layertap_activation_"), (title, expr)
+        elif " by (" in expr and "max by" not in expr:  # sums over layers keep the phases apart
+            assert all("phase" in c.split(")")[0] for c in expr.split(" by (")[1:]), (title, expr)
+    staleness = [e for t, e in dashboard_targets() if "last_update" in e]
+    assert staleness and all("max without (phase)" in e for e in staleness)  # as the alert: the newest phase
 
 
 def test_exprs_are_valid_promql(tmp_path: Path) -> None:

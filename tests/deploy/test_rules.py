@@ -35,6 +35,18 @@ def test_every_alert_has_a_unit_test() -> None:
     assert fired == ALERTS
 
 
+def test_phase_labelled_alerts_are_tested_for_decode() -> None:
+    """Each activation alert's test series carry a phase, and a decode-phase drift and NaN alert fire."""
+    doc = yaml.safe_load((PROM / "alerts_test.yml").read_text())
+    for case in doc["tests"]:
+        for series in case["input_series"]:
+            if series["series"].startswith("layertap_activation_"):
+                assert 'phase="' in series["series"], series
+    fired = {(t["alertname"], a["exp_labels"].get("phase")) for case in doc["tests"] for t in case["alert_rule_test"]
+             for a in t["exp_alerts"]}
+    assert {("LayertapActivationDrift", "decode"), ("LayertapNonFinite", "decode")} <= fired
+
+
 def test_promtool_check_rules() -> None:
     res = promtool("check", "rules", "alerts.yml")
     assert res.returncode == 0, res.stdout + res.stderr

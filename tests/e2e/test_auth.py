@@ -57,6 +57,8 @@ def client(srv, who: str | None) -> layertap.Client:
 PROBES = {
     "/layertap.v1.InferenceService/Infer": inference_pb2.InferRequest(),
     "/layertap.v1.InferenceService/GetModelMetadata": inference_pb2.GetModelMetadataRequest(),
+    # The demo CNN cannot generate: FAILED_PRECONDITION once past the interceptor.
+    "/layertap.v1.InferenceService/Generate": inference_pb2.GenerateRequest(prompts=[inference_pb2.TokenIds(ids=[1])]),
     "/layertap.v1.TelemetryService/ListLayers": telemetry_pb2.ListLayersRequest(),
     "/layertap.v1.TelemetryService/Capture": telemetry_pb2.CaptureRequest(),
     "/layertap.v1.TelemetryService/CreateTap": telemetry_pb2.CreateTapRequest(),
@@ -78,9 +80,10 @@ PROBES = {
 def call_raw(channel: grpc.Channel, method: str, token: str | None) -> grpc.StatusCode:
     """The status of one raw call (OK, or the failure's code)."""
     request = PROBES[method]
-    streaming = method.endswith(("/Capture", "/Subscribe", "/GetIncident"))
+    streaming = method.endswith(("/Capture", "/Subscribe", "/GetIncident", "/Generate"))
     response_type = {
         "Infer": inference_pb2.InferResponse, "GetModelMetadata": inference_pb2.GetModelMetadataResponse,
+        "Generate": inference_pb2.GenerateResponse,
     }.get(method.rsplit("/", 1)[1])
     if response_type is None:
         response_type = getattr(telemetry_pb2, method.rsplit("/", 1)[1] + "Response")

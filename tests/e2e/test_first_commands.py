@@ -125,3 +125,24 @@ def test_serve_smoke_passes(kind, request):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "layertap: captured " in done.stdout, done.stdout
     assert ("infer output (2, 2, 64)" if kind == "hf" else "infer output (2, 10)") in done.stdout, done.stdout
+
+
+@needs_hf
+def test_a_generative_model_prints_a_generate_command_that_succeeds(gpt2_dir, tmp_path):
+    proc = subprocess.Popen([*SERVE, "--model", f"hf:{gpt2_dir}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        read_startup(proc.stdout, lines)
+        line = proc.stdout.readline()
+        assert line.startswith("layertap: generate with `"), (lines, line)
+        command = shlex.split(line.split("`")[1])
+        assert command[:2] == ["layertap", "generate"] and command[command.index("--watch") + 1] == "transformer.h.*"
+        done = _cli(*command[1:], cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert "8 tokens generated from 3 prompt tokens" in done.stdout, done.stdout
+        assert done.stdout.count(" decode  transformer.h.0 ") == 7  # one line of layer means per decode pass
+    finally:
+        proc.terminate()
+        proc.wait(30)

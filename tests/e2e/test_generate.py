@@ -30,7 +30,8 @@ from layertap.v1 import inference_pb2_grpc, tensor_pb2
 
 #: Logits closer than this may flip between two correct float orders of summation.
 MARGIN = 1e-4
-LONG = {"max_position_embeddings": 1024}
+#: Room for long generations, and no end-of-sequence id: every run makes all its tokens.
+LONG = {"max_position_embeddings": 1024, "eos_token_id": None}
 
 
 @pytest.fixture(scope="module")
@@ -315,3 +316,133 @@ def test_nan_logits_end_the_generation_with_a_clear_error(make_server, tmp_path)
     assert err.value.code() == grpc.StatusCode.INTERNAL
     assert "NaN or infinity" in err.value.details()
     assert wait_for(lambda: server.state.generator._batch is None, timeout=10)
+
+
+def test_scopes_are_checked_as_subscribe_checks_them(make_server, llama, tmp_path) -> None:
+    """Generate needs infer; its inline taps need tap, its captures capture."""
+    import hashlib
+
+    token = "tok-infer-only-0123456789"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"inferer sha256:{hashlib.sha256(token.encode()).hexdigest()} infer\n")
+    path, _model = llama
+    server = make_server(model=f"hf:{path}", auth_tokens=str(tokens))
+    stub = stub_of(server)
+    auth = [("authorization", f"Bearer {token}")]
+    assert tokens_of(list(stub.Generate(request([1, 2], max_new_tokens=2), metadata=auth, timeout=30)))[0]
+    tap = ipb.GenerateRequest(prompts=[ipb.TokenIds(ids=[1, 2])])
+    tap.taps.add(selector="model.layers.*").reducers.add(kind=1)
+    for req, scope in ((tap, "tap"), (request([1, 2], capture=["model.layers.0"]), "capture")):
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(req, metadata=auth, timeout=30))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert f"scope {scope!r}" in err.value.details()
+    assert not server.state.taps.all_taps()  # nothing was left behind
+
+
+def test_each_call_holds_a_stream_slot(make_server, llama) -> None:
+    path, _model = llama
+    server = make_server(model=f"hf:{path}", max_streams=1, workers=4, max_new_tokens=1000)
+    stub = stub_of(server)
+    first = stub.Generate(request([5, 6, 7], max_new_tokens=1000))
+    next(first)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(request([5, 6, 7], max_new_tokens=2), timeout=30))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-streams" in err.value.details()
+    first.cancel()
+
+    def admitted() -> bool:
+        try:
+            return bool(tokens_of(list(stub.Generate(request([5, 6, 7], max_new_tokens=2), timeout=30)))[0])
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            return False
+
+    assert wait_for(admitted, timeout=30)  # the cancelled call gave its slot back
+
+
+def local_steps(model: torch.nn.Module, layers: list[str], prompt: list[int], new: int
+                ) -> dict[str, list[torch.Tensor]]:
+    """Each decoder layer's output at every forward of transformers' own greedy generate."""
+    seen: dict[str, list[torch.Tensor]] = {name: [] for name in layers}
+    handles = [model.get_submodule(name).register_forward_hook(
+        lambda _m, _a, out, _n=name: seen[_n].append((out[0] if isinstance(out, tuple) else out).double()))
+        for name in layers]
+    try:
+        model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=0)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def moments_tap(selector: str = "model.layers.*", phases: tuple[int, ...] = ()) -> Any:
+    from layertap.v1 import telemetry_pb2 as tpb
+
+    return tpb.TapSpec(selector=selector, reducers=[tpb.ReducerSpec(kind=tpb.REDUCER_KIND_MOMENTS)],
+                       phases=list(phases))
+
+
+def test_inline_taps_summarize_every_step_as_a_local_hook(make_server, llama) -> None:
+    """layers x (1 prefill + (N - 1) decodes) summaries, each with its phase and position, each equal to a local hook."""
+    path, model = llama
+    server = make_server(model=f"hf:{path}")
+    prompt, new = [5, 6, 7, 8, 9], 6
+    req = request(prompt, max_new_tokens=new, taps=[moments_tap()])
+    responses = list(stub_of(server).Generate(req, timeout=60))
+    request_id = responses[0].started.request_id
+    summaries = [s for r in responses for s in r.summaries]
+    layers = [f"model.layers.{i}" for i in range(hf_models.TINY["llama"][2]["num_hidden_layers"])]
+    assert len(summaries) == len(layers) * new  # one prefill and new - 1 decodes: N forwards for N tokens
+    local = local_steps(model, layers, prompt, new)
+    for s in summaries:
+        assert list(s.request_ids) == [request_id]
+        assert s.has_position
+        k = s.position - len(prompt)  # the k-th new token's pass
+        assert s.phase == (1 if k == 0 else 2)
+        ref = local[s.layer][k]
+        assert s.results[0].moments.count == ref.numel()
+        assert abs(s.results[0].moments.mean - float(ref.mean())) < 1e-5
+        assert abs(s.results[0].moments.std - float(ref.std(unbiased=False))) < 1e-5
+    assert sorted({s.position for s in summaries}) == list(range(len(prompt), len(prompt) + new))
+
+
+def test_a_phase_filter_keeps_decode_steps_only(make_server, llama) -> None:
+    path, _model = llama
+    server = make_server(model=f"hf:{path}")
+    req = request([5, 6, 7], max_new_tokens=4, taps=[moments_tap("model.layers.0", phases=(2,))])
+    summaries = [s for r in stub_of(server).Generate(req, timeout=60) for s in r.summaries]
+    assert [s.phase for s in summaries] == [2, 2, 2]
+    assert [s.position for s in summaries] == [4, 5, 6]
+
+
+def test_a_request_tap_sees_only_its_rows_in_a_batch(make_server, llama) -> None:
+    """Another request's rows share the decode passes: the tap sees its own row only, never the batch."""
+    path, model = llama
+    server = make_server(model=f"hf:{path}")
+    stub = stub_of(server)
+    mine = [5, 6, 7, 8, 9, 10]
+    other = stub.Generate(request([3, 4], max_new_tokens=500), timeout=60)
+    next(other), next(other)  # it is decoding
+    responses = list(stub.Generate(request(mine, max_new_tokens=4, taps=[moments_tap("model.layers.1")]), timeout=60))
+    assert server.state.generator._batch is not None and len(server.state.generator._batch.rows) == 1
+    other.cancel()
+    summaries = [s for r in responses for s in r.summaries]
+    local = local_steps(model, ["model.layers.1"], mine, 4)["model.layers.1"]
+    assert len(summaries) == 4
+    for s, ref in zip(summaries, local):
+        assert s.results[0].moments.count == ref.numel()  # (1, 1, H) on a decode pass of two rows
+        assert abs(s.results[0].moments.mean - float(ref.mean())) < 1e-5
+        assert list(s.request_ids) == [responses[0].started.request_id]
+
+
+def test_the_end_of_sequence_id_stops_a_sequence(make_server, tmp_path) -> None:
+    path, model = hf_models.save("llama", tmp_path)  # eos_token_id 2, as LlamaConfig says
+    server = make_server(model=f"hf:{path}")
+    prompt = [5, 6, 7, 8, 9]
+    responses = list(stub_of(server).Generate(request(prompt, max_new_tokens=10), timeout=60))
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0)[0, 5:].tolist()
+    assert ref[-1] == 2 and len(ref) < 10  # transformers stops at it too
+    assert [t.id for t in tokens_of(responses)[0]] == ref
+    assert list(responses[-1].finished.finish_reasons) == [ipb.FINISH_REASON_STOP]

@@ -100,6 +100,7 @@ def test_drift_dashboard_and_health_through_real_prometheus(make_server, tmp_pat
                              what="16 drift scores under threshold (4 layers x 4 metrics)")
         assert set(rows_by(rows, "layer", "metric")) == {(lay, m) for lay in LAYERS for m in METRICS}
         assert {r["metric"]["tap"] for r in rows} == {tap}
+        assert {r["metric"]["phase"] for r in rows} == {"forward"}  # Infer passes: plain forwards
 
         perturbed_at = time.time()
         with srv.state.host.pass_lock():
@@ -144,7 +145,8 @@ def test_drift_dashboard_and_health_through_real_prometheus(make_server, tmp_pat
 
         # Every dashboard query returns data for real values of $model and $layer.
         # Rates need a few scrapes of the frozen histogram and the counters.
-        exprs = dashboard_exprs(values={"model": MODEL, "layer": "layer3", "tap": tap}, rate_interval=RATE_INTERVAL)
+        exprs = dashboard_exprs(values={"model": MODEL, "layer": "layer3", "phase": "forward", "tap": tap},
+                                rate_interval=RATE_INTERVAL)
         raw = [e for _, e in dashboard_targets()]
         assert len(exprs) >= 10 and not any("vector(" in e for e in raw), raw
         results: dict[str, list[dict[str, Any]]] = {}

@@ -108,8 +108,8 @@ def test_same_bytes_as_prometheus_client_through_updates_escaping_nonfinite_and_
     store.update_from_summary("tap-a", nan)
     store.update_from_summary("tap-a", summary("blocks.2", "tap-a", rng, scale=10**7))
     text = assert_same_bytes(registry).decode()
-    assert 'layertap_activation_mean{layer="blocks.1",model="mo\\"del\\\\",point="output",tap="tap-a"} NaN' in text
-    assert 'layertap_activation_drift{layer="blocks.0",metric="js",model="mo\\"del\\\\",point="output",tap="tap-a"} +Inf' in text
+    assert 'layertap_activation_mean{layer="blocks.1",model="mo\\"del\\\\",phase="forward",point="output",tap="tap-a"} NaN' in text
+    assert 'layertap_activation_drift{layer="blocks.0",metric="js",model="mo\\"del\\\\",phase="forward",point="output",tap="tap-a"} +Inf' in text
     assert "e+0" in text.split("layertap_activation_value_bucket", 1)[1]
     assert 'layer="new\\nline"' in text and 'layer="ünï—コード"' in text and 'layer="100% \\"all\\"\\\\\\n"' in text
     assert "layertap_export_layers_dropped{" in text and text.count('tap="tap-c"') == 0  # over the cap
@@ -149,7 +149,7 @@ def test_both_formats_parse_with_prometheus_clients_parsers_and_promtool() -> No
         store.update_from_summary(tap, summary(layer, tap, rng))
         store.set_drift(tap, layer, "output", DriftScore(0.5, 0.25, math.nan, 2.0, channel_drift_fraction=0.1))
     text, om = render_latest(registry).decode(), render_openmetrics(registry).decode()
-    want = {"layer": WEIRD[2], "model": 'mo"del\\', "point": "output", "tap": "t"}
+    want = {"layer": WEIRD[2], "model": 'mo"del\\', "phase": "forward", "point": "output", "tap": "t"}
     for families in (parse_text(text), parse_openmetrics(om)):
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
         assert samples[("layertap_activation_value_bucket", tuple(sorted({**want, "le": "+Inf"}.items())))] == 256
@@ -229,4 +229,4 @@ def test_histogram_snapshot_with_float_counts_and_unsorted_quantiles() -> None:
     registry.register(ActivationCollector(lambda: [snap], "m"))
     text = assert_same_bytes(registry).decode()
     assert text.index('q="0.1"') < text.index('q="0.9"')
-    assert 'le="+Inf",model="m",point="output",tap="t"} 6.0' in text
+    assert 'le="+Inf",model="m",phase="forward",point="output",tap="t"} 6.0' in text

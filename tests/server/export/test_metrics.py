@@ -121,7 +121,7 @@ def test_activation_series_from_summaries(setup) -> None:
     store.update_from_summary("tap-1", summary("layer1", nan=1, inf=4))
     store.update_from_summary("tap-1", summary("layer1", nan=5, output_index=1))  # second output: nonfinite only
     store.set_drift("tap-1", "layer1", "output", SCORE)
-    lab = {"model": "demo", "layer": "layer1", "point": "output", "tap": "tap-1"}
+    lab = {"model": "demo", "layer": "layer1", "point": "output", "tap": "tap-1", "phase": "forward"}
     g = registry.get_sample_value
     assert g("layertap_activation_mean", lab) == 0.25 and g("layertap_activation_std", lab) == 1.5
     assert g("layertap_activation_min", lab) == -3.0 and g("layertap_activation_max", lab) == 4.0
@@ -177,7 +177,8 @@ def test_cap_on_exported_layers(setup, caplog: pytest.LogCaptureFixture) -> None
     assert len([r for r in caplog.records if "export cap" in r.getMessage()]) == 1  # one line, not per scrape
     store.remove_tap("tap-1")
     assert registry.get_sample_value("layertap_export_layers_dropped", {"model": "demo"}) == 0.0
-    assert registry.get_sample_value("layertap_activation_mean", {"model": "demo", "layer": "layer0", "point": "output", "tap": "tap-1"}) is None
+    assert registry.get_sample_value("layertap_activation_mean", {"model": "demo", "layer": "layer0", "point": "output", "tap": "tap-1",
+                                                               "phase": "forward"}) is None
 
 
 def test_histogram_buckets_are_bounded() -> None:

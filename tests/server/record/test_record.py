@@ -106,16 +106,20 @@ def test_retention_is_bounded_and_counts_lost_passes():
 def test_triggers_fire_per_layer_and_rate_limit():
     trig = pb.Triggers(nonfinite=True, abs_max_above=10, mean_sigma=3)
 
-    def summary(layer, nan=0, amax=1.0, mean=0.0):
-        return pb.Summary(tap="t", layer=layer, results=[
+    def summary(layer, nan=0, amax=1.0, mean=0.0, phase=pb.PHASE_UNSPECIFIED):
+        return pb.Summary(tap="t", layer=layer, phase=phase, results=[
             pb.ReducerResult(nonfinite=pb.Nonfinite(nan_count=nan)), pb.ReducerResult(abs_max=pb.AbsMax(value=amax)),
             pb.ReducerResult(moments=pb.Moments(count=4, mean=mean, std=1))])
 
-    base = {"c": (0.0, 0.5)}
-    firing = evaluate(trig, [summary("a", nan=1), summary("b", amax=11), summary("c", mean=1.6), summary("d", mean=9)],
-                      lambda layer, _p: base.get(layer))
+    base = {("c", pb.PHASE_UNSPECIFIED): (0.0, 0.5), ("e", pb.PHASE_DECODE): (5.0, 0.5)}
+    firing = evaluate(trig, [summary("a", nan=1), summary("b", amax=11), summary("c", mean=1.6), summary("d", mean=9),
+                             summary("e", mean=5.2, phase=pb.PHASE_DECODE), summary("e", mean=5.2)],
+                      lambda layer, _p, phase: base.get((layer, phase)))
     assert firing is not None
-    assert firing.layers == {"a": ["nonfinite"], "b": ["abs_max"], "c": ["mean_sigma"]}  # d has no baseline
+    # d has no baseline; e's decode step is within its decode baseline, and its plain forward has none.
+    assert firing.layers == {"a": ["nonfinite"], "b": ["abs_max"], "c": ["mean_sigma"]}
+    decode = evaluate(trig, [summary("e", mean=1.0, phase=pb.PHASE_DECODE)], lambda layer, _p, phase: base.get((layer, phase)))
+    assert decode is not None and decode.layers == {"e": ["mean_sigma"]}  # 8 sigma off the decode baseline
     assert firing.triggers == ["abs_max", "mean_sigma", "nonfinite"]
     assert evaluate(trig, [summary("a", mean=1.4)], lambda *_: (0.0, 0.5)) is None
     clock = Clock(0.0)

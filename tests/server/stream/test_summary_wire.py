@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from layertap.server.reducers.basic import BASIC_REDUCERS
 from layertap.server.reducers.kernels import BASIC_WIDTH
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
-from layertap.server.stream.summary_wire import SummaryWire, results_bytes
+from layertap.server.stream.summary_wire import Place, SummaryWire, results_bytes
 from layertap.server.taps.tap import timestamp
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -19,12 +19,17 @@ SLOT = st.one_of(
     st.sampled_from([0.0, -0.0, 1.0, 2.0**53, 1e300, -1e-300, math.nan, math.inf, -math.inf]),
 )
 KINDS = sorted(BASIC_REDUCERS)
+#: A pass's place in a generation: None for a plain forward.
+PLACE = st.one_of(st.none(), st.builds(
+    Place, st.sampled_from([pb.PHASE_UNSPECIFIED, pb.PHASE_PREFILL, pb.PHASE_DECODE]),
+    st.one_of(st.none(), st.integers(0, 2**32 - 1)), st.lists(st.text(max_size=30), max_size=4).map(tuple)))
 
 
 def by_messages(plan: ReducerPlan, values: list[float], shape: tuple[int, ...], *, tap: str, layer: str,
                 point: int, output_index: int, call_index: int, unsampled: bool, pass_index: int,
-                step: int | None, rank: int | None, wall: float, output_key: str = "") -> pb.Summary:
-    """The engine's message path (``TapEngine._summary``), written out."""
+                step: int | None, rank: int | None, wall: float, output_key: str = "",
+                place: Place | None = None) -> pb.Summary:
+    """The engine's message path (``Publisher._summary``), written out field by field."""
     import numpy as np
 
     summary = pb.Summary(tap=tap, layer=layer, point=point, output_index=output_index, pass_index=pass_index,
@@ -32,6 +37,11 @@ def by_messages(plan: ReducerPlan, values: list[float], shape: tuple[int, ...], 
                          unsampled=unsampled, call_index=call_index, output_key=output_key)
     if step is not None:
         summary.step, summary.has_step = step, True
+    if place is not None:
+        summary.phase = place.phase
+        if place.position is not None:
+            summary.position, summary.has_position = place.position, True
+        summary.request_ids.extend(place.request_ids)
     if rank is not None:
         summary.rank, summary.has_rank = rank, True
     return summary
@@ -47,10 +57,10 @@ def by_messages(plan: ReducerPlan, values: list[float], shape: tuple[int, ...], 
     output_index=st.integers(0, 2**32 - 1), call_index=st.integers(0, 2**32 - 1), unsampled=st.booleans(),
     pass_index=st.integers(0, 2**64 - 1), step=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
     rank=st.one_of(st.none(), st.integers(0, 2**32 - 1)), wall=st.floats(0, 4e9),
-    output_key=st.one_of(st.just(""), st.text(max_size=40)),
+    output_key=st.one_of(st.just(""), st.text(max_size=40)), place=PLACE,
 )
 def test_wire_summary_equals_the_message_built_one(kinds, data, shape, tap, layer, point, output_index, call_index,
-                                                   unsampled, pass_index, step, rank, wall, output_key) -> None:
+                                                   unsampled, pass_index, step, rank, wall, output_key, place) -> None:
     plan = ReducerPlan(build_reducers([pb.ReducerSpec(kind=k) for k in kinds]))
     assert plan.basic_layout is not None
     # The kernel's basic vector: counts are exact integers with nan + finite <= numel.
@@ -62,14 +72,18 @@ def test_wire_summary_equals_the_message_built_one(kinds, data, shape, tap, laye
     values = basic  # run()'s output for a basic-only plan: the basic vector itself
     expected = by_messages(plan, values, shape, tap=tap, layer=layer, point=point, output_index=output_index,
                            call_index=call_index, unsampled=unsampled, pass_index=pass_index, step=step, rank=rank,
-                           wall=wall, output_key=output_key)
+                           wall=wall, output_key=output_key, place=place)
     ts = timestamp(wall)
     wire = SummaryWire()
     got = wire.summary(tap, layer, point, output_index, call_index, unsampled,
                        SummaryWire.pass_part(pass_index, step, ts.seconds, ts.nanos),
                        results_bytes(plan.basic_layout, values, shape),
-                       SummaryWire.rank_part(rank), output_key)
+                       (place.wire() if place is not None else b"") + SummaryWire.rank_part(rank), output_key)
     assert got.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
+    if place is not None:  # and the place's own bytes are protobuf's, zero values left out
+        alone = pb.Summary()
+        place.stamp(alone)
+        assert place.wire() == alone.SerializeToString(deterministic=True)
     assert [x.WhichOneof("value") for x in got.results] == [r.result_field for r, _, _ in plan.basic_layout]
 
 

@@ -128,3 +128,32 @@ def test_tensor_bytes_are_torchs_row_major_bytes_for_any_layout(make) -> None:
     want = t.detach().resolve_neg().contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
     assert tensor_to_bytes(t) == want
     assert host_bytes(t).tobytes() == want
+
+
+@pytest.mark.parametrize("phase, positions, want_position", [(1, ((5,), (5, 5)), 5), (2, ((3,), (9, 9)), None), (0, (), None)])
+def test_a_passive_capture_of_a_generate_pass_names_its_place(phase: int, positions: tuple, want_position) -> None:
+    """A live Generate pass's headers carry its phase, position and request ids, in protobuf's own bytes."""
+    from torch import nn
+
+    from layertap.server.host.model_host import ModelHost, RequestRows
+    from layertap.server.host.sources import InputSpec, LoadedModel
+    from layertap.server.taps.capture import CaptureSession
+
+    host = ModelHost(LoadedModel(nn.Sequential(nn.Linear(4, 4)).eval(), "m", "test",
+                                 [InputSpec("input", torch.float32, (-1, -1, 4))]))
+    opts = CaptureOptions(layers=("0",), point=pb.POINT_OUTPUT, passes=1, max_batch=0, dtype=None)
+    requests = tuple(RequestRows(rid, slice(start, start + len(p)), p)
+                     for rid, start, p in zip(("r1", "r2"), (0, 1), positions))
+    x = torch.randn(3 if requests else 2, 6, 4)
+    with CaptureSession(host, opts, max_bytes=1 << 20, active=False) as session:
+        with host.pass_context(phase=phase, requests=requests, tokens=6 if phase else 0) as ctx, torch.inference_mode():
+            out = host.module(x)
+        rec = session.next_pass(5)
+        assert rec is not None
+        (header, _), (chunk, _) = encode_pass(rec, opts, iter([0]))
+    want = pb.CaptureHeader(layer="0", point=pb.POINT_OUTPUT, output_count=1, dtype=tensor_pb2.DATA_TYPE_FLOAT32,
+                            shape=list(out.shape), pass_index=ctx.index, total_bytes=out.numel() * 4, num_chunks=1,
+                            phase=phase, position=want_position or 0, has_position=want_position is not None,
+                            request_ids=[r.request_id for r in requests])
+    assert header == pb.CaptureResponse(header=want).SerializeToString()
+    assert pb.CaptureResponse.FromString(chunk).chunk.data == out.numpy().tobytes()

@@ -1,0 +1,67 @@
+"""One Generate request's own part of a batched pass: the view its inline taps reduce.
+
+A Generate pass stacks several requests' sequences along dim 0, each request
+a contiguous run of rows (``RequestRows.rows``). A request's inline tap sees
+only its rows, cut out as a view on the device: basic slicing, no copy and no
+host sync, so the hot path stays as cheap as a whole-batch tap. In a prefill
+the prompts are left-padded to one length; the columns that are padding in
+every one of the request's rows (``RequestRows.pad``) are cut off too.
+
+What counts as "the batch" is read from the shapes alone, which is a guess
+that holds for a decoder's activations and no further:
+
+- a tensor whose dim 0 is the pass's batch (the largest ``rows.stop``) is
+  sliced ``t[rows]``; any other tensor is reduced whole: rotary ``cos``/``sin``
+  with batch 1, a flattened ``(batch * tokens, hidden)`` matrix, a
+  parameter. (A cache object is no tensor and never reaches a reducer.)
+- in a prefill, a sliced tensor of 2 or more dims whose dim 1 is the token
+  axis (``PassContext.tokens``) loses its first ``pad`` columns. A tensor
+  whose dim 1 happens to equal the token count without being the token axis
+  (attention weights ``(batch, heads, q, k)`` with as many heads as tokens)
+  is cut there too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from layertap.server.host.model_host import PHASE_PREFILL, PassContext, RequestRows
+
+__all__ = ["RequestCut", "find_request"]
+
+
+def find_request(ctx: PassContext, request_id: str) -> RequestRows | None:
+    """The request's rows in this pass, or None when the pass does not hold it."""
+    for rows in ctx.requests:
+        if rows.request_id == request_id:
+            return rows
+    return None
+
+
+class RequestCut:
+    """Cuts one request's part out of each tensor of a pass.
+
+    Args:
+        ctx: The pass (its requests, phase and token axis length).
+        rows: The request's rows in it (:func:`find_request`).
+    """
+
+    __slots__ = ("rows", "_slice", "_batch", "_pad", "_tokens", "key")
+
+    def __init__(self, ctx: PassContext, rows: RequestRows) -> None:
+        self.rows = rows
+        self._slice = rows.rows
+        self._batch = max(r.rows.stop for r in ctx.requests)
+        self._pad = rows.pad if ctx.phase == PHASE_PREFILL else 0
+        self._tokens = ctx.tokens
+        #: Tells this cut from the whole tensor and from other requests' cuts in a reuse key.
+        self.key = (rows.rows.start, rows.rows.stop, self._pad, self._tokens)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        """The request's view of ``t`` (``t`` itself when dim 0 is not the batch)."""
+        if t.dim() == 0 or t.shape[0] != self._batch:
+            return t
+        view = t[self._slice]
+        if self._pad and view.dim() >= 2 and view.shape[1] == self._tokens:
+            view = view[:, self._pad:]
+        return view
