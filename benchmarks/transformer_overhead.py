@@ -36,45 +36,31 @@ A second column gives CPU time per call of the process running the forward
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
-import re
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
-import time
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from _serving import (
+    BASIC,
+    SELECTOR,
+    Cell,
+    Peer,
+    answer_rounds,
+    load_model,
+    median_ms,
+    process_cpu,
+    save_llama,
+    settle_compiles,
+    start_server,
+    timed,
+)
 from torch import nn
 
-BASIC = ["moments", "minmax", "zero_fraction", "nonfinite"]
-SELECTOR = "model.layers.*"
-Cell = tuple[float, float]  # (median wall ms, CPU ms per call)
 CONFIG = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,
           "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 512}
-
-
-def make_model(directory: str) -> None:
-    """Saves a random-init Llama (seed 0) with ``save_pretrained``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging
-    logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(directory)  # type: ignore[arg-type]
-
-
-def load_model(directory: str) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-    logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    model: nn.Module = AutoModelForCausalLM.from_pretrained(directory)
-    return model.eval()
 
 
 def make_inputs(batch: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,33 +70,6 @@ def make_inputs(batch: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     mask = torch.ones(batch, tokens, dtype=torch.long)
     mask[::2, : tokens // 8] = 0
     return ids, mask
-
-
-def median_ms(call: Callable[[], object], n: int) -> float:
-    return timed(call, n)[0]
-
-
-def timed(call: Callable[[], object], n: int, cpu: Callable[[], float] = time.process_time) -> Cell:
-    """(median wall ms, CPU ms per call of the process doing the work): the other engineers' load
-    on the shared cores inflates wall time far more than the CPU time of the process measured."""
-    times = []
-    c0 = cpu()
-    for _ in range(n):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3, (cpu() - c0) * 1e3 / n
-
-
-def process_cpu(pid: int) -> Callable[[], float]:
-    """Seconds of CPU another process has used (Linux /proc; user + system, all threads)."""
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def read() -> float:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / tick
-    return read
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -164,64 +123,22 @@ def nnsight_worker(directory: str, batch: int, tokens: int) -> None:
     assert len(got) == n_layers and all(torch.isfinite(torch.as_tensor(s)).all() for s in got)
     for call in (plain, empty, stats):
         median_ms(call, 3)
-    print(json.dumps({"version": nnsight.__version__}), flush=True)
-    for line in sys.stdin:
+
+    def one_round(line: str) -> dict[str, Cell]:
         n = int(line)
-        row = {"plain": timed(plain, n), "empty": timed(empty, n), "stats": timed(stats, n), "plain2": timed(plain, n)}
-        print(json.dumps(row), flush=True)
+        return {"plain": timed(plain, n), "empty": timed(empty, n), "stats": timed(stats, n), "plain2": timed(plain, n)}
+    answer_rounds({"version": nnsight.__version__}, one_round)
 
 
-class NnsightPeer:
+class NnsightPeer(Peer):
     """Drives ``nnsight_worker`` in another interpreter, one round per call."""
 
     def __init__(self, python: str, directory: str, batch: int, tokens: int) -> None:
-        self._proc = subprocess.Popen(
-            [python, __file__, "--nnsight-worker", directory, "--batch", str(batch), "--tokens", str(tokens)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.version = str(self._read()["version"])
-
-    def _read(self) -> dict[str, list[float] | str]:
-        assert self._proc.stdout is not None
-        line = self._proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the nnsight worker exited ({self._proc.wait()})")
-        return dict(json.loads(line))
+        super().__init__([python, __file__, "--nnsight-worker", directory, "--batch", str(batch), "--tokens", str(tokens)])
+        self.version = str(self.hello["version"])
 
     def round(self, n: int) -> dict[str, Cell]:
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(f"{n}\n")
-        self._proc.stdin.flush()
-        return {k: (float(v[0]), float(v[1])) for k, v in self._read().items()}
-
-    def close(self) -> None:
-        if self._proc.stdin is not None:
-            self._proc.stdin.close()
-        self._proc.wait(30)
-
-
-def start_server(directory: str) -> tuple[subprocess.Popen[str], str, int]:
-    proc = subprocess.Popen([sys.executable, "-m", "layertap.cli", "serve", "--model", f"hf:{directory}",
-                             "--port", "0", "--metrics-port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert proc.stdout is not None
-    port = metrics = -1
-    for line in proc.stdout:
-        if m := re.search(r"serving on [^\s]+:(\d+)", line):
-            port = int(m.group(1))
-        if m := re.search(r"metrics on https?://[^:]+:(\d+)/metrics", line):
-            metrics = int(m.group(1))
-        if line.startswith("layertap: try"):
-            break
-    if port < 0:
-        raise RuntimeError(f"layertap serve did not start ({proc.wait()})")
-    threading.Thread(target=proc.stdout.read, daemon=True).start()
-    return proc, f"127.0.0.1:{port}", metrics
-
-
-def compiles(metrics_port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-        m = re.search(r"^layertap_reducer_compiles_total\{[^}]*\} (\S+)$", r.read().decode(), re.M)
-    return float(m.group(1)) if m else 0.0
+        return {k: (float(v[0]), float(v[1])) for k, v in self.ask(str(n)).items()}
 
 
 def main() -> None:
@@ -243,7 +160,7 @@ def main() -> None:
     import layertap
 
     with tempfile.TemporaryDirectory(prefix="layertap-llama-") as directory:
-        make_model(directory)
+        save_llama(directory, CONFIG)
         model = load_model(directory)
         ids, mask = make_inputs(args.batch, args.tokens)
         ids_np, mask_np = ids.numpy(), mask.numpy()
@@ -266,11 +183,7 @@ def main() -> None:
                 tap = client.create_tap(SELECTOR, reducers=BASIC, forever=True)  # first sighting: compiles
                 layers = client.stats().active_hooks
                 median_ms(infer, 5)
-                settled, last = time.monotonic(), compiles(metrics_port)
-                while time.monotonic() - settled < 5:  # no new compile for 5 s
-                    time.sleep(1)
-                    if (now := compiles(metrics_port)) != last:
-                        settled, last = time.monotonic(), now
+                last = settle_compiles(metrics_port)  # no new compile for 5 s
                 client.delete_tap(tap)
                 median_ms(forward, 3)
                 server_cpu = process_cpu(proc.pid)

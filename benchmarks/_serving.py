@@ -1,0 +1,150 @@
+"""What the transformer benchmarks share: a random-init Llama on disk, timing with CPU time,
+``layertap serve`` as a subprocess, and a peer process driven round by round.
+
+Imported by scripts run as ``python benchmarks/NAME.py`` (their folder is on
+``sys.path``), also under another venv's interpreter (``--nnsight-python``),
+so it needs only torch and transformers at import; layertap and the tests'
+start-up reader are imported where a server starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+#: overhead.py's basic statistics: mean, std, min, max, zero fraction, NaN and Inf counts.
+BASIC = ["moments", "minmax", "zero_fraction", "nonfinite"]
+#: Every decoder layer of a Llama.
+SELECTOR = "model.layers.*"
+Cell = tuple[float, float]  # (median wall ms, CPU ms per call)
+
+
+def save_llama(directory: str, config: Mapping[str, Any]) -> None:
+    """Saves a random-init ``LlamaForCausalLM`` (seed 0) with ``save_pretrained``; nothing downloads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+    logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(directory)  # type: ignore[arg-type]
+
+
+def load_model(directory: str, device: str | None = None) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+    logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    model: nn.Module = AutoModelForCausalLM.from_pretrained(directory)
+    if device is not None:
+        model = model.to(device)
+    return model.eval()
+
+
+def median_ms(call: Callable[[], object], n: int) -> float:
+    return timed(call, n)[0]
+
+
+def timed(call: Callable[[], object], n: int, cpu: Callable[[], float] = time.process_time) -> Cell:
+    """(median wall ms, CPU ms per call of the process doing the work): the other engineers' load
+    on the shared cores inflates wall time far more than the CPU time of the process measured."""
+    times = []
+    c0 = cpu()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3, (cpu() - c0) * 1e3 / n
+
+
+def process_cpu(pid: int) -> Callable[[], float]:
+    """Seconds of CPU another process has used (Linux /proc; user + system, all threads)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def read() -> float:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+    return read
+
+
+def start_server(directory: str, extra: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen[str], str, int]:
+    """``layertap serve --model hf:DIR`` on free ports: the process, its gRPC address and metrics port.
+
+    A subprocess, so that the benchmark's client and the server do not share a GIL.
+    """
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # serve's start-up reader lives there
+    from support.serve import read_startup
+
+    proc = subprocess.Popen([sys.executable, "-m", "layertap.cli", "serve", "--model", f"hf:{directory}",
+                             "--port", "0", "--metrics-port", "0", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=None if env is None else {**os.environ, **env})
+    assert proc.stdout is not None
+    port, metrics = read_startup(proc.stdout)
+    if port < 0 or metrics is None:
+        raise RuntimeError(f"layertap serve did not start ({proc.wait()})")
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    return proc, f"127.0.0.1:{port}", metrics
+
+
+def compiles(metrics_port: int) -> float:
+    """The server's ``layertap_reducer_compiles_total``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        m = re.search(r"^layertap_reducer_compiles_total\{[^}]*\} (\S+)$", r.read().decode(), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def settle_compiles(metrics_port: int, quiet: float = 5.0) -> float:
+    """Waits until the reducers' background compiles stop (none new for ``quiet`` s); returns their count."""
+    settled, last = time.monotonic(), compiles(metrics_port)
+    while time.monotonic() - settled < quiet:
+        time.sleep(1)
+        if (now := compiles(metrics_port)) != last:
+            settled, last = time.monotonic(), now
+    return last
+
+
+def answer_rounds(hello: Mapping[str, Any], one_round: Callable[[str], Mapping[str, Any]]) -> None:
+    """The worker side of :class:`Peer`: ``hello``, then one JSON line per line read on stdin."""
+    print(json.dumps(hello), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(one_round(line.strip())), flush=True)
+
+
+class Peer:
+    """A worker in another interpreter (``answer_rounds``), driven one round per :meth:`ask`."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+        self._proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      env=None if env is None else {**os.environ, **env})
+        self.hello = self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the worker exited ({self._proc.wait()})")
+        return dict(json.loads(line))
+
+    def ask(self, line: str) -> dict[str, Any]:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(f"{line}\n")
+        self._proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        self._proc.wait(30)

@@ -1,0 +1,37 @@
+"""The benchmarks run end to end on a tiny model: one that broke is found here, not on the day
+someone needs its numbers. Each runs as its command line does, as a subprocess (it starts its own
+``layertap serve``); the sizes are the smallest that still take every path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None and not os.environ.get("CI"),
+    reason="transformers is not installed (pip install 'layertap[hf]')")
+
+
+@needs_transformers
+def test_generate_benchmark_prints_every_row() -> None:
+    tiny = ["--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--prompt", "4", "--new", "4",
+            "--rounds", "1", "--clients", "2", "--threads", "1", "--no-compile"]
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "generate.py"), *tiny],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = {line.split("  ")[0]: line for line in out.stdout.splitlines()}
+    for row in ("model.generate, in process", "bare loop (forward + argmax), in process", "Generate, no taps",
+                "Generate + durable tap (CreateTap), none inline", "2"):
+        assert row in lines and "skipped" not in lines[row], out.stdout
+    assert "skipped: pass --nnsight-python" in lines["nnsight generate + per-layer stats every step"]
+    assert "Generate, no taps: server (GenerationFinished)" in out.stdout
+    assert "skipped" not in lines["Generate + inline basic tap on 1 layer"], out.stdout
+    assert "4 summaries per call (layers x steps = 4), 0 dropped" in out.stdout
