@@ -42,7 +42,6 @@ from layertap.server.host.generation_request import (
     GenerationListener,
     GenerationRequest,
     NoListener,
-    Sampling,
     StepEvent,
     TokenEvent,
 )
@@ -370,7 +369,7 @@ class Generator:
         start = 0
         for request, group in _groups(batch.rows):
             part = slice(start, start + len(group))
-            chosen[part], ok = _pick(logits[part], request.sampling, request.generator)
+            chosen[part], ok = request.sampling.pick(logits[part], request.generator)
             finite[part] &= ok
             start += len(group)
         logprob = torch.log_softmax(logits, dim=-1).gather(1, chosen[:, None])[:, 0]
@@ -483,24 +482,3 @@ def _groups(rows: list[_Row]) -> Iterator[tuple[GenerationRequest, list[_Row]]]:
             end += 1
         yield request, rows[start:end]
         start = end
-
-
-def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy argmax, or a draw after transformers' own temperature, top-k and top-p warpers; and
-    which rows had a finite distribution (a row that did not is drawn from a placeholder, then ended)."""
-    if not sampling.do_sample:
-        return logits.argmax(dim=-1), torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper  # noqa: PLC0415 - hf: models only
-
-    scores = logits
-    if sampling.temperature != 1.0:
-        scores = TemperatureLogitsWarper(sampling.temperature)(None, scores)
-    if sampling.top_k:
-        scores = TopKLogitsWarper(sampling.top_k)(None, scores)
-    if sampling.top_p < 1.0:
-        scores = TopPLogitsWarper(sampling.top_p)(None, scores)
-    probs = torch.softmax(scores, dim=-1)
-    ok = torch.isfinite(probs).all(dim=-1)
-    probs = torch.where(ok[:, None], probs, torch.ones_like(probs))  # no sync: multinomial never sees NaN
-    return torch.multinomial(probs, 1, generator=generator)[:, 0], ok

@@ -47,6 +47,25 @@ class Sampling:
         if self.top_k < 0:
             raise InvalidField("top_k", f"must be >= 0, got {self.top_k}")
 
+    def pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy argmax, or a draw after transformers' own temperature, top-k and top-p warpers; and
+        which rows had a finite distribution (a row that did not is drawn from a placeholder, then ended)."""
+        if not self.do_sample:
+            return logits.argmax(dim=-1), torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+        from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper  # noqa: PLC0415 - hf: models only
+
+        scores = logits
+        if self.temperature != 1.0:
+            scores = TemperatureLogitsWarper(self.temperature)(None, scores)
+        if self.top_k:
+            scores = TopKLogitsWarper(self.top_k)(None, scores)
+        if self.top_p < 1.0:
+            scores = TopPLogitsWarper(self.top_p)(None, scores)
+        probs = torch.softmax(scores, dim=-1)
+        ok = torch.isfinite(probs).all(dim=-1)
+        probs = torch.where(ok[:, None], probs, torch.ones_like(probs))  # no sync: multinomial never sees NaN
+        return torch.multinomial(probs, 1, generator=generator)[:, 0], ok
+
 
 @dataclass(frozen=True)
 class TokenEvent:
