@@ -40,10 +40,10 @@ step() {  # step NAME SECONDS COMMAND...: one bounded step, logged
 
 for s in $STEPS; do
   case $s in
-    tests) step "CUDA tests" 240 python3 -m pytest -q -p no:cacheprovider -o addopts= \
+    tests) step "CUDA tests" 150 python3 -m pytest -q -p no:cacheprovider -o addopts= \
              tests/server/reducers/test_no_sync.py tests/e2e/test_generate.py tests/e2e/test_sequence_stats.py ;;
-    overhead) step "overhead.py ResNet-50 bf16" 200 python3 benchmarks/overhead.py --model resnet50 \
-             --dtype bfloat16 --batch 64 --device cuda --channels-last --steps 10 --repeats 5 ;;
-    generate) step "generate.py" 200 python3 benchmarks/generate.py --device cuda --rounds 3 ;;
+    overhead) step "overhead.py ResNet-50 bf16" 170 python3 benchmarks/overhead.py --model resnet50 \
+             --dtype bfloat16 --batch 64 --device cuda --channels-last --steps 10 --repeats 3 ;;
+    generate) step "generate.py" 170 python3 benchmarks/generate.py --device cuda --rounds 3 ;;
   esac
 done
