@@ -80,8 +80,10 @@ class LogitsReducer(Reducer):
         count = valid.sum(dtype=F64)
         means = torch.where(valid, rows, 0.0).sum(dim=1) / count  # 0 / 0 = NaN without a valid row
         # The least confident row: the largest entropy, the smallest top-1 and margin.
-        worst = torch.where(valid, rows * rows.new_tensor([[-1.0], [1.0], [1.0]]), math.inf).amin(dim=1)
-        worst = worst * worst.new_tensor([-1.0, 1.0, 1.0])
+        # Signs by stacking, not a new_tensor: a tensor built from a Python list is a host-to-device copy (a sync).
+        flip = torch.stack([-rows[0], rows[1], rows[2]])
+        worst = torch.where(valid, flip, math.inf).amin(dim=1)
+        worst = torch.stack([-worst[0], worst[1], worst[2]])
         return torch.cat([count.reshape(1), torch.stack([means, worst], dim=1).reshape(-1)])
 
     def decode(self, values: np.ndarray, shape: Sequence[int]) -> pb.ReducerResult:

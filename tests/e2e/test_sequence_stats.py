@@ -95,7 +95,8 @@ def test_a_baseline_on_a_token_model_scores_per_hidden_unit(make_server, llama) 
         assert d.state == "ready" and d.window_passes == 2, d
         # Per-channel means were collected over the hidden units and are scored.
         assert d.channel_drift_fraction is not None, d
-    [entry] = server.state.drift._layers.values()
+    [phases] = server.state.drift._layers.values()
+    entry = phases["forward"]  # Infer passes: plain forwards
     assert entry.baseline is not None and entry.baseline.channel_mean is not None
     assert entry.baseline.channel_mean.shape == (HIDDEN,)  # not the 5 token positions
 
