@@ -12,11 +12,14 @@ __all__ = [
     "EXPLAIN_OWNER",
     "GRAD_CAM",
     "INTEGRATED_GRADIENTS",
+    "LAYERED",
     "LAYER_INTEGRATED_GRADIENTS",
     "METHODS",
     "SALIENCY",
-    "Explanation",
+    "STEPPED",
+    "STEP_METHOD",
     "ExplainOptions",
+    "Explanation",
 ]
 
 #: The ``active_owner`` of an Explain pass: observers skip active passes.
