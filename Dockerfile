@@ -44,6 +44,9 @@ WORKDIR /home/layertap
 # Inductor's persistent cache: mount a volume here so a restarted container
 # reuses its compiled kernels (seconds instead of tens of seconds).
 ENV TORCHINDUCTOR_CACHE_DIR=/home/layertap/.cache/torchinductor
+# Captum (Explain) imports matplotlib, which writes a font cache on first import:
+# somewhere the layertap user can write, or it warns and uses a new temporary one.
+ENV MPLCONFIGDIR=/tmp/matplotlib
 
 EXPOSE 50051 9466
 # The probe dials the plaintext, Health-only listener on the container's

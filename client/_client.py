@@ -126,8 +126,7 @@ class Client:
         """Closes the channel and cancels its in-flight calls. Idempotent."""
         self._transport.close()
 
-    # Older private spellings, kept for layertap._tensorboard and tests that
-    # still use them; new code calls the transport.
+    # Older private spellings, kept for layertap._tensorboard and tests; new code calls the transport.
 
     def _translating(self, *, layer_hint: bool = False) -> AbstractContextManager[None]:
         return self._transport.translating(layer_hint=layer_hint)
@@ -330,42 +329,45 @@ class Client:
         return _capture.shape_capture(assembler.finish(), names, single=single, n=n)
 
     def explain(
-        self, x: Any, layer: str, target: int | Sequence[int] | None = None, *, normalize: bool = False,
-        upsample: bool = False, output_name: str = "", timeout: float | None = None,
+        self, x: Any, layer: str | None = None, target: int | Sequence[int] | None = None, *, method: str = "grad_cam",
+        normalize: bool = False, upsample: bool = False, output_name: str = "", n_steps: int | None = None,
+        baseline: Any = None, noise_std: float | None = None, seed: int | None = None,
+        internal_batch_size: int | None = None, timeout: float | None = None,
     ) -> Explanation:
-        """Grad-CAM: which parts of ``x`` the layer's features for a class come from.
+        """Which parts of ``x`` (or of a layer) the chosen outputs come from, by Captum on the server.
 
-        The server runs ``x`` once with gradients (an active pass: taps skip it)
-        in eval mode and leaves the model as it was.
+        Active passes in eval mode (taps skip them), one per internal batch (Infer runs in between); the model stays as it was.
 
         Args:
-            x: Model input: an array, a tuple or list of arrays for a
-                multi-argument model, or a dict name -> array.
-            layer: Exact module name whose output, ``(N, channels, *spatial)``,
-                is explained; usually the last convolutional block.
-            target: Output index to explain: None for each sample's top class,
-                an int for every sample, or one per sample. A model whose output
-                is not ``(N, classes)`` needs it: an index into each sample's
-                flattened output.
-            normalize: Min-max each map to ``[0, 1]``.
-            upsample: Resize the maps bilinearly to the input's spatial size.
-            output_name: The output to explain (a key, or ``output{i}``); default
-                the one tensor, else ``logits``, else the only tensor output.
-            timeout: Deadline override in seconds.
+            x: Model input: an array, a tuple or list of arrays, or a dict name -> array. The main input (the
+                model's first) is attributed; the others (an ``attention_mask``) ride along.
+            layer: Layer methods only: Grad-CAM's module, whose output is ``(N, channels, *spatial)`` (usually the
+                last convolutional block); layer integrated gradients' (default ``get_input_embeddings()``).
+            target: Output index: None for each sample's top class, an int for every sample, or one per sample. A
+                model whose output is not ``(N, classes)`` needs it: an index into each sample's flattened output.
+            method: ``"grad_cam"``, ``"integrated_gradients"`` (``"ig"``), ``"layer_integrated_gradients"`` (``"lig"``), saliency.
+            normalize: Grad-CAM: min-max each map to ``[0, 1]``.
+            upsample: Grad-CAM: resize the maps bilinearly to the input's spatial size.
+            output_name: The output to explain (a key, or ``output{i}``); default the tensor, else ``logits``, else the only one.
+            n_steps: Integrated gradients' steps (default 50, at most 256).
+            baseline: Where integrated gradients start: None or ``"zeros"``; ``"noise"`` (``noise_std`` times a standard
+                normal, seeded with ``seed``); or an array shaped like the main input (or batch 1), token ids for token models.
+            internal_batch_size: Rows (samples x steps) per server pass; default and most: the server's cap.
+            timeout: Deadline override in seconds; the server starts no pass after it.
 
         Returns:
             An :class:`Explanation`.
 
         Raises:
             LayerNotFound: No module has this name; the error suggests close names.
-            FailedPrecondition: TorchScript, a training agent, a layer that does
-                not run once or has no channel dimension, or an output that is not
-                ``(N, classes)`` without ``target``.
-            InvalidArgument: Bad input or target, or ``upsample`` for a layer
-                whose map has no spatial dims to resize (e.g. a Linear head).
+            FailedPrecondition: TorchScript, a training agent, a layer that does not run once or has no channel
+                dimension, or an output that is not ``(N, classes)`` without ``target``.
+            InvalidArgument: Bad input, target, method, steps or baseline, or an option the method does not take
+                (``upsample`` for a Linear head); the error's ``field`` names it.
         """
-        return _explain.explain(self._transport, x, layer, target, normalize=normalize, upsample=upsample,
-                                output_name=output_name, timeout=timeout)
+        return _explain.explain(self._transport, x, layer, target, method=method, normalize=normalize, upsample=upsample,
+                                output_name=output_name, n_steps=n_steps, baseline=baseline, noise_std=noise_std, seed=seed,
+                                internal_batch_size=internal_batch_size, timeout=timeout)
 
     # ------------------------------------------------------------------ taps
 

@@ -19,6 +19,7 @@ from layertap.server.codec import DTYPE_BY_NAME
 from layertap.server.config import MODEL_DTYPES, ServerConfig
 from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.errors import LayertapServerError
+from layertap.server.explain.library import preload as preload_captum
 from layertap.server.export.activations import ActivationCollector
 from layertap.server.export.endpoint import start_metrics_server, stop_metrics_server
 from layertap.server.export.generation import GenerationMetrics
@@ -268,6 +269,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
                         drift=drift, metrics=metrics, snapshots=snapshots, registry=registry)
     drift.load()
     state.recorder = start_recorder(config, taps, drift, registry, loaded.name)
+    if not host.training and loaded.hooks_supported:
+        preload_captum()  # Explain's Captum, off the start-up path (see explain.library)
     why_not = Generator.can_generate(host)
     if why_not is None:
         state.generator = Generator(host, max_new_tokens=config.max_new_tokens, max_rows=config.max_generate_rows,

@@ -41,6 +41,9 @@ class ServerConfig:
     max_new_tokens: int = 512
     #: Sequences decoded together at most; later Generate requests wait for rows.
     max_generate_rows: int = 16
+    #: Rows (samples x integration steps) one Explain pass runs at most; a request
+    #: asks for fewer with internal_batch_size. Bounds an explanation's memory.
+    max_explain_batch: int = 64
     max_concurrent_captures: int = 8
     #: Device bytes that all captures in flight may hold in clones together.
     capture_budget_bytes: int = 1 << 30

@@ -29,6 +29,9 @@ MAX_REDUCERS_PER_TAP = 16
 #: Elements one tap may sample per tapped tensor, over all its reducers
 #: (histogram and quantile samples): bounds the per-pass cost of one tap.
 MAX_SAMPLED_ELEMENTS = 1 << 20
+#: Integrated gradients' steps per Explain request: each step is a forward and
+#: a backward of every sample (rows per pass are capped by --max-explain-batch).
+MAX_EXPLAIN_STEPS = 256
 
 
 def check_name(name: str, field: str) -> None:

@@ -165,6 +165,76 @@ backoff and reports READY once the file is written.
 """
 Global___BaselineState: _TypeAlias = BaselineState  # noqa: Y015
 
+class _ExplainMethod:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ExplainMethodEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ExplainMethod.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    EXPLAIN_METHOD_UNSPECIFIED: _ExplainMethod.ValueType  # 0
+    """Grad-CAM, as before this field existed."""
+    EXPLAIN_METHOD_GRAD_CAM: _ExplainMethod.ValueType  # 1
+    """Captum's LayerGradCam at `layer`, ReLU applied; maps in ExplainResponse.maps."""
+    EXPLAIN_METHOD_INTEGRATED_GRADIENTS: _ExplainMethod.ValueType  # 2
+    """Captum's IntegratedGradients of the main input, from a baseline."""
+    EXPLAIN_METHOD_LAYER_INTEGRATED_GRADIENTS: _ExplainMethod.ValueType  # 3
+    """Captum's LayerIntegratedGradients at `layer` (default: the model's
+    get_input_embeddings()): per-token attributions for token models.
+    """
+    EXPLAIN_METHOD_SALIENCY: _ExplainMethod.ValueType  # 4
+    """Captum's Saliency: the absolute gradient of the output at the main input."""
+
+class ExplainMethod(_ExplainMethod, metaclass=_ExplainMethodEnumTypeWrapper):
+    """How Explain attributes an output: Captum's methods (docs/operations.md, Explanations)."""
+
+EXPLAIN_METHOD_UNSPECIFIED: ExplainMethod.ValueType  # 0
+"""Grad-CAM, as before this field existed."""
+EXPLAIN_METHOD_GRAD_CAM: ExplainMethod.ValueType  # 1
+"""Captum's LayerGradCam at `layer`, ReLU applied; maps in ExplainResponse.maps."""
+EXPLAIN_METHOD_INTEGRATED_GRADIENTS: ExplainMethod.ValueType  # 2
+"""Captum's IntegratedGradients of the main input, from a baseline."""
+EXPLAIN_METHOD_LAYER_INTEGRATED_GRADIENTS: ExplainMethod.ValueType  # 3
+"""Captum's LayerIntegratedGradients at `layer` (default: the model's
+get_input_embeddings()): per-token attributions for token models.
+"""
+EXPLAIN_METHOD_SALIENCY: ExplainMethod.ValueType  # 4
+"""Captum's Saliency: the absolute gradient of the output at the main input."""
+Global___ExplainMethod: _TypeAlias = ExplainMethod  # noqa: Y015
+
+class _BaselineKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BaselineKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BaselineKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BASELINE_KIND_UNSPECIFIED: _BaselineKind.ValueType  # 0
+    """Zeros, or ExplainRequest.baseline when one is given."""
+    BASELINE_KIND_ZEROS: _BaselineKind.ValueType  # 1
+    """All zeros (token id 0 for token ids)."""
+    BASELINE_KIND_GIVEN: _BaselineKind.ValueType  # 2
+    """ExplainRequest.baseline."""
+    BASELINE_KIND_NOISE: _BaselineKind.ValueType  # 3
+    """Gaussian noise, noise_std * torch.randn from a CPU torch.Generator seeded
+    with `seed`, drawn in the main input's shape; floating inputs only.
+    """
+
+class BaselineKind(_BaselineKind, metaclass=_BaselineKindEnumTypeWrapper):
+    """Where integrated gradients start, in the main input's space (token ids for
+    a token model).
+    """
+
+BASELINE_KIND_UNSPECIFIED: BaselineKind.ValueType  # 0
+"""Zeros, or ExplainRequest.baseline when one is given."""
+BASELINE_KIND_ZEROS: BaselineKind.ValueType  # 1
+"""All zeros (token id 0 for token ids)."""
+BASELINE_KIND_GIVEN: BaselineKind.ValueType  # 2
+"""ExplainRequest.baseline."""
+BASELINE_KIND_NOISE: BaselineKind.ValueType  # 3
+"""Gaussian noise, noise_std * torch.randn from a CPU torch.Generator seeded
+with `seed`, drawn in the main input's shape; floating inputs only.
+"""
+Global___BaselineKind: _TypeAlias = BaselineKind  # noqa: Y015
+
 @_typing.final
 class LayerInfo(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -1668,9 +1738,11 @@ Global___GetServerStatsResponse: _TypeAlias = GetServerStatsResponse  # noqa: Y0
 
 @_typing.final
 class ExplainRequest(_message.Message):
-    """Explain runs the inputs as an active pass with gradients, under the model
-    lock, and leaves no trace: parameters' .grad, BatchNorm statistics, hooks
-    and train/eval mode are as before. Needs an eager model (not TorchScript).
+    """Explain runs the inputs as active passes with gradients, each under the
+    model lock, and leaves no trace: parameters' .grad, BatchNorm statistics,
+    hooks and train/eval mode are as before. Needs an eager model (not
+    TorchScript). The work is cut into internal batches, each its own pass, so
+    Infer runs between them; past the call's deadline no further batch starts.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1681,25 +1753,55 @@ class ExplainRequest(_message.Message):
     NORMALIZE_FIELD_NUMBER: _builtins.int
     UPSAMPLE_FIELD_NUMBER: _builtins.int
     OUTPUT_NAME_FIELD_NUMBER: _builtins.int
+    METHOD_FIELD_NUMBER: _builtins.int
+    N_STEPS_FIELD_NUMBER: _builtins.int
+    BASELINE_KIND_FIELD_NUMBER: _builtins.int
+    BASELINE_FIELD_NUMBER: _builtins.int
+    NOISE_STD_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    INTERNAL_BATCH_SIZE_FIELD_NUMBER: _builtins.int
     layer: _builtins.str
-    """Exact module name, as listed by ListLayers. It must run once per pass and
-    output one tensor shaped (N, channels, *spatial).
+    """Exact module name, as listed by ListLayers: needed by grad_cam, optional
+    for layer_integrated_gradients, refused by the input methods. It must run
+    once per pass; for grad_cam it outputs one tensor shaped (N, channels,
+    *spatial).
     """
     normalize: _builtins.bool
-    """Min-max each sample's map to [0, 1] (a constant map becomes zeros)."""
+    """grad_cam only: min-max each sample's map to [0, 1] (a constant map
+    becomes zeros).
+    """
     upsample: _builtins.bool
-    """Resize each map to the first input's spatial size (dims after N and C):
-    linear, bilinear or trilinear by the map's rank, corners not aligned.
+    """grad_cam only: resize each map to the first input's spatial size (dims
+    after N and C): linear, bilinear or trilinear by the map's rank, corners
+    not aligned.
     """
     output_name: _builtins.str
     """The output to explain when the model returns several: a dict or
     ModelOutput key, or output{i} for a tuple position. Empty: the one
     tensor, else the "logits" field, else the only tensor output.
     """
+    method: Global___ExplainMethod.ValueType
+    """The method; UNSPECIFIED is grad_cam."""
+    n_steps: _builtins.int
+    """Integrated gradients (both kinds): Gauss-Legendre steps, 1 to 256;
+    0 = 50 (Captum's default). Refused by the other methods.
+    """
+    baseline_kind: Global___BaselineKind.ValueType
+    """Integrated gradients (both kinds): where the path starts."""
+    noise_std: _builtins.float
+    """BASELINE_KIND_NOISE: the standard deviation; 0 = 1.0."""
+    seed: _builtins.int
+    """BASELINE_KIND_NOISE: the generator's seed."""
+    internal_batch_size: _builtins.int
+    """Rows per internal batch (samples x steps for integrated gradients,
+    samples otherwise); each batch is one pass under the model lock. 0 = the
+    server's cap (serve --max-explain-batch); more than the cap is refused.
+    """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]:
         """Model inputs, positional or named, as InferRequest.inputs (same checks
-        and byte cap).
+        and byte cap). The main input (the model's first declared one) is the one
+        attributed; the others (an attention_mask) are passed along unchanged.
         """
 
     @_builtins.property
@@ -1708,6 +1810,14 @@ class ExplainRequest(_message.Message):
         for every sample; N = one per sample. The model's output must be one
         tensor shaped (N, classes); any other shape needs targets, which then
         index each sample's flattened output.
+        """
+
+    @_builtins.property
+    def baseline(self) -> _tensor_pb2.Tensor:
+        """The baseline of BASELINE_KIND_GIVEN: the main input's shape, or its shape
+        with a batch of 1 for every sample; its dtype (float32 for a half model).
+        For token models, positions whose attention_mask is 0 take the input's
+        own ids, so padding is never attributed.
         """
 
     def __init__(
@@ -1719,10 +1829,17 @@ class ExplainRequest(_message.Message):
         normalize: _builtins.bool = ...,
         upsample: _builtins.bool = ...,
         output_name: _builtins.str = ...,
+        method: Global___ExplainMethod.ValueType = ...,
+        n_steps: _builtins.int = ...,
+        baseline_kind: Global___BaselineKind.ValueType = ...,
+        baseline: _tensor_pb2.Tensor | None = ...,
+        noise_std: _builtins.float = ...,
+        seed: _builtins.int = ...,
+        internal_batch_size: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["baseline", b"baseline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "layer", b"layer", "normalize", b"normalize", "output_name", b"output_name", "targets", b"targets", "upsample", b"upsample"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["baseline", b"baseline", "baseline_kind", b"baseline_kind", "inputs", b"inputs", "internal_batch_size", b"internal_batch_size", "layer", b"layer", "method", b"method", "n_steps", b"n_steps", "noise_std", b"noise_std", "normalize", b"normalize", "output_name", b"output_name", "seed", b"seed", "targets", b"targets", "upsample", b"upsample"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1735,11 +1852,31 @@ class ExplainResponse(_message.Message):
     MAPS_FIELD_NUMBER: _builtins.int
     TARGETS_FIELD_NUMBER: _builtins.int
     SCORES_FIELD_NUMBER: _builtins.int
+    ATTRIBUTIONS_FIELD_NUMBER: _builtins.int
+    DELTAS_FIELD_NUMBER: _builtins.int
+    METHOD_FIELD_NUMBER: _builtins.int
+    LAYER_FIELD_NUMBER: _builtins.int
+    N_STEPS_FIELD_NUMBER: _builtins.int
+    INTERNAL_BATCHES_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    method: Global___ExplainMethod.ValueType
+    """The method that ran (never UNSPECIFIED)."""
+    layer: _builtins.str
+    """The layer explained; for layer_integrated_gradients without a layer, the
+    input embedding's name. Empty for the input methods.
+    """
+    n_steps: _builtins.int
+    """Integrated gradients: the steps taken. 0 for the other methods."""
+    internal_batches: _builtins.int
+    """Passes the explanation ran, each under the model lock: its internal
+    batches, the pass that finds the targets and, for integrated gradients,
+    the one that computes the deltas.
+    """
     @_builtins.property
     def maps(self) -> _tensor_pb2.Tensor:
-        """float32, shaped (N, *spatial): ReLU of the channel sum of the layer's
-        output weighted by its spatially averaged gradient. Not normalized
-        unless asked.
+        """grad_cam: float32, shaped (N, *spatial): ReLU of the channel sum of the
+        layer's output weighted by its spatially averaged gradient. Not
+        normalized unless asked. Unset for the other methods.
         """
 
     @_builtins.property
@@ -1750,16 +1887,44 @@ class ExplainResponse(_message.Message):
     def scores(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """The model's output at that index (pre-softmax), per sample."""
 
+    @_builtins.property
+    def attributions(self) -> _tensor_pb2.Tensor:
+        """Every method but grad_cam: float32 attributions, shaped like the main
+        input (integrated_gradients, saliency) or like the layer's output
+        (layer_integrated_gradients), except that for token ids (N, tokens) the
+        layer's trailing dims are summed: one value per token, 0 where the
+        attention_mask is 0.
+        """
+
+    @_builtins.property
+    def deltas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Integrated gradients: Captum's convergence delta per sample, the sum of
+        the sample's attributions minus (F(input) - F(baseline)) at its target.
+        """
+
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The main input's tokens as the model's tokenizer spells them, N x tokens
+        in row-major order; empty without a tokenizer or for other inputs.
+        """
+
     def __init__(
         self,
         *,
         maps: _tensor_pb2.Tensor | None = ...,
         targets: _abc.Iterable[_builtins.int] | None = ...,
         scores: _abc.Iterable[_builtins.float] | None = ...,
+        attributions: _tensor_pb2.Tensor | None = ...,
+        deltas: _abc.Iterable[_builtins.float] | None = ...,
+        method: Global___ExplainMethod.ValueType = ...,
+        layer: _builtins.str = ...,
+        n_steps: _builtins.int = ...,
+        internal_batches: _builtins.int = ...,
+        tokens: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["maps", b"maps"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attributions", b"attributions", "maps", b"maps"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["maps", b"maps", "scores", b"scores", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attributions", b"attributions", "deltas", b"deltas", "internal_batches", b"internal_batches", "layer", b"layer", "maps", b"maps", "method", b"method", "n_steps", b"n_steps", "scores", b"scores", "targets", b"targets", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -205,8 +205,9 @@ class TelemetryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Explain(self, request, context):
-        """Grad-CAM: per sample, the class's gradient-weighted activation map at one
-        layer. SCOPE_CAPTURE: it runs the caller's input, as an active capture does.
+        """Attributions of an output to the input or to a layer, by Captum: Grad-CAM
+        (the default), integrated gradients, layer integrated gradients, saliency.
+        SCOPE_CAPTURE: it runs the caller's input, as an active capture does.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

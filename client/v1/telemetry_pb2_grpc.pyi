@@ -66,8 +66,9 @@ class TelemetryServiceStub:
     DeleteIncident: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.DeleteIncidentRequest, _telemetry_pb2.DeleteIncidentResponse]
     """Removes one incident from the on-disk ring."""
     Explain: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.ExplainRequest, _telemetry_pb2.ExplainResponse]
-    """Grad-CAM: per sample, the class's gradient-weighted activation map at one
-    layer. SCOPE_CAPTURE: it runs the caller's input, as an active capture does.
+    """Attributions of an output to the input or to a layer, by Captum: Grad-CAM
+    (the default), integrated gradients, layer integrated gradients, saliency.
+    SCOPE_CAPTURE: it runs the caller's input, as an active capture does.
     """
     ExportBaseline: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.ExportBaselineRequest, _telemetry_pb2.ExportBaselineResponse]
     """A baseline tap's per-layer state: the builder while it collects, the frozen
@@ -118,8 +119,9 @@ class TelemetryServiceAsyncStub(TelemetryServiceStub):
     DeleteIncident: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.DeleteIncidentRequest, _telemetry_pb2.DeleteIncidentResponse]  # type: ignore[assignment]
     """Removes one incident from the on-disk ring."""
     Explain: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.ExplainRequest, _telemetry_pb2.ExplainResponse]  # type: ignore[assignment]
-    """Grad-CAM: per sample, the class's gradient-weighted activation map at one
-    layer. SCOPE_CAPTURE: it runs the caller's input, as an active capture does.
+    """Attributions of an output to the input or to a layer, by Captum: Grad-CAM
+    (the default), integrated gradients, layer integrated gradients, saliency.
+    SCOPE_CAPTURE: it runs the caller's input, as an active capture does.
     """
     ExportBaseline: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.ExportBaselineRequest, _telemetry_pb2.ExportBaselineResponse]  # type: ignore[assignment]
     """A baseline tap's per-layer state: the builder while it collects, the frozen
@@ -245,8 +247,9 @@ class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _telemetry_pb2.ExplainRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_telemetry_pb2.ExplainResponse, _abc.Awaitable[_telemetry_pb2.ExplainResponse]]:
-        """Grad-CAM: per sample, the class's gradient-weighted activation map at one
-        layer. SCOPE_CAPTURE: it runs the caller's input, as an active capture does.
+        """Attributions of an output to the input or to a layer, by Captum: Grad-CAM
+        (the default), integrated gradients, layer integrated gradients, saliency.
+        SCOPE_CAPTURE: it runs the caller's input, as an active capture does.
         """
 
     @_abc_1.abstractmethod

@@ -17,6 +17,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("layertap.server")
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = ServerConfig()
     p = argparse.ArgumentParser(prog="layertap serve", description="Serve a PyTorch model with layer telemetry over gRPC.")
@@ -52,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most new tokens one Generate sequence may ask for")
     p.add_argument("--max-generate-rows", type=int, default=d.max_generate_rows,
                    help="sequences decoded together at most; later Generate requests wait for rows")
+    p.add_argument("--max-explain-batch", type=_positive, default=d.max_explain_batch,
+                   help="rows (samples x integration steps) one Explain pass runs at most (default 64): bounds an "
+                        "explanation's memory; Infer runs between two passes")
     p.add_argument("--max-concurrent-captures", type=int, default=d.max_concurrent_captures)
     p.add_argument("--capture-budget-bytes", type=int, default=d.capture_budget_bytes,
                    help="device bytes all captures in flight may hold in clones together")

@@ -8,11 +8,15 @@ from layertap.server.export.cuda import CudaMemoryCollector, cuda_available
 from layertap.server.version import server_version
 from layertap.server.version import torch_version as _torch_version  # the parameter shadows the name
 
-__all__ = ["HOOK_BUCKETS", "INFERENCE_BUCKETS", "ServerMetrics"]
+__all__ = ["EXPLAIN_BATCH_BUCKETS", "EXPLAIN_BUCKETS", "HOOK_BUCKETS", "INFERENCE_BUCKETS", "ServerMetrics"]
 
 #: Hooks plus reducers take tens of µs to a few ms per pass.
 HOOK_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3)
 INFERENCE_BUCKETS = (1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0, 2.5, 5.0, 10.0)
+#: Grad-CAM of a small batch takes milliseconds; 256 integration steps of a large model, minutes.
+EXPLAIN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: Passes per Explain request: one or two for Grad-CAM, up to 256 steps and more for integrated gradients.
+EXPLAIN_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class ServerMetrics:
@@ -103,6 +107,19 @@ class ServerMetrics:
             "Frozen baselines whose file is not written yet (state UNSAVED): they would be lost at restart.",
             m, registry=r,
         ).labels(model_name)
+        self._explains = Counter(
+            "layertap_explain_requests", "Explain calls by method and final gRPC status code.", m + ("method", "code"),
+            registry=r,
+        )
+        self._explain_duration = Histogram(
+            "layertap_explain_duration_seconds", "Explain call latency by method, every internal batch included.",
+            m + ("method",), buckets=EXPLAIN_BUCKETS, registry=r,
+        )
+        self._explain_batches = Histogram(
+            "layertap_explain_batches",
+            "Passes (internal batches) one Explain call ran under the model lock, by method; _sum is every call's.",
+            m + ("method",), buckets=EXPLAIN_BATCH_BUCKETS, registry=r,
+        )
         self.build_info = Info("layertap_build", "layertap and torch versions.", m, registry=r).labels(model_name)
         self.build_info.info({"version": version or server_version(), "torch_version": torch_version or _torch_version()})
         # Export the usual outcomes from the start so rate() and the dashboard
@@ -121,6 +138,12 @@ class ServerMetrics:
         self._requests.labels(self.model, status).inc()
         if seconds is not None:
             self.inference_duration.observe(seconds)
+
+    def record_explain(self, method: str, code: str, seconds: float, batches: int) -> None:
+        """One finished Explain call: its method, status code name, seconds and passes run."""
+        self._explains.labels(self.model, method, code).inc()
+        self._explain_duration.labels(self.model, method).observe(seconds)
+        self._explain_batches.labels(self.model, method).observe(batches)
 
     def observe_hooks(self, seconds: float) -> None:
         """Hook plus reducer time of one forward pass."""

@@ -164,11 +164,18 @@ def test_explain_is_a_method_with_its_old_signature(scripted: tuple[Scripted, st
     assert "explain" in vars(layertap.Client) and inspect.isfunction(vars(layertap.Client)["explain"])
     assert _params(layertap.Client.explain) == [
         ("x", inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty),
-        ("layer", inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty),
+        # Optional since the input methods (integrated gradients, saliency) take none; Grad-CAM still needs it.
+        ("layer", inspect.Parameter.POSITIONAL_OR_KEYWORD, None),
         ("target", inspect.Parameter.POSITIONAL_OR_KEYWORD, None),
+        ("method", inspect.Parameter.KEYWORD_ONLY, "grad_cam"),  # added with Captum's methods: keyword-only
         ("normalize", inspect.Parameter.KEYWORD_ONLY, False),
         ("upsample", inspect.Parameter.KEYWORD_ONLY, False),
         ("output_name", inspect.Parameter.KEYWORD_ONLY, ""),  # added with structured outputs: keyword-only
+        ("n_steps", inspect.Parameter.KEYWORD_ONLY, None),
+        ("baseline", inspect.Parameter.KEYWORD_ONLY, None),
+        ("noise_std", inspect.Parameter.KEYWORD_ONLY, None),
+        ("seed", inspect.Parameter.KEYWORD_ONLY, None),
+        ("internal_batch_size", inspect.Parameter.KEYWORD_ONLY, None),
         ("timeout", inspect.Parameter.KEYWORD_ONLY, None),
     ]
     found = client.explain(np.zeros((2, 3), np.float32), "layer4", [1, 2], normalize=True)
