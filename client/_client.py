@@ -188,10 +188,8 @@ class Client:
         capture: str | Sequence[str] = (), capture_dtype: str | None = None, as_torch: bool = False,
         timeout: float | None = None,
     ) -> Generation:
-        """Generates tokens with the served causal LM (transformers' ``generate`` names), streaming each step.
-
-        Returns once the server accepted the request: iterate the
-        :class:`Generation` for its steps, or call ``.result()``.
+        """Generates tokens with the served causal LM (transformers' ``generate`` names), streaming each step;
+        returns once the server accepted the request: iterate the :class:`Generation`, or call ``.result()``.
 
         Args:
             prompt: A text (needs a tokenizer in the model directory), one
@@ -207,12 +205,11 @@ class Client:
             capture: Layer names or selectors whose outputs come with every step.
             capture_dtype: Downcast captured tensors to ``"float16"`` or ``"bfloat16"``.
             as_torch: Captured tensors as torch tensors (needs torch installed).
-            timeout: Deadline of the whole call in seconds; default none, as for the other streams (a generation ends after ``max_new_tokens``).
+            timeout: Deadline of the whole call; none by default, as for streams (it ends after ``max_new_tokens``).
 
         Raises:
             InvalidArgument: A malformed prompt or option (also from the server).
-            FailedPrecondition: The model cannot generate (``reason``
-                ``CANNOT_GENERATE``), or a text prompt without a tokenizer (``NO_TOKENIZER``).
+            FailedPrecondition: The model cannot generate (``CANNOT_GENERATE``), or no tokenizer (``NO_TOKENIZER``).
             LayerNotFound: A tap or capture selector matches no module.
             PermissionDenied: Taps need the ``tap`` scope, captures ``capture``.
         """
