@@ -45,7 +45,7 @@ class PublishedTap(TapView, Protocol):
 _TapT = TypeVar("_TapT", bound=PublishedTap, covariant=True)
 
 
-@dataclass
+@dataclass(slots=True)  # one per tensor per pass, built on the model thread
 class Piece(Generic[_TapT]):
     """One tensor a hook reduced in a pass: where it came from and how to read its values."""
 

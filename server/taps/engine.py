@@ -21,7 +21,10 @@ import random
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from layertap.server.errors import AlreadyExists, InvalidField, LimitExceeded, NotFound, Unsupported, echo
 from layertap.server.host.hooks import POINT_NAMES, CallArgs, ParamGrad
@@ -280,29 +283,39 @@ class TapEngine:
         if tap._skip:
             return  # as if the tap had no hook: nothing reduced, nothing for reuse to forget
         t0 = time.perf_counter()
-        # A gradient arrives one tensor at a time: count calls per tensor position
-        # (as captures do), so a module's parameters all belong to call 0.
-        slot = (layer, value.position) if isinstance(value, ParamGrad) else layer
-        call = tap.calls.get(slot, 0)
-        tap.calls[slot] = call + 1
+        tensors: Sequence[tuple[str, torch.Tensor]]
+        if isinstance(value, torch.Tensor):  # the common case (a layer's output): nothing to unpack
+            slot: str | tuple[str, int] = layer
+            offset, keyword_from, tensors = 0, None, (("", value),)
+        else:
+            # A gradient arrives one tensor at a time: count calls per tensor position
+            # (as captures do), so a module's parameters all belong to call 0.
+            grad = isinstance(value, ParamGrad)
+            slot = (layer, value.position) if grad else layer
+            # A parameter gradient reports its position among the module's parameters.
+            offset = value.position if grad else 0
+            # Keyword tensors (after the positional ones) carry their path; nothing to build otherwise.
+            keyword_from = value.positional if isinstance(value, CallArgs) else None
+            tensors = flatten_tensors(value)
+        calls = tap.calls
+        call = calls.get(slot, 0)
+        calls[slot] = call + 1
         self._reuse.at(layer, tap.spec.point, call)
         plan = tap.layer_plans.get(layer, tap.plan) if tap._sampled else tap.always
         lap = tap.timer.take(layer) if tap.timer is not None else None
         if plan is None:
             return
-        if self._buffer is None:
-            self._buffer = PassBuffer()
-        # A parameter gradient reports its position among the module's parameters.
-        offset = value.position if isinstance(value, ParamGrad) else 0
-        # Keyword tensors (after the positional ones) carry their path; nothing to build otherwise.
-        keyword_from = value.positional if isinstance(value, CallArgs) else None
+        buffer = self._buffer
+        if buffer is None:
+            buffer = self._buffer = PassBuffer()
         cut = tap._cut
+        pieces = self._pieces
         try:
             key = plan.reuse_key
             if cut is not None and key is not None:
                 # Reused only for the same cut of the same tensor: never the whole tensor's result, nor another request's.
                 key = (key, cut.key)
-            for i, (name, tensor) in enumerate(flatten_tensors(value)):
+            for i, (name, tensor) in enumerate(tensors):
                 vec = self._reuse.get(key, tensor) if key is not None else None
                 part = tensor if cut is None else cut(tensor)
                 if part is None:
@@ -311,11 +324,11 @@ class TapEngine:
                     vec = plan.run(part)
                     if key is not None:
                         self._reuse.put(key, tensor, vec)
-                self._buffer.add(len(self._pieces), vec)
-                self._pieces.append(Piece(tap, layer, offset + i, call, tuple(part.shape), plan, tap._sampled,
-                                           lap if plan.timed else None,
-                                           name if keyword_from is not None and i >= keyword_from else "",
-                                           None if cut is None else cut.rows))
+                buffer.add(len(pieces), vec)
+                pieces.append(Piece(tap, layer, offset + i, call, tuple(part.shape), plan, tap._sampled,
+                                    lap if plan.timed else None,
+                                    name if keyword_from is not None and i >= keyword_from else "",
+                                    None if cut is None else cut.rows))
         except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
             self._fail(tap, layer, exc)
         finally:
