@@ -213,7 +213,7 @@ def test_a_banned_token_at_minus_infinity_is_no_error(make_server, tmp_path) -> 
     free = [t for t in tokens_of(list(stub_of(server).Generate(request([5, 6, 7], max_new_tokens=6))))[0]]
     banned = free[0]
     head = server.state.host.module.lm_head
-    handle = head.register_forward_hook(lambda _m, _a, out: out.index_fill(-1, torch.tensor([banned]), float("-inf")))
+    handle = head.register_forward_hook(lambda _m, _a, out: out.index_fill(-1, torch.tensor([banned], device=out.device), float("-inf")))
     try:
         got = tokens_of(list(stub_of(server).Generate(request([5, 6, 7], max_new_tokens=6), timeout=30)))[0]
     finally:
