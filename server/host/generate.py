@@ -47,6 +47,7 @@ from layertap.server.host.generation_request import (
     TokenEvent,
 )
 from layertap.server.host.model_host import PHASE_DECODE, PHASE_PREFILL, ModelHost, PassContext, RequestRows, model_raised
+from layertap.server.host.padding import left_padding_mask
 from layertap.server.host.rows import RequestCut, find_request
 
 __all__ = ["Generator"]
@@ -286,7 +287,8 @@ class Generator:
         if "logits_to_keep" in self._params:
             kwargs["logits_to_keep"] = 1
         try:
-            with self.host.pass_context(phase=phase, requests=tuple(requests), tokens=ids.shape[1]), \
+            with self.host.pass_context(phase=phase, requests=tuple(requests), tokens=ids.shape[1],
+                                        attention_mask=left_padding_mask(pads, ids.shape[1])), \
                     torch.inference_mode():
                 out = self.host.module(**kwargs)
         except torch.OutOfMemoryError:
