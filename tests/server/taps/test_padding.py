@@ -10,6 +10,7 @@ same sequences run one by one without padding.
 from __future__ import annotations
 
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -23,6 +24,8 @@ from layertap.server.host.model_host import PHASE_DECODE, PHASE_PREFILL, ModelHo
 from layertap.server.host.padding import PassPadding, host_mask, left_padding_mask
 from layertap.server.host.sources import InputSpec, LoadedModel
 from layertap.server.record.replay import Share, replay
+from layertap.server.reducers.compiled import COMPILED_STATS
+from layertap.server.reducers.transfer import PassBuffer
 from layertap.server.stream.broker import Broker
 from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.tap_files import reducer_spec, tap_spec_from_dict
@@ -91,7 +94,7 @@ def outputs(host: ModelHost, ids: torch.Tensor, layers: tuple[str, ...] = ("bloc
     """``layers``' outputs of a local forward of ``ids`` (no pass, no taps), as float64."""
     seen: dict[str, np.ndarray] = {}
     handles = [host.modules[n].register_forward_hook(
-        lambda _m, _a, o, _n=n: seen.__setitem__(_n, o.detach().double().numpy().copy())) for n in layers]
+        lambda _m, _a, o, _n=n: seen.__setitem__(_n, o.detach().cpu().double().numpy())) for n in layers]
     try:
         with torch.inference_mode():
             host.module(ids)
@@ -338,3 +341,49 @@ def test_a_replay_checks_the_valid_positions_the_live_pass_reduced(rig) -> None:
 def test_a_tap_file_keeps_padding_by_its_proto_name() -> None:
     assert tap_spec_from_dict({"selector": "block", "reducers": ["moments"], "keep_padding": True}, "taps[0]").keep_padding
     assert not tap_spec_from_dict({"selector": "block", "reducers": ["moments"]}, "taps[0]").keep_padding
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_leaving_padding_out_never_syncs_on_cuda() -> None:
+    """The index goes to the device pinned and without waiting; the hooks select and reduce with no sync."""
+    torch.manual_seed(0)
+    host = ModelHost(LoadedModel(Toy().eval(), "toy", "test", list(INPUTS)), device="cuda")
+    broker = Broker(default_queue_size=10_000)
+    engine = TapEngine(host, broker, rng=random.Random(0))
+    compiled = COMPILED_STATS.enabled
+    COMPILED_STATS.set_enabled(False)  # eager: no background compile in the debug mode's way
+    try:
+        taps = [engine.create(spec("block", *BASIC, per_channel(), histogram())), engine.create(spec("head", "logits")),
+                engine.create(spec("block", *BASIC), request_id="a")]
+        sub = broker.subscribe([t.id for t in taps])
+        ids, mask = batch("left")
+        bound = host.validate_inputs([("input_ids", ids), ("attention_mask", mask)])
+        on_device = host.to_device(bound)
+        requests = (RequestRows("a", slice(0, 2), (6, 4), 0), RequestRows("b", slice(2, 3), (1,), 5))
+        gate = threading.Event()
+        # Park the host-transfer thread: its event wait is the pass's one sync, after the debug mode ends.
+        engine.transfer.submit(PassBuffer().finish(), lambda _values: gate.wait(30))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(2):  # the first pass also fills the pinned pool
+                with host.pass_context(inputs=bound, phase=PHASE_PREFILL, requests=requests, tokens=6), \
+                        torch.inference_mode():
+                    host.forward(on_device)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            gate.set()
+        got = drain(engine, sub)
+        assert engine.reducer_errors == 0, [t.last_error for t in taps]
+        ref = outputs(host, ids.cuda())
+        valid = mask.bool().numpy()
+        blocks = [s for s in got if s.tap == taps[0].id]
+        assert len(blocks) == 2
+        for s in blocks:
+            check_basic(s, ref["block"][valid])
+        assert results([s for s in got if s.tap == taps[1].id][0])["logits"].logits.rows == 11
+        check_basic([s for s in got if s.tap == taps[2].id][0], ref["block"][0:2][valid[0:2]])
+    finally:
+        COMPILED_STATS.set_enabled(compiled)
+        engine.close()
