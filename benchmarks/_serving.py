@@ -99,11 +99,16 @@ def start_server(directory: str, extra: Sequence[str] = (),
     return proc, f"127.0.0.1:{port}", metrics
 
 
+def metric(metrics_port: int, name: str) -> float:
+    """One sample of family ``name`` from the server's /metrics (0 when absent)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        m = re.search(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", r.read().decode(), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def compiles(metrics_port: int) -> float:
     """The server's ``layertap_reducer_compiles_total``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-        m = re.search(r"^layertap_reducer_compiles_total\{[^}]*\} (\S+)$", r.read().decode(), re.M)
-    return float(m.group(1)) if m else 0.0
+    return metric(metrics_port, "layertap_reducer_compiles_total")
 
 
 def settle_compiles(metrics_port: int, quiet: float = 5.0) -> float:

@@ -51,6 +51,7 @@ from _serving import (
     answer_rounds,
     load_model,
     median_ms,
+    metric,
     process_cpu,
     save_llama,
     settle_compiles,
@@ -63,12 +64,14 @@ CONFIG = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, 
           "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 512}
 
 
-def make_inputs(batch: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and a mask with a little left padding on half the rows, as a padded batch has."""
+def make_inputs(batch: int, tokens: int, padded: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and a mask with a little left padding on half the rows, as a padded batch has
+    (``padded=False``: every position valid)."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, CONFIG["vocab_size"], (batch, tokens), generator=g)
     mask = torch.ones(batch, tokens, dtype=torch.long)
-    mask[::2, : tokens // 8] = 0
+    if padded:
+        mask[::2, : tokens // 8] = 0
     return ids, mask
 
 
@@ -141,18 +144,45 @@ class NnsightPeer(Peer):
         return {k: (float(v[0]), float(v[1])) for k, v in self.ask(str(n)).items()}
 
 
+
+
+def hook_seconds(metrics_port: int) -> tuple[float, float]:
+    """The server's hook time so far: (seconds, passes), all taps together."""
+    return (metric(metrics_port, "layertap_hook_duration_seconds_sum"),
+            metric(metrics_port, "layertap_hook_duration_seconds_count"))
+
+
+#: The layertap rows: (label, mask with padding, keep_padding); --masks and --keep-padding-row pick them.
+VARIANTS = {
+    "padded": ("layertap tap, Infer over gRPC (vs untapped Infer)", True, None),
+    "full": ("layertap tap, mask without padding", False, None),
+    "keep": ("layertap tap keep_padding=True, padded mask", True, True),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--requests", type=int, default=15, help="timed calls per cell")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--masks", default="padded",
+                    help="layertap rows by the mask Infer sends: 'padded' (1/8 left padding on half the rows), "
+                         "'full' (no padding), or both comma-separated (default padded)")
+    ap.add_argument("--keep-padding-row", action="store_true",
+                    help="add a row whose tap keeps the padded positions (TapSpec.keep_padding)")
+    ap.add_argument("--no-seed", action="store_true", help="skip the in-process seed-hooks row")
     ap.add_argument("--nnsight-python", help="an interpreter with nnsight installed (else the nnsight row is skipped)")
     ap.add_argument("--nnsight-worker", metavar="DIR", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.nnsight_worker:
         nnsight_worker(args.nnsight_worker, args.batch, args.tokens)
         return
+    variants = [m.strip() for m in args.masks.split(",") if m.strip()]
+    if any(v not in ("padded", "full") for v in variants):
+        ap.error(f"--masks: padded, full or both, got {args.masks!r}")
+    if args.keep_padding_row:
+        variants.append("keep")
 
     import numpy as np
     import transformers
@@ -163,14 +193,17 @@ def main() -> None:
         save_llama(directory, CONFIG)
         model = load_model(directory)
         ids, mask = make_inputs(args.batch, args.tokens)
-        ids_np, mask_np = ids.numpy(), mask.numpy()
+        masks = {True: mask.numpy(), False: make_inputs(args.batch, args.tokens, padded=False)[1].numpy()}
+        ids_np = ids.numpy()
         peer = NnsightPeer(args.nnsight_python, directory, args.batch, args.tokens) if args.nnsight_python else None
         proc, address, metrics_port = start_server(directory)
-        cells: dict[str, list[tuple[Cell, Cell]]] = {"layertap": [], "seed": [], "nnsight": [], "nnsight empty": []}
+        cells: dict[str, list[tuple[Cell, Cell]]] = {**{v: [] for v in variants}, "seed": [], "nnsight": [],
+                                                     "nnsight empty": []}
+        hook_ms: dict[str, list[float]] = {v: [] for v in variants}
         try:
             with layertap.Client(address, timeout=120) as client:
-                def infer() -> Any:
-                    return client.infer(input_ids=ids_np, attention_mask=mask_np)
+                def infer(padded: bool = True) -> Any:
+                    return client.infer(input_ids=ids_np, attention_mask=masks[padded])
 
                 def forward() -> object:
                     with torch.inference_mode():
@@ -188,19 +221,26 @@ def main() -> None:
                 median_ms(forward, 3)
                 server_cpu = process_cpu(proc.pid)
                 for _ in range(args.rounds):
-                    base = timed(infer, args.requests, server_cpu)
-                    tap = client.create_tap(SELECTOR, reducers=BASIC, forever=True)
-                    median_ms(infer, 2)
-                    tapped = timed(infer, args.requests, server_cpu)
-                    client.delete_tap(tap)
-                    cells["layertap"].append((base, tapped))
-                    base = timed(forward, args.requests)
-                    remove = seed_style_hooks(model)
-                    try:
-                        hooked = timed(forward, args.requests)
-                    finally:
-                        remove()
-                    cells["seed"].append((base, hooked))
+                    for v in variants:
+                        _label, padded, keep = VARIANTS[v]
+                        base = timed(lambda p=padded: infer(p), args.requests, server_cpu)
+                        options = {"keep_padding": keep} if keep is not None else {}
+                        tap = client.create_tap(SELECTOR, reducers=BASIC, forever=True, **options)
+                        median_ms(lambda p=padded: infer(p), 2)
+                        h0 = hook_seconds(metrics_port)
+                        tapped = timed(lambda p=padded: infer(p), args.requests, server_cpu)
+                        h1 = hook_seconds(metrics_port)
+                        client.delete_tap(tap)
+                        cells[v].append((base, tapped))
+                        hook_ms[v].append((h1[0] - h0[0]) * 1e3 / max(h1[1] - h0[1], 1.0))
+                    if not args.no_seed:
+                        base = timed(forward, args.requests)
+                        remove = seed_style_hooks(model)
+                        try:
+                            hooked = timed(forward, args.requests)
+                        finally:
+                            remove()
+                        cells["seed"].append((base, hooked))
                     if peer is not None:
                         r = peer.round(args.requests)
                         # the plain forward ran before and after the traces
@@ -213,21 +253,23 @@ def main() -> None:
             if peer is not None:
                 peer.close()
 
-    print(f"Llama {CONFIG}, batch {args.batch} x {args.tokens} tokens (mask: 1/8 left padding on half the rows)")
+    print(f"Llama {CONFIG}, batch {args.batch} x {args.tokens} tokens (padded mask: 1/8 left padding on half the rows)")
     print(f"{platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"nnsight {peer.version if peer else '-'}; {layers} hooks per tap, compiled kernels {last:.0f}; "
           f"{args.rounds} interleaved rounds x {args.requests} calls")
     print("wall: median latency per call; CPU: CPU time per call of the process doing the forward "
-          "(the server for layertap), less disturbed by the shared cores' other load")
+          "(the server for layertap), less disturbed by the shared cores' other load; hooks: the server's "
+          "hook and reducer time per pass (layertap_hook_duration_seconds), median [min..max] over rounds")
     print(f"{'row':50s} {'base ms':>8s} {'added':>8s} {'ratio':>6s}  {'spread':12s} | "
-          f"{'CPU ms':>7s} {'added':>7s} {'ratio':>6s}  spread")
-    labels = {"layertap": "layertap tap, Infer over gRPC (vs untapped Infer)",
+          f"{'CPU ms':>7s} {'added':>7s} {'ratio':>6s}  {'spread':12s} | hooks ms/pass")
+    labels = {**{v: VARIANTS[v][0] for v in variants},
               "seed": "seed .item() hooks (vs local forward)",
               "nnsight": "nnsight trace + .save() stats (vs forward)",
               "nnsight empty": "nnsight empty trace (vs forward)"}
     for key, pairs in cells.items():
         if not pairs:
-            print(f"{labels[key]:50s} skipped: pass --nnsight-python /path/to/venv/bin/python")
+            why = "--no-seed" if key == "seed" else "pass --nnsight-python /path/to/venv/bin/python"
+            print(f"{labels[key]:50s} skipped: {why}")
             continue
         line = f"{labels[key]:50s}"
         for i in (0, 1):  # wall, then CPU
@@ -235,7 +277,10 @@ def main() -> None:
             base_ms = statistics.median(b[i] for b, _ in pairs)
             added = statistics.median(t[i] - b[i] for b, t in pairs)
             line += (f" {base_ms:8.1f} {added:+8.1f} {statistics.median(ratios):5.2f}x  "
-                     f"{f'[{min(ratios):.2f}..{max(ratios):.2f}]':12s}" + (" |" if i == 0 else ""))
+                     f"{f'[{min(ratios):.2f}..{max(ratios):.2f}]':12s}" + " |")
+        if key in hook_ms:
+            h = hook_ms[key]
+            line += f" {statistics.median(h):.2f} [{min(h):.2f}..{max(h):.2f}]"
         print(line)
 
 

@@ -386,9 +386,9 @@ class Client:
             point: ``"output"`` (default), ``"input"``, ``"grad_output"``,
                 ``"grad_input"`` or ``"param_grad"``.
             every: Summarize every N-th live pass.
-            probability: Summarize a pass with this probability.
-            max_per_second: At most this many summaries per second.
+            probability: Summarize a pass with this probability; max_per_second: at most this many per second.
             phases: Only passes of these generation phases (see :class:`TapSpec`).
+            keep_padding: Keep ``attention_mask`` padding in the statistics (default: left out).
             name: A label for the tap.
             ttl: Seconds to live (None: the server's default, 10 minutes).
             forever: Keep the tap until deleted.
@@ -447,6 +447,7 @@ class Client:
             selector: As for :meth:`create_tap`.
             reducers: As for :meth:`create_tap` (default moments, minmax, nonfinite).
             phases: Only passes of these phases (``TapSpec.phases``), e.g. ``["decode"]``.
+            keep_padding: Keep padded positions in the statistics (``TapSpec.keep_padding``).
             every: Summarize every N-th live pass.
             point: Where to read the tensor (default ``"output"``).
             probability: Summarize a pass with this probability.

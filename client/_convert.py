@@ -274,6 +274,7 @@ def tap_spec_to_proto(spec: TapSpec) -> telemetry_pb2.TapSpec:
         ),
         # A lone str is one phase name, not its letters.
         phases=[phase_code(p) for p in ((spec.phases,) if isinstance(spec.phases, str) else spec.phases)],
+        keep_padding=spec.keep_padding,
     )
     if spec.triggers is not None:
         t = spec.triggers
@@ -299,6 +300,7 @@ def tap_spec_from_proto(spec: telemetry_pb2.TapSpec) -> TapSpec:
             mean_sigma=spec.triggers.mean_sigma or None, min_interval=spec.triggers.min_interval_seconds or None,
         ) if spec.HasField("triggers") else None,
         phases=tuple(phase_name(p) for p in spec.phases),
+        keep_padding=spec.keep_padding,
     )
 
 

@@ -42,6 +42,7 @@ class TapOptions(TypedDict, total=False):
     max_per_second: float | None
     triggers: Triggers | None
     phases: Sequence[str] | str | None
+    keep_padding: bool | None
 
 
 class DurableTapOptions(TapOptions, total=False):

@@ -151,6 +151,11 @@ class TapSpec:
             ``"decode"`` (a generation's passes, ``Client.generate``) and
             ``""`` (a plain forward: Infer, a capture, a training step).
             Empty: every pass.
+        keep_padding: Keep padded positions in the statistics. By default,
+            for a model that takes an ``attention_mask``, the positions a
+            pass's mask marks as padding are left out of every reducer (and
+            so of baselines and drift) for tensors whose leading dims are
+            ``(batch, tokens)``; a ``per_channel`` dim then may not be 0 or 1.
     """
 
     selector: str
@@ -162,6 +167,7 @@ class TapSpec:
     name: str = ""
     triggers: Triggers | None = None
     phases: tuple[str, ...] = ()
+    keep_padding: bool = False
 
 
 @dataclass(frozen=True)

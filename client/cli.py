@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--every", type=positive_int, help="summarize every N-th pass")
     p.add_argument("--point", default="output", help="output, input, grad_output, grad_input, param_grad")
+    p.add_argument("--keep-padding", action="store_true",
+                   help="keep the positions an attention_mask marks as padding in the statistics "
+                        "(default: left out for (batch, tokens, ...) tensors)")
     p.add_argument("--queue-size", type=positive_int, help="server-side queue length")
     p.add_argument("--count", type=positive_int, help="stop after this many summaries")
     p.add_argument("--duration", type=positive_float, help="stop after this many seconds")
@@ -288,6 +291,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         reducers=args.reducers,
         every=args.every,
         point=args.point,
+        keep_padding=args.keep_padding or None,
         queue_size=args.queue_size,
         timeout=args.duration,
     ) as stream:

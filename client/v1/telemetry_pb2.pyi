@@ -685,11 +685,22 @@ class TapSpec(_message.Message):
     REDUCERS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     PHASES_FIELD_NUMBER: _builtins.int
+    KEEP_PADDING_FIELD_NUMBER: _builtins.int
     TRIGGERS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     selector: _builtins.str
     """Exact name, glob (`*` stays within a dot level, `**` crosses) or `re:` regex."""
     point: Global___Point.ValueType
+    keep_padding: _builtins.bool
+    """Keep padded positions in the statistics. By default (false), when the
+    model declares an `attention_mask` and a pass has one, the positions it
+    marks as padding (0) are left out of every reducer, and so of baselines
+    and drift, for each tensor whose two leading dimensions are the mask's
+    (batch, tokens): the tap reduces the (valid, ...) tensor of the valid
+    positions instead. A per_channel dim still names an axis of the
+    unfolded tensor, and may then not be 0 or 1 (the folded axes).
+    Tensors of other shapes, and passes without a mask, are reduced whole.
+    """
     @_builtins.property
     def reducers(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReducerSpec]: ...
     @_builtins.property
@@ -715,11 +726,12 @@ class TapSpec(_message.Message):
         reducers: _abc.Iterable[Global___ReducerSpec] | None = ...,
         sampling: Global___Sampling | None = ...,
         phases: _abc.Iterable[Global___Phase.ValueType] | None = ...,
+        keep_padding: _builtins.bool = ...,
         triggers: Global___Triggers | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "triggers", b"triggers"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "phases", b"phases", "point", b"point", "reducers", b"reducers", "sampling", b"sampling", "selector", b"selector", "triggers", b"triggers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep_padding", b"keep_padding", "name", b"name", "phases", b"phases", "point", b"point", "reducers", b"reducers", "sampling", b"sampling", "selector", b"selector", "triggers", b"triggers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

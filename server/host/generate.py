@@ -54,6 +54,7 @@ from layertap.server.host.model_host import (
     RequestRows,
     flatten_tensors,
 )
+from layertap.server.host.padding import left_padding_mask
 from layertap.server.host.rows import RequestCut, find_request
 
 __all__ = ["Generator"]
@@ -303,7 +304,8 @@ class Generator:
         if "logits_to_keep" in self._params:
             kwargs["logits_to_keep"] = 1
         try:
-            with self.host.pass_context(phase=phase, requests=tuple(requests), tokens=ids.shape[1]), \
+            with self.host.pass_context(phase=phase, requests=tuple(requests), tokens=ids.shape[1],
+                                        attention_mask=left_padding_mask(pads, ids.shape[1])), \
                     torch.inference_mode():
                 out = self.host.module(**kwargs)
         except torch.OutOfMemoryError:

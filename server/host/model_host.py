@@ -31,6 +31,7 @@ from layertap.server.errors import InvalidField, LimitExceeded, Unsupported
 from layertap.server.host.hooks import CallArgs, HookRegistry, ParamGrad
 from layertap.server.host.inputs import ModelInputs, as_positional, bind_inputs
 from layertap.server.host.model_thread import ModelThread
+from layertap.server.host.padding import declares_mask, host_mask
 from layertap.server.host.sources import InputSpec, LoadedModel
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,10 @@ class PassContext:
     #: Length of the pass's token axis (the padded prompt length for a
     #: prefill, 1 for a decode step); 0 for a plain forward.
     tokens: int = 0
+    #: The pass's ``(batch, tokens)`` attention mask on the host, when the
+    #: model declares one and the pass has it: taps leave its padding out
+    #: (:mod:`.padding`). None otherwise.
+    attention_mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def position(self) -> int | None:
@@ -184,6 +189,8 @@ class ModelHost:
         self.inputs: list[InputSpec] = [
             dataclasses.replace(s, dtype=dtype if s.dtype.is_floating_point else s.dtype) for s in loaded.inputs
         ]
+        #: Whether the model declares an attention mask: its passes may leave padding out of taps.
+        self.masked = declares_mask(self.inputs)
         self._lock = threading.RLock()
         #: Runs the server's own passes (Infer, captures, replays, Explain): see model_thread.
         self.model_thread = ModelThread()
@@ -306,16 +313,21 @@ class ModelHost:
     @contextlib.contextmanager
     def pass_context(self, *, step: int | None = None, active_owner: object | None = None,
                      inputs: ModelInputs | None = None, phase: int = PHASE_NONE,
-                     requests: tuple[RequestRows, ...] = (), tokens: int = 0) -> Iterator[PassContext]:
+                     requests: tuple[RequestRows, ...] = (), tokens: int = 0,
+                     attention_mask: torch.Tensor | None = None) -> Iterator[PassContext]:
         """Hold the model for one pass. In-process users (training loops) run
         forward and backward inside; observers are told when it exits.
 
         ``phase``, ``requests`` and ``tokens`` place a generation's step (see
-        :class:`PassContext`)."""
+        :class:`PassContext`). ``attention_mask`` is the pass's mask on the
+        host when ``inputs`` do not hold it (a Generate prefill's); it is
+        ignored for a model that declares none."""
         with self._lock:
             ctx = self.begin_pass(step=step, active_owner=active_owner)
             ctx.inputs = inputs
             ctx.phase, ctx.requests, ctx.tokens = phase, requests, tokens
+            if self.masked:
+                ctx.attention_mask = attention_mask if attention_mask is not None else host_mask(inputs, self.inputs)
             try:
                 yield ctx
             except BaseException:

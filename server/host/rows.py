@@ -25,6 +25,11 @@ that holds for a decoder's activations and no further:
   whose dim 1 happens to equal the token count without being the token axis
   (attention weights ``(batch, heads, q, k)`` with as many heads as tokens)
   is cut there too.
+
+A tap that leaves padding out (``host.padding``) then drops what padding is
+left in the request's rows (prompts of one request that differ in length)
+from the cut view, with the mask cut the same way: the shared columns are
+never cut twice.
 """
 
 from __future__ import annotations
@@ -52,27 +57,28 @@ class RequestCut:
         rows: The request's rows in it (:func:`find_request`).
     """
 
-    __slots__ = ("rows", "_slice", "_batch", "_pad", "_tokens", "_owns_all", "key")
+    __slots__ = ("rows", "_slice", "_batch", "pad", "_tokens", "_owns_all", "key")
 
     def __init__(self, ctx: PassContext, rows: RequestRows) -> None:
         self.rows = rows
         self._slice = rows.rows
         self._batch = max(r.rows.stop for r in ctx.requests)
-        self._pad = rows.pad if ctx.phase == PHASE_PREFILL else 0
+        #: Columns cut at the left: the prefill padding its rows share (0 for a decode step).
+        self.pad = rows.pad if ctx.phase == PHASE_PREFILL else 0
         self._tokens = ctx.tokens
         self._owns_all = rows.rows.start == 0 and rows.rows.stop == self._batch
         #: Tells this cut from the whole tensor and from other requests' cuts in a reuse key.
-        self.key = (rows.rows.start, rows.rows.stop, self._pad, self._tokens)
+        self.key = (rows.rows.start, rows.rows.stop, self.pad, self._tokens)
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor | None:
         """The request's view of ``t``, or None when ``t`` mixes its rows with others' beyond telling apart."""
         if t.dim() > 0 and t.shape[0] == self._batch:
             view = t[self._slice]
-            if self._pad and view.dim() >= 2 and view.shape[1] == self._tokens:
-                view = view[:, self._pad:]
+            if self.pad and view.dim() >= 2 and view.shape[1] == self._tokens:
+                view = view[:, self.pad:]
             return view
         if t.dim() > 0 and self._tokens > 1 and t.shape[0] == self._batch * self._tokens:
-            rows = t.reshape(self._batch, self._tokens, *t.shape[1:])[self._slice, self._pad:]
+            rows = t.reshape(self._batch, self._tokens, *t.shape[1:])[self._slice, self.pad:]
             return rows.flatten(0, 1)
         if self._owns_all or t.dim() == 0 or t.shape[0] == 1:
             return t

@@ -5,7 +5,9 @@ reproduces the tensors the live pass summarised; one replay serves every tap
 that fired on the pass. The check proves it: each tap's own reducer plan runs
 again on the replayed tensors and its deterministic results must equal the
 summary that fired. Sampled reducers
-(histogram, quantiles) are left out of the comparison.
+(histogram, quantiles) are left out of the comparison. A tap that left the
+live pass's padding out (``host.padding``) is checked on the same valid
+positions, from the recorded input's attention mask.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from layertap.server.host.inputs import ModelInputs
 from layertap.server.host.model_host import ModelHost, flatten_tensors
+from layertap.server.host.padding import PassPadding, host_mask
 from layertap.server.record.retention import as_inputs
 from layertap.server.record.triggers import ABS_MAX, MEAN_SIGMA, NONFINITE
 from layertap.server.taps.tap import Tap
@@ -65,13 +68,17 @@ class Share:
     def wants(self, layer: str, point: int) -> bool:
         return point == self.point and layer in self.tap.layers
 
-    def see(self, key: Key, tensor: torch.Tensor) -> bool:
-        """Check and take the rows of one replayed tensor; True when the incident keeps it."""
+    def see(self, key: Key, tensor: torch.Tensor, padding: PassPadding | None = None) -> bool:
+        """Check and take the rows of one replayed tensor; True when the incident keeps it.
+
+        Args:
+            padding: The replayed input's padding, which the tap left out of the live pass unless it keeps it.
+        """
         layer, _point, call, index = key
         for s in self.summaries:
             if (s.layer, s.call_index, s.output_index) == (layer, call, index):
                 self._reached.add((layer, call, index))
-                self.problems.extend(_check_one(self.tap, s, tensor))
+                self.problems.extend(_check_one(self.tap, s, tensor, padding))
         if layer in self.rows:
             self.rows[layer].update(self.rows_of(layer, tensor))
         if self._used + tensor.nbytes > self.budget:
@@ -99,6 +106,8 @@ def replay(host: ModelHost, shares: Sequence[Share],
         Exception: Whatever the forward raises (the caller records it).
     """
     recorded = as_inputs(inputs)
+    mask = host_mask(recorded, host.inputs) if host.masked else None
+    padding = PassPadding(mask) if mask is not None else None
     captured: dict[Key, torch.Tensor] = {}
     calls: dict[tuple[str, int], int] = {}
     owner = _Owner()
@@ -111,7 +120,7 @@ def replay(host: ModelHost, shares: Sequence[Share],
         for i, (_key, t) in enumerate(flatten_tensors(value)):
             key = (layer, point, call, i)
             host_copy = t.detach().to("cpu", copy=True)  # one at a time: dropped ones are freed at once
-            keep = [share.see(key, host_copy) for share in shares if share.wants(layer, point)]
+            keep = [share.see(key, host_copy, padding) for share in shares if share.wants(layer, point)]
             if any(keep):
                 captured[key] = host_copy
 
@@ -162,11 +171,15 @@ def _short(r: pb.ReducerResult) -> str:
     return str(getattr(r, r.WhichOneof("value") or "")).replace("\n", " ").strip()
 
 
-def _check_one(tap: Tap, summary: pb.Summary, tensor: torch.Tensor) -> list[str]:
-    """Differences between a fired summary and the same reducers on its replayed tensor."""
+def _check_one(tap: Tap, summary: pb.Summary, tensor: torch.Tensor, padding: PassPadding | None = None) -> list[str]:
+    """Differences between a fired summary and the same reducers on its replayed tensor (its valid positions,
+    when the tap left ``padding`` out)."""
     plan = tap.always if summary.unsampled else tap.layer_plans.get(summary.layer, tap.plan)
     if plan is None:
         return []
+    cut = padding.cut() if padding is not None and not tap.spec.keep_padding else None
+    if cut is not None and cut.fits(tensor):
+        tensor, plan = cut(tensor), plan.folded()
     values = plan.run(tensor).numpy()
     return [f"{summary.layer}: {why}" for live, again in zip(summary.results, plan.decode(values, tuple(tensor.shape)))
             if (why := _differs(live, again))]

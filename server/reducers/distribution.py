@@ -165,6 +165,10 @@ class PerChannelReducer(Reducer):
         dim: The channel axis (negative: from the end), or None for the
             model's feature axis (:func:`~.spec.default_feature_axis`).
         tokens: Whether the model is a token model, for the default axis.
+
+    The :meth:`folded` reducer reads ``(valid, ...)`` tensors that a tap
+    folded from ``(batch, tokens, ...)`` to leave padding out
+    (``host.padding``); its dim still names an axis of the unfolded tensor.
     """
 
     kind = pb.REDUCER_KIND_PER_CHANNEL
@@ -172,25 +176,52 @@ class PerChannelReducer(Reducer):
 
     def __init__(self, field: str, dim: int | None, max_channels: int, *, tokens: bool = False) -> None:
         super().__init__(field)
+        #: The dim the spec gave, None when it gave none.
+        self.asked = dim
         # Other models' default is always dim 1: fill it in, so the spec echoes
         # it and an explicit 1 is the same reducer. A token model's default
         # depends on each tensor's shape and stays None.
         self.dim = 1 if dim is None and not tokens else dim
         self.max_channels = max_channels
         self.tokens = self.dim is None
+        #: Reads tensors folded from ``(batch, tokens, ...)`` to ``(valid, ...)``.
+        self.fold = False
+
+    def folded(self) -> PerChannelReducer:
+        """This reducer for ``(valid, ...)`` tensors folded from ``(batch, tokens, ...)``.
+
+        An explicit dim names an axis of the unfolded tensor: 2 and up count
+        one less, a negative one is unchanged. Without one the channels are
+        the last axis, the hidden unit of ``(batch, tokens, hidden)``.
+
+        Raises:
+            SpecError: An explicit dim 0 or 1: the batch and token axes are folded into one.
+        """
+        if self.asked is not None and 0 <= self.asked < 2:
+            raise SpecError(f"{self.field}.per_channel.dim",
+                            f"dim {self.asked} is the {'batch' if self.asked == 0 else 'token'} axis, which leaving "
+                            "padding out folds away; name a feature axis (e.g. -1 or 2), or keep the padding "
+                            "(keep_padding=true, --keep-padding)")
+        twin = PerChannelReducer(self.field, self.asked, self.max_channels, tokens=self.tokens)
+        twin.fold = True
+        return twin
 
     def spec(self) -> pb.ReducerSpec:
         params = pb.PerChannelParams(dim=self.dim, max_channels=self.max_channels)
         return pb.ReducerSpec(kind=self.kind, per_channel=params)
 
     def key(self) -> tuple[object, ...]:
-        return (self.kind, self.dim, self.tokens, self.max_channels)
+        return (self.kind, self.dim, self.tokens, self.max_channels, self.fold)
 
     def _dim(self, shape: Sequence[int]) -> int:
-        """The dim as asked, or the default feature axis of ``shape``."""
+        """The dim as asked, or the default feature axis of ``shape``; for a folded tensor, of the unfolded one."""
+        if self.fold:
+            return self.asked if self.asked is not None else len(shape)
         return self.dim if self.dim is not None else default_feature_axis(len(shape), tokens=self.tokens)
 
     def _axis(self, shape: Sequence[int]) -> int:
+        if self.fold:
+            return self._folded_axis(shape)
         ndim = len(shape)
         dim = self._dim(shape)
         if not -ndim <= dim < ndim:
@@ -200,6 +231,21 @@ class PerChannelReducer(Reducer):
                 f"{said} is out of range for a {ndim}-d tensor of shape {list(shape)}",
             )
         return dim % ndim
+
+    def _folded_axis(self, shape: Sequence[int]) -> int:
+        """The axis of a ``(valid, ...)`` tensor: never 0, the positions that were batch and tokens."""
+        ndim = len(shape)  # the unfolded tensor had one more
+        dim = self._dim(shape)
+        axis = dim - 1 if dim >= 0 else dim + ndim
+        if not 1 <= axis < ndim:
+            said = f"dim {dim}" if self.asked is not None else "the default feature axis (the last)"
+            raise SpecError(
+                f"{self.field}.per_channel.dim",
+                f"{said} of a {ndim + 1}-d (batch, tokens, ...) tensor whose padding is left out "
+                f"(folded to {list(shape)}) is {'the batch or token axis' if -ndim - 1 <= dim < ndim + 1 else 'out of range'}; "
+                "name a feature axis, or keep the padding (keep_padding=true, --keep-padding)",
+            )
+        return axis
 
     def check(self, shape: Sequence[int]) -> None:
         self._axis(shape)

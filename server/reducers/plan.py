@@ -135,6 +135,7 @@ class ReducerPlan:
         #: (see :mod:`layertap.server.taps.reuse`); None for timed plans.
         self.reuse_key: tuple[object, ...] | None = (
             None if self.timed else tuple(r.key() for r in self.reducers))
+        self._folded: ReducerPlan | None = None
 
     def __len__(self) -> int:
         return len(self.reducers)
@@ -146,6 +147,23 @@ class ReducerPlan:
         """The sub-plan to run on unsampled passes: just ``nonfinite``, or None."""
         kept = [r for r in self.reducers if r.kind == pb.REDUCER_KIND_NONFINITE]
         return ReducerPlan(kept, self.seed) if kept else None
+
+    def folded(self) -> ReducerPlan:
+        """The plan for ``(valid, ...)`` tensors a tap folded from ``(batch, tokens, ...)`` (``host.padding``).
+
+        Only per-channel axes change (:meth:`PerChannelReducer.folded`); a plan
+        without a per-channel reducer is its own folded plan. Made once.
+
+        Raises:
+            SpecError: A per-channel dim that names the batch or token axis.
+        """
+        if self._folded is None:
+            if any(isinstance(r, PerChannelReducer) for r in self.reducers):
+                self._folded = ReducerPlan([r.folded() if isinstance(r, PerChannelReducer) else r
+                                            for r in self.reducers], self.seed)
+            else:
+                self._folded = self
+        return self._folded
 
     def width(self, shape: Sequence[int]) -> int:
         """Total float64 slots of :meth:`run`'s output for a tensor of ``shape``.

@@ -10,7 +10,10 @@ sees a summary.
 Which passes feed a tap is settled once per pass, at its first firing: not
 an active pass, a phase it names (``TapSpec.phases``), and for a Generate
 request's inline tap a pass that holds that request, whose rows alone it then
-reduces (``taps.rows``).
+reduces (``host.rows``). What it reduces of each tensor is settled there too:
+unless the tap keeps padding (``TapSpec.keep_padding``), a pass with an
+attention mask has its padded positions left out of the tensors whose leading
+dims are ``(batch, tokens)`` (``host.padding``), after the request's cut.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from layertap.server.errors import AlreadyExists, InvalidField, LimitExceeded, NotFound, Unsupported, echo
 from layertap.server.host.hooks import POINT_NAMES, CallArgs, ParamGrad
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
+from layertap.server.host.padding import PaddingCut, PassPadding
 from layertap.server.host.rows import RequestCut, find_request
 from layertap.server.limits import check_name, check_ttl
 from layertap.server.reducers.compiled import COMPILED_STATS
@@ -104,6 +108,8 @@ class TapEngine:
         self.transfer = HostTransfer(maxsize=transfer_queue, max_bytes=transfer_bytes)
         #: Model thread only: reductions of this pass a later firing may reuse.
         self._reuse = PassReuse(passthrough_parents(host.modules))
+        #: Model thread only: the current pass's padding (its index, and None without any), made at first need.
+        self._padding: tuple[int, PassPadding | None] = (-1, None)
         host.add_observer(self)
 
     @property
@@ -158,7 +164,7 @@ class TapEngine:
             check_name(spec.name, f"{field_prefix}.name")
         sampler = Sampler(spec.sampling, clock=self.clock, rng=self._rng, field=f"{field_prefix}.sampling")
         self.sinks.check_spec(spec, durable=kind == pb.TAP_KIND_DURABLE, field_prefix=field_prefix)
-        plan = ReducerPlan(reducers)
+        plan = self._foldable(ReducerPlan(reducers), spec)
         if plan.timed and point != pb.POINT_OUTPUT:
             raise InvalidField(f"{field_prefix}.point", "the latency reducer times a module's forward: "
                                                        "use point output")
@@ -231,11 +237,25 @@ class TapEngine:
             plan = ReducerPlan(build_reducers(reducers, f"{tap_id}.{layer}.reducers", tokens=self.token_model))
         except SpecError as exc:
             raise InvalidField(exc.field, exc.message) from None
+        plan = self._foldable(plan, current.spec)
         with self.host.pass_lock(), self._lock:  # between passes: a pass never mixes plans
             live = self._taps.get(tap_id)
             if live is None or live is not current:
                 raise NotFound(f"no tap {echo(tap_id)} (deleted or replaced meanwhile)")
             live.layer_plans[layer] = plan
+
+    def _foldable(self, plan: ReducerPlan, spec: pb.TapSpec) -> ReducerPlan:
+        """``plan``, once it is known to read the folded tensors of a tap that leaves padding out.
+
+        Raises:
+            InvalidField: A per-channel dim that names the batch or token axis.
+        """
+        if self.host.masked and not spec.keep_padding:
+            try:
+                plan.folded()
+            except SpecError as exc:
+                raise InvalidField(exc.field, exc.message) from None
+        return plan
 
     def get(self, tap_id: str) -> Tap:
         with self._lock:
@@ -277,6 +297,8 @@ class TapEngine:
         if tap._pass != ctx.index:
             tap._pass = ctx.index
             tap._skip = not self._feeds(tap, ctx)
+            if not tap._skip:
+                tap._padding = self._padding_of(tap, ctx)
             if not tap._skip:  # a pass the tap does not see takes no sampling budget
                 tap._sampled = tap.sampler.sample()
             tap.calls.clear()
@@ -308,7 +330,7 @@ class TapEngine:
         buffer = self._buffer
         if buffer is None:
             buffer = self._buffer = PassBuffer()
-        cut = tap._cut
+        cut, padding = tap._cut, tap._padding
         pieces = self._pieces
         try:
             key = plan.reuse_key
@@ -316,16 +338,21 @@ class TapEngine:
                 # Reused only for the same cut of the same tensor: never the whole tensor's result, nor another request's.
                 key = (key, cut.key)
             for i, (name, tensor) in enumerate(tensors):
-                vec = self._reuse.get(key, tensor) if key is not None else None
                 part = tensor if cut is None else cut(tensor)
                 if part is None:
                     continue  # it mixes this request's rows with others': not this request's to see
+                run, k, fold = plan, key, None
+                if padding is not None and padding.fits(part):
+                    # Nor is a selection's result the whole tensor's.
+                    run, k, fold = plan.folded(), (None if key is None else (key, padding.key)), padding
+                vec = self._reuse.get(k, tensor) if k is not None else None
                 if vec is None:
-                    vec = plan.run(part)
-                    if key is not None:
-                        self._reuse.put(key, tensor, vec)
+                    vec = run.run(part if fold is None else fold(part))
+                    if k is not None:
+                        self._reuse.put(k, tensor, vec)
+                shape = tuple(part.shape) if fold is None else fold.shape(part)
                 buffer.add(len(pieces), vec)
-                pieces.append(Piece(tap, layer, offset + i, call, tuple(part.shape), plan, tap._sampled,
+                pieces.append(Piece(tap, layer, offset + i, call, shape, run, tap._sampled,
                                     lap if plan.timed else None,
                                     name if keyword_from is not None and i >= keyword_from else "",
                                     None if cut is None else cut.rows))
@@ -346,6 +373,19 @@ class TapEngine:
                 return False
             tap._cut = RequestCut(ctx, rows)
         return True
+
+    def _padding_of(self, tap: Tap, ctx: PassContext) -> PaddingCut | None:
+        """What of this pass's tensors the tap leaves out as padding: None keeps them whole."""
+        if ctx.attention_mask is None or tap.spec.keep_padding:
+            return None
+        index, padding = self._padding
+        if index != ctx.index or padding is None:
+            padding = PassPadding(ctx.attention_mask)
+            self._padding = (ctx.index, padding)
+        if tap._cut is None:
+            return padding.cut()
+        # The mask cut as the request's tensors are: its rows, less the padding they share.
+        return padding.cut(tap._cut.rows.rows, tap._cut.pad)
 
     def _fail(self, tap: Tap, layer: str, exc: BaseException) -> None:
         tap.errors += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from layertap.server.host.hooks import HookHandle
+from layertap.server.host.padding import PaddingCut
 from layertap.server.host.rows import RequestCut
 from layertap.server.reducers.latency import LayerTimer
 from layertap.server.reducers.plan import ReducerPlan
@@ -60,6 +61,8 @@ class Tap:
     _skip: bool = False
     #: The current pass's cut of its request's rows (request taps only).
     _cut: RequestCut | None = None
+    #: The current pass's padding left out of its (batch, tokens) tensors, None to reduce them whole.
+    _padding: PaddingCut | None = None
 
     @property
     def durable(self) -> bool:

@@ -57,6 +57,7 @@ def test_watch_options() -> None:
     assert args.selector == "layer*" and args.reducers == ["moments", "nonfinite"] and args.every == 10
     default = cli.parse_args(["watch", "1234", "re:layer[12]"])
     assert default.reducers == ["moments", "minmax", "nonfinite"] and default.every is None
+    assert not default.keep_padding and cli.parse_args(["watch", "1234", "x", "--keep-padding"]).keep_padding
 
 
 def test_baseline_drift_taps_stats() -> None:

@@ -15,6 +15,7 @@ from layertap import InvalidArgument, ProtocolError
 from layertap import _capture as capture
 from layertap import _codec as codec
 from layertap import _convert as convert
+from layertap._taps import tap_spec
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc, tensor_pb2
 
 DT = tensor_pb2.DataType
@@ -323,6 +324,11 @@ def test_tap_spec_round_trip_and_validation() -> None:
     wire = convert.tap_spec_to_proto(spec)
     assert wire.sampling.every_n == 10 and wire.point == telemetry_pb2.POINT_INPUT
     assert convert.tap_spec_from_proto(wire) == spec
+    assert not wire.keep_padding  # padding is left out unless the tap keeps it
+    kept = layertap.TapSpec("x", keep_padding=True)
+    assert convert.tap_spec_to_proto(kept).keep_padding
+    assert convert.tap_spec_from_proto(convert.tap_spec_to_proto(kept)) == kept
+    assert tap_spec("x", {"keep_padding": True}) == kept and tap_spec(kept, {"keep_padding": None}) == kept
     for bad in (
         layertap.TapSpec("x", every=0),
         layertap.TapSpec("x", probability=1.5),

@@ -69,8 +69,11 @@ def test_per_channel_on_a_token_model_is_per_hidden_unit(make_server, llama) -> 
         np.testing.assert_allclose(pc.mean, ref.mean(axis=(0, 1)), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(pc.std, ref.std(axis=(0, 1)), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(pc.abs_max, np.abs(ref).max(axis=(0, 1)), rtol=1e-6, atol=1e-7)
-        # An explicit dim still wins: 1 is the token position.
-        s = one_summary(client, server, LAYER, [{"per_channel": {"dim": 1}}], x.numpy())
+        # An explicit dim still wins: 1 is the token position, of a tap that keeps padding (see test_padding).
+        with client.watch(LAYER, reducers=[{"per_channel": {"dim": 1}}], keep_padding=True, timeout=60) as stream:
+            assert wait_for(lambda: client.stats().active_hooks == 1)
+            client.infer(x.numpy())
+            s = next(iter(stream))
         assert s.results["per_channel"].channels == 6
         np.testing.assert_allclose(s.results["per_channel"].mean, ref.mean(axis=(0, 2)), rtol=1e-5, atol=1e-6)
 

@@ -1,0 +1,88 @@
+"""What leaving padding out costs one tapped tensor, in thread CPU time (robust to other load on shared cores).
+
+One decoder output of ``transformer_overhead.py``'s model, ``(8, 128, 256)``
+float32, and its basic reducers (moments, minmax, zero_fraction, nonfinite),
+with that benchmark's padded mask (1/8 left padding on half the rows: 960 of
+1024 positions valid). Rows, interleaved in blocks, each the CPU time of one
+call on one intra-op thread:
+
+  whole              ``plan.run(t)``: what a tap that keeps padding (or a pass
+                     without padding) pays
+  padding left out   ``plan.run(cut(t))``: the gather and the reduction of the
+                     ``(960, 256)`` tensor
+  index_select       the gather alone
+  host, per pass     ``PassPadding(mask).cut()``: the valid indices, once per pass
+
+for the eager kernel and for the compiled (AOTInductor) one the server runs.
+
+    python benchmarks/padding_overhead.py --calls 200 --blocks 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from layertap.server.host.padding import PassPadding
+from layertap.server.reducers.compiled import COMPILED_STATS
+from layertap.server.reducers.compiled_kernel import DENSE, Signature
+from layertap.server.reducers.plan import ReducerPlan, build_reducers
+from layertap.server.reducers.spec import parse_reducer_names
+
+BASIC = "moments,minmax,zero_fraction,nonfinite"
+
+
+def cpu_us(call: Callable[[], object], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        c = time.thread_time_ns()
+        call()
+        out.append((time.thread_time_ns() - c) / 1e3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=200, help="timed calls per row and block")
+    ap.add_argument("--blocks", type=int, default=5, help="interleaved blocks")
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # thread CPU time then covers the whole call
+    plan = ReducerPlan(build_reducers(parse_reducer_names(BASIC)))
+    mask = torch.ones(8, 128, dtype=torch.long)
+    mask[::2, :16] = 0
+    t = torch.randn(8, 128, 256)
+    print(f"torch {torch.__version__}; (8, 128, 256) float32, {BASIC}; mask: 960 of 1024 positions valid; "
+          f"CPU us per call, {args.blocks} interleaved blocks x {args.calls} calls")
+    for compiled in (False, True):
+        COMPILED_STATS.set_enabled(compiled)
+        with torch.inference_mode():
+            if compiled:
+                COMPILED_STATS.compile_ahead(Signature(torch.device("cpu"), torch.float32, DENSE, grad=False,
+                                                       inference=True, autocast=None))
+                deadline = time.monotonic() + 600
+                while COMPILED_STATS.counters()["compiled_calls"] < 2 and time.monotonic() < deadline:
+                    plan.run(t)
+                    plan.run(PassPadding(mask).cut()(t))  # type: ignore[misc]
+                    time.sleep(1)
+            cut = PassPadding(mask).cut()
+            assert cut is not None and cut.valid == 960
+            rows: dict[str, list[float]] = {"whole": [], "padding left out": [], "index_select": [],
+                                             "host, per pass": []}
+            for _ in range(args.blocks):
+                rows["whole"] += cpu_us(lambda: plan.run(t), args.calls)
+                rows["padding left out"] += cpu_us(lambda: plan.run(cut(t)), args.calls)
+                rows["index_select"] += cpu_us(lambda: cut(t), args.calls)
+                rows["host, per pass"] += cpu_us(lambda: PassPadding(mask).cut(), args.calls)
+        print(f"{'compiled (AOTInductor)' if compiled else 'eager'}: {COMPILED_STATS.counters()}")
+        for name, v in rows.items():
+            v.sort()
+            print(f"  {name:18s} median {statistics.median(v):8.1f}  p10 {v[len(v) // 10]:8.1f}  "
+                  f"p90 {v[9 * len(v) // 10]:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
