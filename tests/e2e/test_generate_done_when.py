@@ -134,7 +134,8 @@ def test_generation_done_when(make_server, mistral, tmp_path) -> None:
                 long = client.generate(prompt, max_new_tokens=1500)
                 first = next(step for step in long if step.tokens)
                 assert first.phase == "prefill" and first.tokens[0].position == len(prompt)
-                assert not go.is_set() and server.state.generator._batch is not None
+                # Its decode passes wait at the gate: the generation is still running, its token already here.
+                assert wait_for(lambda: server.state.generator._batch is not None, timeout=10) and not go.is_set()
             finally:
                 go.set()
                 gate.remove()

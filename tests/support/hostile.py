@@ -432,6 +432,8 @@ def _table() -> dict[str, Rpc]:
     return {r.name: r for r in [
         rpc(INFERENCE, "Infer", st.builds(ipb.InferRequest, inputs=valid_input().map(lambda t: [t])),
             (3, infer_extreme), (1, hostile(ipb.InferRequest.DESCRIPTOR))),
+        # The demo CNN cannot generate: every Generate is refused (FAILED_PRECONDITION), whatever it holds.
+        rpc(INFERENCE, "Generate", None, (1, hostile(ipb.GenerateRequest.DESCRIPTOR)), streaming=True),
         rpc(INFERENCE, "GetModelMetadata", st.builds(ipb.GetModelMetadataRequest),
             (1, _empty(ipb.GetModelMetadataRequest))),
         rpc(TELEMETRY, "ListLayers", st.builds(pb.ListLayersRequest), (1, _empty(pb.ListLayersRequest))),
@@ -469,7 +471,7 @@ RPCS: dict[str, Rpc] = _table()
 #: Cases per 1,000, by RPC: weighted toward the RPCs with the most fields and state. The test
 #: runs exactly these; ``benchmarks/fuzz.py`` scales them.
 SHARES: dict[str, int] = {
-    "InferenceService.Infer": 110, "InferenceService.GetModelMetadata": 30, "TelemetryService.ListLayers": 30,
+    "InferenceService.Infer": 90, "InferenceService.Generate": 20, "InferenceService.GetModelMetadata": 30, "TelemetryService.ListLayers": 30,
     "TelemetryService.Capture": 150, "TelemetryService.CreateTap": 120, "TelemetryService.DeleteTap": 60,
     "TelemetryService.ListTaps": 30, "TelemetryService.Subscribe": 110, "TelemetryService.SetBaseline": 90,
     "TelemetryService.GetDrift": 80, "TelemetryService.GetServerStats": 30, "Health.Check": 40, "Health.Watch": 20,
