@@ -108,7 +108,7 @@ class TapEngine:
         self.transfer = HostTransfer(maxsize=transfer_queue, max_bytes=transfer_bytes)
         #: Model thread only: reductions of this pass a later firing may reuse.
         self._reuse = PassReuse(passthrough_parents(host.modules))
-        #: Model thread only: the current pass's padding (its index, and None without any), made at first need.
+        #: Model thread only: the current pass's index and padding, made at the first tap that leaves it out.
         self._padding: tuple[int, PassPadding | None] = (-1, None)
         host.add_observer(self)
 
@@ -297,10 +297,9 @@ class TapEngine:
         if tap._pass != ctx.index:
             tap._pass = ctx.index
             tap._skip = not self._feeds(tap, ctx)
-            if not tap._skip:
-                tap._padding = self._padding_of(tap, ctx)
             if not tap._skip:  # a pass the tap does not see takes no sampling budget
                 tap._sampled = tap.sampler.sample()
+                tap._padding = self._padding_of(tap, ctx)
             tap.calls.clear()
         if tap._skip:
             return  # as if the tap had no hook: nothing reduced, nothing for reuse to forget
@@ -402,6 +401,7 @@ class TapEngine:
         buffer, pieces = self._buffer, self._pieces
         self._buffer, self._pieces = None, []
         self._reuse.clear()
+        self._padding = (-1, None)
         hook_seconds, self._hook_seconds = self._hook_seconds, 0.0
         if hook_seconds:
             self.sinks.on_hook_time(hook_seconds)
