@@ -226,6 +226,7 @@ class Generator:
             request._finish(self.listener, closing)
         if self._batch is not None:
             for request in {id(r.request): r.request for r in self._batch.rows}.values():
+                self._remove_captures(request)
                 request._finish(self.listener, closing)
 
     def _fail_all(self, joining: list[GenerationRequest], exc: BaseException) -> None:
@@ -463,6 +464,7 @@ class Generator:
         return capture
 
     def _remove_captures(self, request: GenerationRequest) -> None:
+        self._step_captures.pop(request.id, None)  # device copies of a step it will never send
         for handle in self._capture_hooks.pop(request.id, []):
             handle.remove()
 

@@ -218,10 +218,11 @@ class GenerationRequest:
 
     # -- the generator side ----------------------------------------------------
     def _put(self, item: StepEvent | Finished | BaseException) -> None:
-        if isinstance(item, StepEvent) and item.captures:
-            size = sum(t.nbytes for *_, t in item.captures)
-            # Under the lock that close() takes: a step queued after the call ended holds no bytes.
-            with self._held_lock:
+        # Reserved and queued under the lock close() takes: a step is either drained by
+        # close() or queued after it with no bytes held (SimpleQueue.put never blocks).
+        with self._held_lock:
+            if isinstance(item, StepEvent) and item.captures:
+                size = sum(t.nbytes for *_, t in item.captures)
                 release = None
                 fits = not self._closed and self._held + size <= self.capture_bytes
                 if fits and self._reserve is not None:
@@ -232,7 +233,7 @@ class GenerationRequest:
                     item.release = release
                 else:
                     item.dropped_captures, item.captures = len(item.captures), []
-        self._events.put(item)
+            self._events.put(item)
 
     def _finish(self, listener: GenerationListener, error: BaseException | None = None) -> None:
         if self.done.is_set():

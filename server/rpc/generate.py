@@ -64,12 +64,10 @@ def _prompts(request: ipb.GenerateRequest, tokenizer: Any, max_rows: int, max_po
     if tokenizer is None:
         raise Unsupported("texts: the model directory holds no tokenizer; send prompts as token ids",
                           reason="NO_TOKENIZER", field="texts")
-    out = []
-    for i, text in enumerate(request.texts):
+    for i, text in enumerate(request.texts):  # every length before any tokenizing
         if len(text) > MAX_TEXT_CHARS:
             raise InvalidField(f"texts[{i}]", f"at most {MAX_TEXT_CHARS} characters, got {len(text)}")
-        out.append([int(t) for t in tokenizer(text)["input_ids"]])
-    return out
+    return [[int(t) for t in tokenizer(text)["input_ids"]] for text in request.texts]
 
 
 def _sampling(request: ipb.GenerateRequest) -> Sampling:

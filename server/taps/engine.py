@@ -295,12 +295,15 @@ class TapEngine:
             self._reuse.clear()  # whatever ran since the last firing is unknown
             return  # active-capture passes are never fed to taps
         if tap._pass != ctx.index:
+            # Cleared before anything that may raise: a firing later in the pass never sees the last pass's state.
+            tap.calls.clear()
+            tap._padding = tap._cut = None
+            tap._skip = True
             tap._pass = ctx.index
             tap._skip = not self._feeds(tap, ctx)
             if not tap._skip:  # a pass the tap does not see takes no sampling budget
                 tap._sampled = tap.sampler.sample()
                 tap._padding = self._padding_of(tap, ctx)
-            tap.calls.clear()
         if tap._skip:
             return  # as if the tap had no hook: nothing reduced, nothing for reuse to forget
         t0 = time.perf_counter()
