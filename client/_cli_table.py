@@ -151,7 +151,7 @@ def _score(value: float, threshold: float) -> str:
 def drift_table(rows: Sequence[LayerDrift], width: int, title: str) -> Table:
     cells = [
         (
-            escape(f"{d.layer} ({d.phase})" if d.phase else d.layer),
+            escape(d.layer + (f" ({d.phase})" if d.phase else "") + (f" [{d.derive}]" if d.derive else "")),
             d.state,
             str(d.baseline_passes),
             str(d.window_passes),

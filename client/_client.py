@@ -485,11 +485,11 @@ class Client:
 
     def set_baseline(
         self, selector: str, *, passes: int = 100, window: int = 50, point: str = "output",
-        thresholds: DriftThresholds | Mapping[str, float] | None = None, name: str = "", timeout: float | None = None,
+        thresholds: DriftThresholds | Mapping[str, float] | None = None, name: str = "", derive: str = "", timeout: float | None = None,
     ) -> BaselineInfo:
         """Freezes a drift baseline from the next ``passes`` live passes: ``client.baselines.set``, which see."""
         return self.baselines.set(selector, passes=passes, window=window, point=point, thresholds=thresholds,
-                                  name=name, timeout=timeout)
+                                  name=name, derive=derive, timeout=timeout)
 
     def drift(self, selector: str = "", *, timeout: float | None = None) -> list[LayerDrift]:
         """Returns the current drift scores, optionally filtered by a layer selector: ``client.baselines.drift``."""

@@ -64,6 +64,8 @@ _REDUCER_NAMES = {code: name for name, code in _REDUCERS.items()}
 #: The generation phases; a plain forward's PHASE_UNSPECIFIED is "".
 _PHASES = {"": telemetry_pb2.PHASE_UNSPECIFIED, **_enum_names(telemetry_pb2.Phase, "PHASE_")}
 _PHASE_NAMES = {code: name for name, code in _PHASES.items()}
+_DERIVES = {"": telemetry_pb2.DERIVE_UNSPECIFIED, **_enum_names(telemetry_pb2.Derive, "DERIVE_")}  # "": the tensor
+_DERIVE_NAMES = {code: name for name, code in _DERIVES.items()}
 _TAP_KINDS = {code: name for name, code in _enum_names(telemetry_pb2.TapKind, "TAP_KIND_").items()}
 _BASELINE_STATES = {
     code: name for name, code in _enum_names(telemetry_pb2.BaselineState, "BASELINE_STATE_").items()
@@ -120,6 +122,13 @@ def phase_code(phase: str) -> _Phase:
 def phase_name(code: _Phase) -> str:
     """Returns the name of a wire Phase: ``""`` for a plain forward (and a phase newer than this client)."""
     return _PHASE_NAMES.get(code, "")
+
+
+def derive_code(derive: str) -> telemetry_pb2.Derive.ValueType:
+    """The wire Derive of ``"entropy"``, ``"top1_prob"`` or ``""`` (the tensor); InvalidArgument for another name."""
+    if (code := _DERIVES.get(derive.strip().lower())) is None:
+        raise InvalidArgument(f"unknown derive {derive!r}; expected one of: {', '.join(map(repr, _DERIVES))}")
+    return code
 
 
 # --------------------------------------------------------------------------- inference
@@ -275,6 +284,7 @@ def tap_spec_to_proto(spec: TapSpec) -> telemetry_pb2.TapSpec:
         # A lone str is one phase name, not its letters.
         phases=[phase_code(p) for p in ((spec.phases,) if isinstance(spec.phases, str) else spec.phases)],
         keep_padding=spec.keep_padding,
+        derive=derive_code(spec.derive),
     )
     if spec.triggers is not None:
         t = spec.triggers
@@ -301,6 +311,7 @@ def tap_spec_from_proto(spec: telemetry_pb2.TapSpec) -> TapSpec:
         ) if spec.HasField("triggers") else None,
         phases=tuple(phase_name(p) for p in spec.phases),
         keep_padding=spec.keep_padding,
+        derive=_DERIVE_NAMES.get(spec.derive, ""),  # "" too for a value newer than this client
     )
 
 
@@ -436,18 +447,19 @@ def set_baseline_request(
     point: str,
     thresholds: DriftThresholds | Mapping[str, float] | None,
     name: str = "",
+    derive: str = "",
 ) -> telemetry_pb2.SetBaselineRequest:
     """Builds a SetBaselineRequest (thresholds left out take the server defaults).
 
     Raises:
-        InvalidArgument: Empty selector, passes or window < 1, unknown threshold name.
+        InvalidArgument: Empty selector, passes or window < 1, unknown threshold or derive name.
     """
     if not selector:
         raise InvalidArgument("set_baseline needs a non-empty layer selector")
     if passes < 1 or window < 1:
         raise InvalidArgument(f"passes and window must be >= 1, got {passes} and {window}")
     req = telemetry_pb2.SetBaselineRequest(
-        selector=selector, passes=passes, window=window, point=point_code(point), name=name
+        selector=selector, passes=passes, window=window, point=point_code(point), name=name, derive=derive_code(derive)
     )
     if thresholds is not None:
         values = (
@@ -481,6 +493,7 @@ def drift_from_proto(r: telemetry_pb2.GetDriftResponse) -> list[LayerDrift]:
             thresholds=_from_fields(DriftThresholds, d.thresholds),
             channel_drift_fraction=None if d.channel_drift_fraction < 0 else d.channel_drift_fraction,
             phase=phase_name(d.phase),
+            derive=_DERIVE_NAMES.get(d.derive, ""),
         )
         for d in r.layers
     ]

@@ -74,6 +74,7 @@ class Baselines:
         point: str = "output",
         thresholds: DriftThresholds | Mapping[str, float] | None = None,
         name: str = "",
+        derive: str = "",
         timeout: float | None = None,
     ) -> BaselineInfo:
         """Freezes a drift baseline from the next ``passes`` live passes.
@@ -87,14 +88,21 @@ class Baselines:
                 mapping with keys psi, js, wasserstein, mean_shift (missing keys
                 take the server defaults 0.2, 0.1, 0.1, 1.0).
             name: The baseline tap's id (default: ``baseline-<hash>`` of the
-                selector and point). Calling again with the same name resets it.
+                selector and point, suffixed ``-<derive>`` for a derived one).
+                Calling again with the same name resets it.
+            derive: Baseline a quantity derived from the tensor: ``"entropy"``
+                or ``"top1_prob"`` of the softmax over its last axis, per token
+                (a ``(batch, tokens, vocab)`` head gives one value per token),
+                so drift scores the model's confidence. ``""``: the tensor.
+                A derived baseline is kept in memory only (not in
+                ``--baseline-dir``).
             timeout: Deadline override in seconds.
 
         Returns:
             The durable tap collecting the baseline and the layers it covers.
         """
         req = _convert.set_baseline_request(
-            selector, passes=passes, window=window, point=point, thresholds=thresholds, name=name
+            selector, passes=passes, window=window, point=point, thresholds=thresholds, name=name, derive=derive
         )
         return _convert.baseline_from_proto(self._transport.unary(SET_BASELINE, req, timeout=timeout, layer_hint=True))
 

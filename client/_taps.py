@@ -43,6 +43,7 @@ class TapOptions(TypedDict, total=False):
     triggers: Triggers | None
     phases: Sequence[str] | str | None
     keep_padding: bool | None
+    derive: str | None
 
 
 class DurableTapOptions(TapOptions, total=False):

@@ -156,6 +156,11 @@ class TapSpec:
             pass's mask marks as padding are left out of every reducer (and
             so of baselines and drift) for tensors whose leading dims are
             ``(batch, tokens)``; a ``per_channel`` dim then may not be 0 or 1.
+        derive: Reduce a quantity derived from the tensor instead of the
+            tensor: ``"entropy"`` (softmax entropy over the last axis, in
+            nats) or ``"top1_prob"`` (the largest softmax probability), one
+            value per row, so a ``(batch, tokens, vocab)`` logits tensor is
+            reduced as ``(batch, tokens)``. ``""``: the tensor itself.
     """
 
     selector: str
@@ -168,6 +173,7 @@ class TapSpec:
     triggers: Triggers | None = None
     phases: tuple[str, ...] = ()
     keep_padding: bool = False
+    derive: str = ""
 
 
 @dataclass(frozen=True)
@@ -274,6 +280,8 @@ class LayerDrift:
     ``channel_drift_fraction`` is None when per-channel stats are not tapped.
     ``phase`` is the generation phase whose passes it scores (``"prefill"``,
     ``"decode"``, or ``""`` for plain forwards): a layer has one entry per phase seen.
+    ``derive`` is what the baseline reads of the tensor (``"entropy"``,
+    ``"top1_prob"``; ``""``: the tensor itself).
     """
 
     tap: str
@@ -291,3 +299,4 @@ class LayerDrift:
     channel_drift_fraction: float | None
     save_error: str = ""
     phase: str = ""
+    derive: str = ""

@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-padding", action="store_true",
                    help="keep the positions an attention_mask marks as padding in the statistics "
                         "(default: left out for (batch, tokens, ...) tensors)")
+    p.add_argument("--derive", default="", choices=("", "entropy", "top1_prob"),
+                   help="reduce the per-row softmax entropy or top-1 probability of the tensor's last axis")
     p.add_argument("--queue-size", type=positive_int, help="server-side queue length")
     p.add_argument("--count", type=positive_int, help="stop after this many summaries")
     p.add_argument("--duration", type=positive_float, help="stop after this many seconds")
@@ -143,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=positive_int, default=50, help="sliding window compared with it (default 50)")
     p.add_argument("--point", default="output")
     p.add_argument("--name", default="", help="the baseline tap's id (default: baseline-<hash of selector and point>)")
+    p.add_argument("--derive", default="", choices=("", "entropy", "top1_prob"),
+                   help="baseline the per-token softmax entropy or top-1 probability of the tensor's last axis")
     for metric in ("psi", "js", "wasserstein", "mean-shift"):
         p.add_argument(f"--{metric}", type=positive_float, help=f"{metric} threshold")
     p.set_defaults(func=_cmd_baseline)
@@ -292,6 +296,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         every=args.every,
         point=args.point,
         keep_padding=args.keep_padding or None,
+        derive=args.derive or None,
         queue_size=args.queue_size,
         timeout=args.duration,
     ) as stream:
@@ -329,6 +334,7 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
             point=args.point,
             thresholds=thresholds or None,
             name=args.name,
+            derive=args.derive,
         )
     print(f"baseline tap {info.tap}: collecting {args.passes} passes over {len(info.layers)} layer(s)")
     for layer in info.layers:

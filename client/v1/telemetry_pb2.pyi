@@ -121,6 +121,36 @@ the classes (vocabulary), every leading one a row (see Logits).
 """
 Global___ReducerKind: _TypeAlias = ReducerKind  # noqa: Y015
 
+class _Derive:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DeriveEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Derive.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DERIVE_UNSPECIFIED: _Derive.ValueType  # 0
+    """The tensor itself."""
+    DERIVE_ENTROPY: _Derive.ValueType  # 1
+    """Softmax entropy over the last axis, in nats."""
+    DERIVE_TOP1_PROB: _Derive.ValueType  # 2
+    """Largest softmax probability over the last axis."""
+
+class Derive(_Derive, metaclass=_DeriveEnumTypeWrapper):
+    """A quantity a tap reads in place of the tensor itself, derived from it on
+    the device. The derivations softmax the last axis (float32, float64 kept),
+    one value per row: a (batch, tokens, vocab) logits tensor gives
+    (batch, tokens), which padding then folds like any (batch, tokens) tensor.
+    A tensor that is not floating point, or whose last axis has fewer than 2
+    classes, disables the tap (last_error says why).
+    """
+
+DERIVE_UNSPECIFIED: Derive.ValueType  # 0
+"""The tensor itself."""
+DERIVE_ENTROPY: Derive.ValueType  # 1
+"""Softmax entropy over the last axis, in nats."""
+DERIVE_TOP1_PROB: Derive.ValueType  # 2
+"""Largest softmax probability over the last axis."""
+Global___Derive: _TypeAlias = Derive  # noqa: Y015
+
 class _TapKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -686,6 +716,7 @@ class TapSpec(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     PHASES_FIELD_NUMBER: _builtins.int
     KEEP_PADDING_FIELD_NUMBER: _builtins.int
+    DERIVE_FIELD_NUMBER: _builtins.int
     TRIGGERS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     selector: _builtins.str
@@ -700,6 +731,10 @@ class TapSpec(_message.Message):
     positions instead. A per_channel dim still names an axis of the
     unfolded tensor, and may then not be 0 or 1 (the folded axes).
     Tensors of other shapes, and passes without a mask, are reduced whole.
+    """
+    derive: Global___Derive.ValueType
+    """Reduce a quantity derived from the tensor (per-token entropy, top-1
+    probability) instead of the tensor.
     """
     @_builtins.property
     def reducers(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReducerSpec]: ...
@@ -727,11 +762,12 @@ class TapSpec(_message.Message):
         sampling: Global___Sampling | None = ...,
         phases: _abc.Iterable[Global___Phase.ValueType] | None = ...,
         keep_padding: _builtins.bool = ...,
+        derive: Global___Derive.ValueType = ...,
         triggers: Global___Triggers | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "triggers", b"triggers"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep_padding", b"keep_padding", "name", b"name", "phases", b"phases", "point", b"point", "reducers", b"reducers", "sampling", b"sampling", "selector", b"selector", "triggers", b"triggers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["derive", b"derive", "keep_padding", b"keep_padding", "name", b"name", "phases", b"phases", "point", b"point", "reducers", b"reducers", "sampling", b"sampling", "selector", b"selector", "triggers", b"triggers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1523,6 +1559,7 @@ class SetBaselineRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     HOLD_FIELD_NUMBER: _builtins.int
+    DERIVE_FIELD_NUMBER: _builtins.int
     selector: _builtins.str
     passes: _builtins.int
     """Live passes to freeze (default 100)."""
@@ -1535,6 +1572,11 @@ class SetBaselineRequest(_message.Message):
     hold: _builtins.bool
     """Stop after `passes` passes without freezing, and wait for InstallBaseline
     (fleet-wide baselines: every replica collects, one merged reference freezes).
+    """
+    derive: Global___Derive.ValueType
+    """Baseline a derived quantity (e.g. per-token entropy of lm_head) instead
+    of the tensor: drift then scores the model's confidence. The default tap
+    id then differs from the plain baseline's on the same layers.
     """
     @_builtins.property
     def thresholds(self) -> Global___DriftThresholds:
@@ -1555,10 +1597,11 @@ class SetBaselineRequest(_message.Message):
         sampling: Global___Sampling | None = ...,
         name: _builtins.str = ...,
         hold: _builtins.bool = ...,
+        derive: Global___Derive.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "thresholds", b"thresholds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hold", b"hold", "name", b"name", "passes", b"passes", "point", b"point", "sampling", b"sampling", "selector", b"selector", "thresholds", b"thresholds", "window", b"window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["derive", b"derive", "hold", b"hold", "name", b"name", "passes", b"passes", "point", b"point", "sampling", b"sampling", "selector", b"selector", "thresholds", b"thresholds", "window", b"window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1606,6 +1649,7 @@ class LayerDrift(_message.Message):
     CHANNEL_DRIFT_FRACTION_FIELD_NUMBER: _builtins.int
     SAVE_ERROR_FIELD_NUMBER: _builtins.int
     PHASE_FIELD_NUMBER: _builtins.int
+    DERIVE_FIELD_NUMBER: _builtins.int
     tap: _builtins.str
     layer: _builtins.str
     point: Global___Point.ValueType
@@ -1627,6 +1671,8 @@ class LayerDrift(_message.Message):
     """The phase whose passes the baseline was frozen from and whose windows it
     scores: a layer has one entry per phase seen (PHASE_UNSPECIFIED: plain forwards).
     """
+    derive: Global___Derive.ValueType
+    """What the baseline tap reads of the tensor (DERIVE_UNSPECIFIED: the tensor)."""
     @_builtins.property
     def thresholds(self) -> Global___DriftThresholds: ...
     def __init__(
@@ -1647,10 +1693,11 @@ class LayerDrift(_message.Message):
         channel_drift_fraction: _builtins.float = ...,
         save_error: _builtins.str = ...,
         phase: Global___Phase.ValueType = ...,
+        derive: Global___Derive.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["thresholds", b"thresholds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["baseline_passes", b"baseline_passes", "channel_drift_fraction", b"channel_drift_fraction", "drifted", b"drifted", "js", b"js", "layer", b"layer", "mean_shift", b"mean_shift", "phase", b"phase", "point", b"point", "psi", b"psi", "save_error", b"save_error", "state", b"state", "tap", b"tap", "thresholds", b"thresholds", "wasserstein", b"wasserstein", "window_passes", b"window_passes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["baseline_passes", b"baseline_passes", "channel_drift_fraction", b"channel_drift_fraction", "derive", b"derive", "drifted", b"drifted", "js", b"js", "layer", b"layer", "mean_shift", b"mean_shift", "phase", b"phase", "point", b"point", "psi", b"psi", "save_error", b"save_error", "state", b"state", "tap", b"tap", "thresholds", b"thresholds", "wasserstein", b"wasserstein", "window_passes", b"window_passes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -105,6 +105,8 @@ class LayerEntry:
     per_channel: bool = False
     #: The frozen edges as floats, to pick this phase's histogram out of a summary.
     edge_list: list[float] | None = None
+    #: What the tap reads of the tensor (``pb.Derive``; 0: the tensor itself).
+    derive: int = 0
 
     def save(self, baseline_dir: str | None, now: float) -> bool:
         """Write the baseline's file; on failure mark the entry UNSAVED, with its next retry's time.
@@ -114,7 +116,9 @@ class LayerEntry:
         ``layertap_baselines_unsaved`` say until a retry writes it.
         """
         assert self.baseline is not None
-        if not baseline_dir:
+        # A derived baseline stays in memory: its document has no derive, so a
+        # restart would reload it as the tensor's own and score the wrong quantity.
+        if not baseline_dir or self.derive:
             self.save_error = ""
             return True
         try:
@@ -166,6 +170,7 @@ class LayerEntry:
             thresholds=pb.DriftThresholds(**self.thresholds.as_dict()), channel_drift_fraction=-1.0,
         )
         msg.phase = PHASE_BY_NAME[self.phase]  # type: ignore[assignment]
+        msg.derive = self.derive  # type: ignore[assignment]
         for metric, value in (dict.fromkeys(DRIFT_METRICS, math.nan) if s is None else s.as_dict()).items():
             setattr(msg, metric, value)
         if s is not None:
@@ -194,7 +199,8 @@ class LayerEntry:
         """A fresh entry of the same layer and settings for passes of ``phase``, collecting."""
         return LayerEntry(self.tap, self.layer, self.point, self.passes, self.window_len, self.thresholds,
                           builder=BaselineBuilder(self.tap, self.layer, self.point, passes=self.passes, phase=phase),
-                          handle=self.handle, hold=self.hold, phase=phase, per_channel=self.per_channel)
+                          handle=self.handle, hold=self.hold, phase=phase, per_channel=self.per_channel,
+                          derive=self.derive)
 
     @property
     def state(self) -> pb.BaselineState.ValueType:

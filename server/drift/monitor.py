@@ -48,7 +48,7 @@ from layertap.server.drift.builder import BaselineBuilder, BuilderState
 from layertap.server.drift.exchange import builder_state_from_proto, frozen_from_bytes, merge_states
 from layertap.server.drift.files import baseline_filename, load_baselines
 from layertap.server.drift.layer import SAVE_RETRY_FIRST_SECONDS, LayerEntry, layer_reducers, phases_reducers
-from layertap.server.drift.names import baseline_tap_id, check_not_baseline_name
+from layertap.server.drift.names import baseline_tap_id, check_derive, check_not_baseline_name
 from layertap.server.drift.phases import FORWARD, PHASE_NAMES
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
@@ -160,11 +160,13 @@ class DriftMonitor(Sink):
             raise InvalidField("point", f"unknown point {req.point}")
         if req.name:
             check_name(req.name, "name")
+        check_derive(req.derive)
         tap_id = baseline_tap_id(req)
         thresholds = DriftThresholds.from_message(req.thresholds)
-        per_channel = all(self._channels(layer) is not None for layer in layers)
+        # A derived tensor (one value per token) has no channels.
+        per_channel = not req.derive and all(self._channels(layer) is not None for layer in layers)
         spec = pb.TapSpec(name=tap_id, selector=req.selector, point=point, sampling=req.sampling,
-                          reducers=layer_reducers(per_channel=per_channel))
+                          reducers=layer_reducers(per_channel=per_channel), derive=req.derive)
         existing = {t.id for t in self.engine.all_taps()}
         if tap_id in existing:
             if tap_id not in self._own:
@@ -172,7 +174,7 @@ class DriftMonitor(Sink):
             self.engine.delete(tap_id, reason="replaced")
         entries = {layer: LayerEntry(tap_id, layer, POINT_NAMES[point], passes, window, thresholds,
                                  builder=BaselineBuilder(tap_id, layer, POINT_NAMES[point], passes=passes),
-                                 hold=req.hold, per_channel=per_channel)
+                                 hold=req.hold, per_channel=per_channel, derive=req.derive)
                    for layer in layers}
         with self._lock:
             self._layers.update({(tap_id, layer): {FORWARD: e} for layer, e in entries.items()})

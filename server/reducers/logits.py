@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from layertap.server.reducers.base import Reducer
+from layertap.server.reducers.derive import log_probs
 from layertap.server.reducers.spec import SpecError
 from layertap.server.reducers.workspace import F64, Workspace
 from layertap.v1 import telemetry_pb2 as pb
@@ -58,13 +59,7 @@ class LogitsReducer(Reducer):
         classes = int(x.shape[-1])
         if ws.numel == 0:
             return torch.cat([x.new_zeros((1,), dtype=F64), x.new_full((_WIDTH - 1,), math.nan, dtype=F64)])
-        dtype = F64 if x.dtype == F64 else torch.float32
-        # A private copy: the clamp below must not touch the model's tensor.
-        z = x.to(dtype, copy=True).reshape(-1, classes)
-        lse = torch.logsumexp(z, dim=1)  # NaN for a NaN row, +inf for a +Inf row, -inf for an all -Inf row
-        valid = torch.isfinite(lse)
-        z.clamp_(min=torch.finfo(dtype).min)  # -inf -> lowest: p = 0 and p * log p = 0 (NaN stays NaN)
-        logp = z.sub_(lse.unsqueeze(1))  # in place: log-probabilities, the one copy reused
+        logp, valid = log_probs(x)  # shared with the derived taps (``derive``)
         entropy = -torch.linalg.vecdot(torch.exp(logp), logp)  # as -sum p log p: no lse - E[x] cancellation
         # Top-2 as two linear passes, not topk (a selection the sync referee keeps
         # to bounded samples): the row's max, then the max with that one class

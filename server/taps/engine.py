@@ -14,6 +14,8 @@ reduces (``host.rows``). What it reduces of each tensor is settled there too:
 unless the tap keeps padding (``TapSpec.keep_padding``), a pass with an
 attention mask has its padded positions left out of the tensors whose leading
 dims are ``(batch, tokens)`` (``host.padding``), after the request's cut.
+A tap that derives a quantity (``TapSpec.derive``: per-token entropy of the
+logits) reads it in place of each tensor, before the cut and the fold.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from layertap.server.host.rows import RequestCut, find_request
 from layertap.server.limits import check_name, check_ttl
 from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.compiled_kernel import DENSE, Signature
+from layertap.server.reducers.derive import derivation as derive_fn
+from layertap.server.reducers.derive import derive
 from layertap.server.reducers.latency import LayerTimer
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.spec import TOKEN_MODEL_SOURCES, SpecError
@@ -152,6 +156,10 @@ class TapEngine:
             raise InvalidField(f"{field_prefix}.point", "a request's inline tap sees forward passes only: "
                                                        "use point output or input")
         phases = check_phases(spec, field_prefix)
+        try:
+            derivation = derive_fn(spec.derive, f"{field_prefix}.derive")
+        except SpecError as exc:
+            raise InvalidField(exc.field, exc.message) from None
         if not spec.reducers:
             raise InvalidField(f"{field_prefix}.reducers", "name at least one reducer, e.g. moments")
         try:
@@ -184,7 +192,7 @@ class TapEngine:
             stored.point = point
             tap = Tap(tap_id, stored, kind, layers, plan, plan.nonfinite_only(), sampler, self.wall())
             tap.owner = owner
-            tap.phases, tap.request_id = phases, request_id
+            tap.phases, tap.request_id, tap.derive = phases, request_id, derivation
             if kind == pb.TAP_KIND_DURABLE and not forever:
                 life = DEFAULT_TTL_SECONDS if ttl is None else ttl
                 tap.expires_at = self.clock() + life
@@ -336,11 +344,16 @@ class TapEngine:
         pieces = self._pieces
         try:
             key = plan.reuse_key
+            derivation = tap.derive
+            if derivation is not None and key is not None:
+                key = (key, "derive", tap.spec.derive)  # the entropy's result is not the tensor's
             if cut is not None and key is not None:
                 # Reused only for the same cut of the same tensor: never the whole tensor's result, nor another request's.
                 key = (key, cut.key)
             for i, (name, tensor) in enumerate(tensors):
-                part = tensor if cut is None else cut(tensor)
+                # Derived before the cut and the fold: a (batch, tokens) result is cut and folded as any such tensor.
+                read = tensor if derivation is None else derive(derivation, tensor)
+                part = read if cut is None else cut(read)
                 if part is None:
                     continue  # it mixes this request's rows with others': not this request's to see
                 run, k, fold = plan, key, None

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from layertap.server.host.hooks import HookHandle
 from layertap.server.host.padding import PaddingCut
 from layertap.server.host.rows import RequestCut
+from layertap.server.reducers.derive import Derivation
 from layertap.server.reducers.latency import LayerTimer
 from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.stream.summary_wire import timestamp
@@ -55,6 +56,8 @@ class Tap:
     phases: frozenset[int] | None = None
     #: The Generate request whose inline tap this is: it sees only that request's rows of its passes.
     request_id: str | None = None
+    #: What it reads of each tensor in place of the tensor (``spec.derive``); None: the tensor itself.
+    derive: Derivation | None = None
     _pass: int = -1
     _sampled: bool = False
     #: The current pass is not for this tap (another phase, or without its request).
