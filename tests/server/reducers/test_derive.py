@@ -83,3 +83,20 @@ def test_a_tensor_without_classes_or_not_floating_is_refused() -> None:
     with pytest.raises(SpecError) as err:
         derivation(7, "spec.derive")
     assert err.value.field == "spec.derive" and "DERIVE_ENTROPY" in err.value.message
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_derivations_never_sync_on_cuda() -> None:
+    """The derivation runs in the tap's hook, on the model's step: no host sync, as the reducers."""
+    x = torch.randn(4, 7, 33, generator=torch.Generator().manual_seed(2)).cuda()
+    x[0, 0, 3] = float("-inf")
+    want_h, want_p = reference(x.double().cpu().numpy())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        h, p = entropy(x), top1_prob(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    np.testing.assert_allclose(h.double().cpu().numpy(), want_h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(p.double().cpu().numpy(), want_p, rtol=1e-5, atol=1e-5)
