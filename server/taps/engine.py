@@ -357,7 +357,9 @@ class TapEngine:
                 if part is None:
                     continue  # it mixes this request's rows with others': not this request's to see
                 run, k, fold = plan, key, None
-                if padding is not None and padding.fits(part):
+                # A 2-D (batch, tokens) tensor folds to 1-D: a per-channel reducer would have no axis left, so
+                # such a tensor keeps its padding when the plan has one (the tap must not die on a padded pass).
+                if padding is not None and padding.fits(part) and (part.dim() > 2 or plan.folded() is plan):
                     # Nor is a selection's result the whole tensor's.
                     run, k, fold = plan.folded(), (None if key is None else (key, padding.key)), padding
                 vec = self._reuse.get(k, tensor) if k is not None else None

@@ -387,3 +387,18 @@ def test_leaving_padding_out_never_syncs_on_cuda() -> None:
     finally:
         COMPILED_STATS.set_enabled(compiled)
         engine.close()
+
+
+def test_a_two_dim_tensor_under_a_per_channel_plan_is_reduced_whole(rig) -> None:
+    """Folded, a (batch, tokens) tensor has no feature axis left: a plan with a per-channel reducer reads
+    it whole (padding kept) rather than failing on the first padded pass; other plans still leave it out."""
+    host, broker, engine = rig
+    channels = engine.create(spec("embed", "moments", per_channel(), point=pb.POINT_INPUT))
+    plain = engine.create(spec("embed", "moments", point=pb.POINT_INPUT))
+    sub = broker.subscribe([channels.id, plain.id])
+    ids, mask = batch("left")
+    host.run([("input_ids", ids), ("attention_mask", mask)])
+    got = {s.tap: results(s) for s in drain(engine, sub) if s.results}
+    assert not channels.disabled, channels.last_error
+    assert got[channels.id]["moments"].moments.count == ids.numel()
+    assert got[plain.id]["moments"].moments.count == int(mask.sum())
