@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["positive_float", "positive_int"]
+__all__ = ["non_negative_int", "positive_float", "positive_int"]
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1, or argparse's usage error naming the bad value."""
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1, or argparse's usage error naming the bad value."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (a seed), or argparse's usage error naming the bad value."""
+    return _int_at_least(text, 0)
 
 
 def positive_float(text: str) -> float:

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._cli_args import positive_float, positive_int
+from ._cli_args import non_negative_int, positive_float, positive_int
 from ._cli_json import jsonable, write_json_lines
 from ._client import Client
 from ._generate import GeneratedToken, GenerationResult, GenerationStep, Prompt
@@ -67,16 +67,6 @@ def _id_list(text: str) -> list[int]:
     if not ids:
         raise argparse.ArgumentTypeError("expected at least one token id")
     return ids
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def _layer_name(s: Summary) -> str:
@@ -203,7 +193,7 @@ def add_generate_command(command: Callable[[str, str], argparse.ArgumentParser])
     p.add_argument("--top-k", type=positive_int, metavar="K", help="keep the K most likely tokens (implies --sample)")
     p.add_argument("--top-p", type=positive_float, metavar="P",
                    help="keep the smallest set of tokens whose probability reaches P, in (0, 1] (implies --sample)")
-    p.add_argument("--seed", type=_seed, help="the request's own sampling seed: the same seed, the same tokens (implies --sample)")
+    p.add_argument("--seed", type=non_negative_int, help="the request's own sampling seed: the same seed, the same tokens (implies --sample)")
     p.add_argument("--stop", action="append", type=int, default=[], metavar="ID",
                    help="a token id that ends a sequence, besides the model's end-of-sequence ids (repeatable)")
     p.add_argument("--watch", action="append", default=[], metavar="SELECTOR",

@@ -28,7 +28,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,13 +46,13 @@ from layertap.server.host.generation_request import (
     TokenEvent,
 )
 from layertap.server.host.model_host import (
-    MODEL_ERROR_CHARS,
     PHASE_DECODE,
     PHASE_PREFILL,
     ModelHost,
     PassContext,
     RequestRows,
     flatten_tensors,
+    model_message,
 )
 from layertap.server.host.padding import left_padding_mask
 from layertap.server.host.rows import RequestCut, find_request
@@ -173,11 +173,15 @@ class Generator:
                 raise InvalidField(f"{field_name}[{i}]", f"{len(ids)} tokens: the model has "
                                                          f"{self.max_positions} positions, and a prompt must leave "
                                                          "room for one new token")
-            if self.vocab is not None:
-                bad = next((t for t in ids if not 0 <= t < self.vocab), None)
-                if bad is not None:
-                    raise InvalidField(f"{field_name}[{i}]", f"token id {bad} is outside the model's vocabulary "
-                                                             f"[0, {self.vocab})")
+            self.check_ids(ids, f"{field_name}[{i}]")
+
+    def check_ids(self, ids: Sequence[int], field_name: str) -> None:
+        """Raises InvalidField naming ``field_name`` when a token id is outside the model's vocabulary."""
+        if self.vocab is None:
+            return
+        bad = next((t for t in ids if not 0 <= t < self.vocab), None)
+        if bad is not None:
+            raise InvalidField(field_name, f"token id {bad} is outside the model's vocabulary [0, {self.vocab})")
 
     def submit(self, request: GenerationRequest) -> None:
         """Queue ``request``; it joins the running batch at the next step."""
@@ -471,7 +475,7 @@ class Generator:
 
 def _model_fault(exc: BaseException) -> LayertapServerError:
     """The model raised during a generation step: INTERNAL, since the prompts were checked before it ran."""
-    first = (str(exc).strip().splitlines() or [""])[0][:MODEL_ERROR_CHARS]
+    first = model_message(exc)
     log.warning("generation step raised %s: %s", type(exc).__name__, first)
     return LayertapServerError(f"the model raised {type(exc).__name__} during generation: {first}".rstrip(": "))
 

@@ -45,13 +45,19 @@ PROBE_SECONDS = 1.0
 MODEL_ERROR_CHARS = 200
 
 
+def model_message(exc: BaseException) -> str:
+    """The first line of a model's exception message, cut short: it names the problem
+    without echoing tensor data or internals at length."""
+    return (str(exc).strip().splitlines() or [""])[0][:MODEL_ERROR_CHARS]
+
+
 def model_raised(exc: BaseException) -> InvalidField:
     """The forward raised on the caller's input: say what, briefly.
 
     The first line of the message only, cut short: it names the problem
     without echoing tensor data or internals at length.
     """
-    first = (str(exc).strip().splitlines() or [""])[0][:MODEL_ERROR_CHARS]
+    first = model_message(exc)
     log.info("forward raised %s on a request's input", type(exc).__name__)
     return InvalidField("inputs", f"model raised {type(exc).__name__}: {first}".rstrip(": "))
 

@@ -167,9 +167,7 @@ def generate(state: ServerState, request: ipb.GenerateRequest,
     generator.check_prompts(prompts, max_new, "texts" if request.texts else "prompts")
     sampling = _sampling(request)
     for i, token in enumerate(request.stop_token_ids):
-        if generator.vocab is not None and not 0 <= token < generator.vocab:
-            raise InvalidField(f"stop_token_ids[{i}]", f"token id {token} is outside the model's vocabulary "
-                                                       f"[0, {generator.vocab})")
+        generator.check_ids([token], f"stop_token_ids[{i}]")
     if request.capture_dtype and request.capture_dtype not in _CAPTURE_DTYPES:
         raise InvalidField("capture_dtype", "DATA_TYPE_FLOAT16 or DATA_TYPE_BFLOAT16 (or unset: as computed)")
     layers: list[str] = []
