@@ -19,7 +19,8 @@ next batch. Each pass:
 Before each batch, on the model thread, the call's deadline and liveness
 are checked: past the deadline no further batch starts, and the explanation
 ends with DEADLINE_EXCEEDED; a cancelled call ends the same way (no one reads
-the answer).
+the answer), and sets :attr:`ExplainPasses.cancelled` so that the metrics
+count it as CANCELLED, not as a deadline the caller never set.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from layertap.server.host.model_host import ModelHost
 __all__ = ["ExplainPasses"]
 
 _T = TypeVar("_T")
+#: Seconds before the deadline within which an inactive call counts as past its deadline.
+_DEADLINE_SLACK_S = 0.05
 
 
 class ExplainPasses:
@@ -59,12 +62,19 @@ class ExplainPasses:
         self.batches = 0
         #: Passes the explanation plans, once known (for the deadline's message).
         self.planned = 0
+        #: True once a check found the call cancelled.
+        self.cancelled = False
 
     def _check(self) -> None:
         planned = f" of {self.planned}" if self.planned else ""
-        if self.alive is not None and not self.alive():
+        # gRPC makes a call inactive when its deadline passes, too: within a moment of the
+        # deadline an inactive call counts as past it, not as cancelled.
+        now = self.clock()
+        past = self.deadline is not None and now >= self.deadline - _DEADLINE_SLACK_S
+        if self.alive is not None and not self.alive() and not past:
+            self.cancelled = True
             raise DeadlineExceeded(f"Explain was cancelled after {self.batches}{planned} internal batches")
-        if self.deadline is not None and self.clock() >= self.deadline:
+        if past or (self.alive is not None and not self.alive()):
             raise DeadlineExceeded(f"Explain passed its deadline after {self.batches}{planned} internal batches; "
                                    "give it more time, fewer n_steps or a larger internal_batch_size")
 

@@ -160,7 +160,7 @@ class ExplainServicer(StateBacked):
             passes = ExplainPasses(state.host, deadline=_deadline(context), alive=context.is_active)
             found = explain(state.host, inputs, opts, passes)
         except Exception as exc:
-            code = status_for(exc)[0].name
+            code = "CANCELLED" if passes is not None and passes.cancelled else status_for(exc)[0].name
             raise
         finally:
             if state.metrics is not None:

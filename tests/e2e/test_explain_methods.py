@@ -142,6 +142,37 @@ def test_past_its_deadline_explain_stops_within_one_batch(make_server) -> None:
         assert client.infer(batch(1)).shape == (1, 10)  # the model is free
 
 
+def test_a_cancelled_call_is_counted_as_cancelled(make_server) -> None:
+    """A caller who cancels gets no DEADLINE_EXCEEDED in the metrics: it set no deadline."""
+    srv = make_server(metrics_port=0)
+    host = srv.state.host
+    begun: list[float] = []
+
+    def slow(module, args):  # type: ignore[no-untyped-def]
+        if host._current is not None and host._current.active_owner == EXPLAIN_OWNER:
+            begun.append(time.monotonic())
+            time.sleep(0.05)
+
+    host.module.register_forward_pre_hook(slow)
+    registry = srv.state.registry
+    request = pb.ExplainRequest(inputs=[tensor_to_proto(torch.from_numpy(batch(1, seed=28)))],
+                                method=pb.EXPLAIN_METHOD_INTEGRATED_GRADIENTS, n_steps=256, internal_batch_size=1)
+    with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+        call = telemetry_pb2_grpc.TelemetryServiceStub(channel).Explain.future(request)
+        assert wait_for(lambda: len(begun) >= 3, 30)
+        call.cancel()
+
+    def count(code: str) -> float | None:
+        return registry.get_sample_value("layertap_explain_requests_total",
+                                         {"model": "demo", "method": "integrated_gradients", "code": code})
+
+    assert wait_for(lambda: count("CANCELLED") == 1, 10)
+    assert count("DEADLINE_EXCEEDED") is None
+    ran = len(begun)
+    time.sleep(0.3)
+    assert len(begun) <= ran + 1 < 100, "passes went on after the cancel"
+
+
 def test_each_call_s_cost_is_counted(make_server) -> None:
     srv = make_server(metrics_port=0)
     registry = srv.state.registry

@@ -62,6 +62,7 @@ def test_no_batch_starts_past_the_deadline(host: ModelHost) -> None:
         explain(host, inputs(host), IG, passes)
     # Passes began at 0 (targets), 1, ..., 5; the seventh would begin at 6.0, past 5.5: it never ran.
     assert passes.batches == 6 and clock.starts == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert not passes.cancelled  # a deadline, not a cancel
     assert set(clock.owners) == {EXPLAIN_OWNER}
     host.run([torch.from_numpy(batch(1))])  # the model is free again
     assert clock.owners[-1] is None
@@ -72,7 +73,7 @@ def test_a_cancelled_call_stops_before_its_next_batch(host: ModelHost) -> None:
     passes = ExplainPasses(host, alive=lambda: clock.now < 3, clock=clock)
     with pytest.raises(DeadlineExceeded, match="cancelled after 3"):
         explain(host, inputs(host), IG, passes)
-    assert len(clock.starts) == 3
+    assert len(clock.starts) == 3 and passes.cancelled
 
 
 def test_each_batch_is_its_own_call_on_the_model_thread(host: ModelHost) -> None:
