@@ -24,9 +24,10 @@ if importlib.util.find_spec("transformers") is None and not os.environ.get("CI")
 
 from support import hf_models
 from support.e2e import wait_for
+from support.generation import local_generate, request, stub_of, tokens_of
 
 from layertap.v1 import inference_pb2 as ipb
-from layertap.v1 import inference_pb2_grpc, tensor_pb2
+from layertap.v1 import tensor_pb2
 
 #: Logits closer than this may flip between two correct float orders of summation.
 MARGIN = 1e-4
@@ -43,23 +44,6 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Modu
 def gpt2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
     return hf_models.save("gpt2", tmp_path_factory.mktemp("hf"), n_positions=256, eos_token_id=None,
                           bos_token_id=None)
-
-
-def stub_of(server: Any) -> inference_pb2_grpc.InferenceServiceStub:
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    return inference_pb2_grpc.InferenceServiceStub(channel)
-
-
-def request(*prompts: list[int], **kwargs: Any) -> ipb.GenerateRequest:
-    return ipb.GenerateRequest(prompts=[ipb.TokenIds(ids=p) for p in prompts], **kwargs)
-
-
-def tokens_of(responses: list[ipb.GenerateResponse], sequences: int = 1) -> list[list[ipb.GeneratedToken]]:
-    out: list[list[ipb.GeneratedToken]] = [[] for _ in range(sequences)]
-    for r in responses:
-        for t in r.tokens:
-            out[t.sequence].append(t)
-    return out
 
 
 def reference(model: torch.nn.Module, prompt: list[int], new: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -362,21 +346,6 @@ def test_each_call_holds_a_stream_slot(make_server, llama) -> None:
     assert wait_for(admitted, timeout=30)  # the cancelled call gave its slot back
 
 
-def local_steps(model: torch.nn.Module, layers: list[str], prompt: list[int], new: int
-                ) -> dict[str, list[torch.Tensor]]:
-    """Each decoder layer's output at every forward of transformers' own greedy generate."""
-    seen: dict[str, list[torch.Tensor]] = {name: [] for name in layers}
-    handles = [model.get_submodule(name).register_forward_hook(
-        lambda _m, _a, out, _n=name: seen[_n].append((out[0] if isinstance(out, tuple) else out).double()))
-        for name in layers]
-    try:
-        model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=0)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
-
-
 def moments_tap(selector: str = "model.layers.*", phases: tuple[int, ...] = ()) -> Any:
     from layertap.v1 import telemetry_pb2 as tpb
 
@@ -395,7 +364,7 @@ def test_inline_taps_summarize_every_step_as_a_local_hook(make_server, llama) ->
     summaries = [s for r in responses for s in r.summaries]
     layers = [f"model.layers.{i}" for i in range(hf_models.TINY["llama"][2]["num_hidden_layers"])]
     assert len(summaries) == len(layers) * new  # one prefill and new - 1 decodes: N forwards for N tokens
-    local = local_steps(model, layers, prompt, new)
+    local = local_generate(model, prompt, new, layers)[2]
     for s in summaries:
         assert list(s.request_ids) == [request_id]
         assert s.has_position
@@ -429,7 +398,7 @@ def test_a_request_tap_sees_only_its_rows_in_a_batch(make_server, llama) -> None
     assert server.state.generator._batch is not None and len(server.state.generator._batch.rows) == 1
     other.cancel()
     summaries = [s for r in responses for s in r.summaries]
-    local = local_steps(model, ["model.layers.1"], mine, 4)["model.layers.1"]
+    local = local_generate(model, mine, 4, ["model.layers.1"])[2]["model.layers.1"]
     assert len(summaries) == 4
     for s, ref in zip(summaries, local):
         assert s.results[0].moments.count == ref.numel()  # (1, 1, H) on a decode pass of two rows

@@ -26,6 +26,7 @@ if importlib.util.find_spec("transformers") is None and not os.environ.get("CI")
     pytest.skip("transformers is not installed (pip install 'layertap[hf]')", allow_module_level=True)
 
 from support.e2e import wait_for
+from support.generation import local_generate
 from support.prom import PrometheusServer, prometheus_binary
 
 import layertap
@@ -48,29 +49,12 @@ def mistral(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Mo
     return out, model
 
 
-def local_generate(model: torch.nn.Module, prompt: list[int], new: int
-                   ) -> tuple[list[int], list[torch.Tensor], dict[str, list[torch.Tensor]]]:
-    """transformers' greedy tokens, each step's float64 log-softmax, and each decoder layer's output per forward."""
-    seen: dict[str, list[torch.Tensor]] = {name: [] for name in LAYERS}
-    handles = [model.get_submodule(name).register_forward_hook(
-        lambda _m, _a, out, _n=name: seen[_n].append((out[0] if isinstance(out, tuple) else out).double()))
-        for name in LAYERS]
-    try:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=0,
-                             output_scores=True, return_dict_in_generate=True)
-    finally:
-        for h in handles:
-            h.remove()
-    ids = out.sequences[0, len(prompt):].tolist()
-    return ids, [torch.log_softmax(s[0].double(), -1) for s in out.scores], seen
-
-
 def test_generation_done_when(make_server, mistral, tmp_path) -> None:
     prometheus_binary()  # CI installs Debian's prometheus; skips only where it is missing
     path, model = mistral
     server = make_server(model=f"hf:{path}", metrics_port=0, max_new_tokens=2000)
     prompt, new = [11, 12, 13, 14, 15, 16, 17], 12
-    ref_ids, ref_lp, local = local_generate(model, prompt, new)
+    ref_ids, ref_lp, local = local_generate(model, prompt, new, LAYERS)
     with layertap.Client(f"127.0.0.1:{server.port}") as client:
         # A durable tap feeds /metrics; the call's inline tap streams its own summaries.
         durable = client.create_tap("model.layers.*", reducers=["moments"], ttl=600)

@@ -22,27 +22,11 @@ if importlib.util.find_spec("transformers") is None and not os.environ.get("CI")
 
 from support import hf_models
 from support.e2e import wait_for
+from support.generation import ids_of, request, stub_of
 
 from layertap.v1 import inference_pb2 as ipb
-from layertap.v1 import inference_pb2_grpc
 
 LONG = {"max_position_embeddings": 1024, "eos_token_id": None}
-
-
-def stub_of(server):
-    return inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
-
-
-def request(*prompts, **kwargs):
-    return ipb.GenerateRequest(prompts=[ipb.TokenIds(ids=p) for p in prompts], **kwargs)
-
-
-def tokens_of(responses, sequences=1):
-    out = [[] for _ in range(sequences)]
-    for r in responses:
-        for t in r.tokens:
-            out[t.sequence].append(t.id)
-    return out
 
 
 def test_one_sampling_request_that_overflows_does_not_end_the_others(make_server, tmp_path) -> None:
@@ -54,7 +38,7 @@ def test_one_sampling_request_that_overflows_does_not_end_the_others(make_server
     next(victim), next(victim)  # started, then its first token: it runs
     with pytest.raises(grpc.RpcError):
         list(stub.Generate(request([1, 2], max_new_tokens=4, do_sample=True, temperature=1e-300), timeout=30))
-    assert len(tokens_of(list(victim))[0]) == 499  # raises INVALID_ARGUMENT "inputs: model raised RuntimeError: probability tensor..."
+    assert len(ids_of(list(victim))[0]) == 499  # raises INVALID_ARGUMENT "inputs: model raised RuntimeError: probability tensor..."
 
 
 def test_a_failed_generation_removes_its_capture_hooks(make_server, tmp_path) -> None:
@@ -85,9 +69,9 @@ def test_a_sliding_window_cache_survives_a_row_leaving(make_server, tmp_path, wi
     server = make_server(model=f"hf:{path}")
     stub = stub_of(server)
     long, short = list(range(3, 15)), [20, 21, 22]
-    free = tokens_of(list(stub.Generate(request(long, short, max_new_tokens=8), timeout=30)), 2)
+    free = ids_of(list(stub.Generate(request(long, short, max_new_tokens=8), timeout=30)), 2)
     stop = next(t for t in free[0][:3] if t not in free[1])  # the long row stops first, the short one runs on
-    got = tokens_of(list(stub.Generate(request(long, short, max_new_tokens=8, stop_token_ids=[stop]), timeout=30)), 2)
+    got = ids_of(list(stub.Generate(request(long, short, max_new_tokens=8, stop_token_ids=[stop]), timeout=30)), 2)
     assert got[1] == free[1]
 
 
@@ -163,7 +147,7 @@ def test_running_generations_advance_while_others_arrive(make_server, tmp_path) 
         threads = [threading.Thread(target=arrive) for _ in range(4)]
         for t in threads:
             t.start()
-        assert len(tokens_of(list(long))[0]) == 60
+        assert len(ids_of(list(long))[0]) == 60
         stop.set()
         for t in threads:
             t.join(30)
@@ -210,12 +194,12 @@ def test_a_banned_token_at_minus_infinity_is_no_error(make_server, tmp_path) -> 
     """-inf marks a token the model never picks; only NaN, +inf or nothing finite end a generation."""
     path, _ = hf_models.save("llama", tmp_path, **LONG)
     server = make_server(model=f"hf:{path}")
-    free = [t for t in tokens_of(list(stub_of(server).Generate(request([5, 6, 7], max_new_tokens=6))))[0]]
+    free = [t for t in ids_of(list(stub_of(server).Generate(request([5, 6, 7], max_new_tokens=6))))[0]]
     banned = free[0]
     head = server.state.host.module.lm_head
     handle = head.register_forward_hook(lambda _m, _a, out: out.index_fill(-1, torch.tensor([banned], device=out.device), float("-inf")))
     try:
-        got = tokens_of(list(stub_of(server).Generate(request([5, 6, 7], max_new_tokens=6), timeout=30)))[0]
+        got = ids_of(list(stub_of(server).Generate(request([5, 6, 7], max_new_tokens=6), timeout=30)))[0]
     finally:
         handle.remove()
     assert len(got) == 6 and banned not in got
