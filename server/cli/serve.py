@@ -142,21 +142,20 @@ def suggested_layer(server: LayertapServer) -> str | None:
 def vocab_size(server: LayertapServer) -> int | None:
     """The served model's vocabulary size when it takes token ids, for the hint's ``--vocab-size``.
 
-    The metadata has no field for it, so the hint passes it: a Hugging Face
-    config's ``vocab_size``, else the input embedding's rows. None for a
-    model with no integer input, or no vocabulary to find.
+    The metadata has no field for it, so the hint passes it: the bound the
+    server checks ids against when it has one (``InputSpec.vocab``), else what
+    the model embeds (a factory's module). None for a model with no integer
+    input, or no vocabulary to find.
     """
     import torch
 
-    host = server.state.host
-    if not any(not spec.dtype.is_floating_point and spec.dtype != torch.bool for spec in host.loaded.inputs):
+    from layertap.server.host.sources import vocabulary
+
+    inputs = server.state.host.loaded.inputs
+    if not any(not spec.dtype.is_floating_point and spec.dtype != torch.bool for spec in inputs):
         return None
-    module = host.module
-    size = getattr(getattr(module, "config", None), "vocab_size", None)
-    if isinstance(size, int) and size > 0:
-        return size
-    embedding = next((m for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
-    return None if embedding is None else int(embedding.num_embeddings)
+    checked = next((spec.vocab for spec in inputs if spec.vocab), None)
+    return checked if checked is not None else vocabulary(server.state.host.module)
 
 
 def hint(server: LayertapServer, layer: str | None) -> str:

@@ -283,10 +283,14 @@ def _load_factory(ref: str, input_shape: str | None, input_dtype: str, kwargs: d
     return LoadedModel(module, attr, "factory", specs)
 
 
-def _vocabulary(module: nn.Module) -> int | None:
-    """The number of token ids the model embeds, when it says (transformers' ``get_input_embeddings``)."""
+def vocabulary(module: nn.Module) -> int | None:
+    """The number of token ids the model embeds: transformers' ``get_input_embeddings``, else (a
+    factory's plain module) its first ``nn.Embedding``; None when it has none.
+
+    The rows, not ``config.vocab_size``: after ``resize_token_embeddings`` only the rows say which ids embed.
+    """
     get = getattr(module, "get_input_embeddings", None)
-    embeddings = get() if callable(get) else None
+    embeddings = get() if callable(get) else next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
     return int(embeddings.num_embeddings) if isinstance(embeddings, nn.Embedding) else None
 
 
@@ -296,7 +300,7 @@ def _load_hf(ref: str, hf_class: str | None, trust_remote_code: bool, kwargs: di
     except hf.HFLoadError as exc:
         raise ModelLoadError(str(exc)) from None
     (main_name, main_dtype, main_shape), *rest = got.inputs
-    vocab = _vocabulary(got.module) if main_name == "input_ids" else None
+    vocab = vocabulary(got.module) if main_name == "input_ids" else None
     # Only the main input is positional in every model's forward; the others
     # (attention_mask, token_type_ids) are optional, go by keyword and take the ids' shape.
     specs = [InputSpec(main_name, main_dtype, main_shape, vocab=vocab),
