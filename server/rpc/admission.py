@@ -157,8 +157,15 @@ class StreamAdmission(grpc.ServerInterceptor):
 
             def callback_stream(request: Any, context: grpc.ServicerContext,
                                 send_response_callback: Any = None) -> Any:
-                pool._admit(method, context)
-                return inner(request, context, send_response_callback=send_response_callback)
+                slot = pool._admit(method, context)
+                try:
+                    return inner(request, context, send_response_callback=send_response_callback)
+                except BaseException:
+                    # Refused by the servicer (its own Watch limits): the slot goes back now,
+                    # not when grpc gets round to the call's end callback, which under load
+                    # came after the next Watch was counted.
+                    slot.release()
+                    raise
             callback_stream.experimental_non_blocking = True  # type: ignore[attr-defined]
             callback_stream.experimental_thread_pool = getattr(inner, "experimental_thread_pool", None)  # type: ignore[attr-defined]
             behavior = callback_stream
