@@ -43,6 +43,46 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
+def rss_parts(pid: int) -> dict[str, float]:
+    """Resident MiB of ``pid`` by kind of mapping, from /proc/PID/smaps.
+
+    ``heap``: glibc's main arena (``[heap]``); ``arenas``: glibc's thread
+    arenas (anonymous mappings inside 64 MiB-aligned reservations);
+    ``pymalloc``: anonymous mappings of exactly 1 MiB (CPython's object
+    arenas); ``stacks``: 8 MiB ones (threads' stacks); ``anon``: other anonymous memory (large ``mmap`` blocks: tensors,
+    big buffers); ``files``: mapped files (libraries).
+    """
+    parts = dict.fromkeys(("heap", "arenas", "pymalloc", "stacks", "anon", "files"), 0.0)
+    kind = "files"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                start, end = (int(x, 16) for x in head[0].split("-"))
+                name = head[5] if len(head) > 5 else ""
+                if name == "[heap]":
+                    kind = "heap"
+                elif name:
+                    kind = "files"  # libraries; [stack] and [vdso] are small
+                elif start % (64 << 20) == 0:  # a thread arena's heap starts 64 MiB-aligned
+                    kind = "arenas"
+                elif end - start == 1 << 20:
+                    kind = "pymalloc"
+                elif abs((end - start) - (8 << 20)) <= 64 << 10:  # a thread stack (ulimit -s 8 MiB, less its guard page)
+                    kind = "stacks"
+                else:
+                    kind = "anon"
+            elif head[0] == "Rss:":
+                parts[kind] += int(head[1]) / 1024
+    return parts
+
+
+def parts_line(pid: int) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        threads = next(line.split()[1] for line in f if line.startswith("Threads:"))
+    return " ".join(f"{k}={v:.0f}" for k, v in rss_parts(pid).items()) + f" threads={threads}"
+
+
 def start_server(extra: list[str]) -> tuple[subprocess.Popen[str], int, int | None]:
     """``layertap serve --port 0``; returns the process, its gRPC and metrics ports."""
     proc = subprocess.Popen([sys.executable, "-m", "layertap.cli", "serve", "--port", "0", "--metrics-port", "0",
@@ -111,7 +151,7 @@ def main() -> int:
             t.start()
         time.sleep(3)
         before = rss_mib(proc.pid)
-        print(f"rss before subscribers: {before:.0f} MiB", flush=True)
+        print(f"rss before subscribers: {before:.0f} MiB ({parts_line(proc.pid)})", flush=True)
         channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for _ in range(args.subscribers)]
         calls = [telemetry_pb2_grpc.TelemetryServiceStub(ch).Subscribe(wide_request()) for ch in channels]
         start = time.monotonic()
@@ -120,7 +160,7 @@ def main() -> int:
             time.sleep(min(5.0, args.seconds))
             now = rss_mib(proc.pid)
             peak = max(peak, now)
-            print(f"t={time.monotonic() - start:5.1f}s rss={now:.0f} MiB", flush=True)
+            print(f"t={time.monotonic() - start:5.1f}s rss={now:.0f} MiB ({parts_line(proc.pid)})", flush=True)
         if mport is not None:
             for k, v in sorted(scrape(mport).items()):
                 if re.search(args.metrics, k):
@@ -132,7 +172,11 @@ def main() -> int:
         t0 = time.monotonic()
         while time.monotonic() - t0 < args.after:
             time.sleep(min(2.0, args.after))
-            print(f"after cancel t={time.monotonic() - t0:4.1f}s rss={rss_mib(proc.pid):.0f} MiB", flush=True)
+            m = scrape(mport) if mport is not None else {}
+            print(f"after cancel t={time.monotonic() - t0:4.1f}s rss={rss_mib(proc.pid):.0f} MiB "
+                  f"({parts_line(proc.pid)}) taps={m.get('layertap_taps', -1):.0f} "
+                  f"subscribers={m.get('layertap_subscribers', -1):.0f} "
+                  f"transfer_passes={m.get('layertap_transfer_passes_total', -1):.0f}", flush=True)
         after = rss_mib(proc.pid)
         print(f"health check (new channel): {health_check(port)}")
         stop.set()

@@ -42,6 +42,7 @@ from layertap.server.rpc.health import HealthServicer
 from layertap.server.rpc.health_listener import start_health_listener
 from layertap.server.rpc.inference import InferenceService
 from layertap.server.rpc.malformed import MalformedRequests
+from layertap.server.rpc.open_pool import OpenPool
 from layertap.server.rpc.state import ServerState, StateCell
 from layertap.server.rpc.telemetry import TelemetryService
 from layertap.server.rpc.telemetry import add_to_server as add_telemetry_service
@@ -102,6 +103,7 @@ class LayertapServer:
     health_server: grpc.Server | None = None
     health_port: int | None = None
     listener_health: HealthServicer | None = None
+    listener_pool: OpenPool | None = None
     #: Shutdown steps after the gRPC drain, run in reverse order: (what, how).
     _closers: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
     _stopped: threading.Event = field(default_factory=threading.Event)
@@ -315,7 +317,8 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
     streams = StreamAdmission(config.max_streams, callback_limit=config.max_streams)
     principals = PrincipalAdmission(
         principal_limit=max(1, int(config.workers * config.principal_share)) if auth else None,
-        open_services=OPEN_SERVICES, open_workers=OPEN_WORKERS, principal_of=lambda ctx: principal_of(ctx).id)
+        open_services=OPEN_SERVICES, open_workers=OPEN_WORKERS, principal_of=lambda ctx: principal_of(ctx).id,
+        call_limit=rpc_limit(config.workers))
     # Every open stream holds a worker, so at most max_streams of them are
     # admitted and workers - max_streams threads stay for unary calls. Auth
     # runs first: a refused caller never takes a stream slot. Malformed
@@ -323,7 +326,8 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="layertap-rpc"),
         options=options,
-        maximum_concurrent_rpcs=rpc_limit(config.workers),
+        # None: grpc's bound counts Health's calls too; PrincipalAdmission bounds the others (call_limit).
+        maximum_concurrent_rpcs=None,
         interceptors=[i for i in (auth, principals, streams, MalformedRequests()) if i is not None],
     )
     cell = StateCell()
@@ -345,23 +349,28 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
     server.start()
     health_server = health_port = None
     listener_health: HealthServicer | None = None
+    listener_pool: OpenPool | None = None
     try:
         if config.health_address:
-            health_server, health_port, listener_health = start_health_listener(config.health_address, health_servicer)
+            health_server, health_port, listener_health, listener_pool = start_health_listener(
+                config.health_address, health_servicer)
         state = build_state(config, loaded, host=host, registry=registry)
     except BaseException:
         server.stop(0)
         if health_server is not None:
             health_server.stop(0)
-        for servicer in (health_servicer, listener_health):
+        for servicer in (health_servicer, listener_health, listener_pool, principals):
             if servicer is not None:
                 servicer.close()
         raise
     cell.set(state)
     running = LayertapServer(server, state, port, health_servicer, auth=auth, tls=tls, streams=streams,
                              health_server=health_server, health_port=health_port, listener_health=listener_health,
+                             listener_pool=listener_pool,
                              principals=principals)
     running._closers.append(("open services' pool", principals.close))
+    if listener_pool is not None:
+        running._closers.append(("health listener's pool", listener_pool.close))
     running._closers.append(("host-transfer thread", state.taps.close))
     running._closers.append(("model thread", state.host.model_thread.close))
     if state.recorder is not None:
@@ -378,8 +387,13 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
         }
         if listener_health is not None:
             pools["health_listener_watches"] = listener_health.pool
+        if listener_pool is not None:
+            pools["health_listener_calls"] = listener_pool.pool
         if principals.principals is not None:
             pools["principals"] = principals.principals.pool
+        if principals.calls is not None:
+            pools["calls"] = principals.calls.pool
+        pools["health_calls"] = principals.open.pool.pool
         state.registry.register(StreamsCollector(state.host.loaded.name, pools))
         try:
             mserver, mport = start_metrics_server(

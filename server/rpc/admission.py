@@ -36,6 +36,7 @@ from grpc_status import rpc_status
 
 from layertap.server.errors import LimitExceeded, rich_status
 from layertap.server.rpc.method_handlers import behavior_of, make_handler, rebuild
+from layertap.server.rpc.open_pool import OpenPool, OpenServices, first_request, refusal
 
 log = logging.getLogger("layertap.server.admission")
 
@@ -156,8 +157,15 @@ class StreamAdmission(grpc.ServerInterceptor):
 
             def callback_stream(request: Any, context: grpc.ServicerContext,
                                 send_response_callback: Any = None) -> Any:
-                pool._admit(method, context)
-                return inner(request, context, send_response_callback=send_response_callback)
+                slot = pool._admit(method, context)
+                try:
+                    return inner(request, context, send_response_callback=send_response_callback)
+                except BaseException:
+                    # Refused by the servicer (its own Watch limits): the slot goes back now,
+                    # not when grpc gets round to the call's end callback, which under load
+                    # came after the next Watch was counted.
+                    slot.release()
+                    raise
             callback_stream.experimental_non_blocking = True  # type: ignore[attr-defined]
             callback_stream.experimental_thread_pool = getattr(inner, "experimental_thread_pool", None)  # type: ignore[attr-defined]
             behavior = callback_stream
@@ -174,13 +182,15 @@ class StreamAdmission(grpc.ServerInterceptor):
 
 
 def rpc_limit(workers: int) -> int:
-    """``maximum_concurrent_rpcs``: every worker may have one call waiting.
+    """Calls outside the open services in flight at once: every worker may have one call waiting.
 
     Bounded, so a flood gets RESOURCE_EXHAUSTED instead of a queue without
     end. Streams count too, but never hold more than ``--max-streams`` workers.
     Calls that never finish sending their request hold a worker each, up to a
     principal's share (:class:`PrincipalAdmission`); this counts them all
-    (docs/security.md, "Not protected against").
+    (docs/security.md, "Not protected against"). Health is not counted here:
+    its calls have a pool and a bound of their own (:mod:`.open_pool`), so no
+    burst of other calls can make a probe fail.
     """
     return 2 * workers
 
@@ -218,31 +228,33 @@ class _Budget:
                 self._held.pop(key, None)
 
 
-def _first(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-    """The one request of a unary-request method, read only once the call holds its place."""
-    for request in requests:
-        return request
-    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: the call ended before its message arrived")
-
-
 class PrincipalAdmission(grpc.ServerInterceptor):
     """No one caller can take the workers: a share per principal, a pool of their own for open services.
 
     The sync server reads a unary request on a worker before any behaviour
     runs, so a client that sends headers and then drips its body holds that
     worker for as long as it likes: 64 such calls from one ``read`` token
-    took every worker, Health's included.
+    took every worker, Health's included. So every call is served as a
+    request stream: its behaviour runs before the request is read.
 
+    - Calls outside the open services are at most ``call_limit`` in flight
+      (grpc's ``maximum_concurrent_rpcs``, which the server leaves unset: it
+      counts Health's calls too, and a burst of anything made probes fail).
+      The place is taken when the call arrives and given back when its
+      behaviour ends, which it always reaches (a request stream's behaviour
+      runs even for a call cancelled while queued); past the limit the call
+      ends RESOURCE_EXHAUSTED on a thread of its own, having read nothing.
     - An authenticated principal (any scope, admin included) holds at most
-      ``principal_limit`` calls in flight. Its calls are served as request
-      streams, so the budget is checked on the worker *before* the request is
-      read; past it the call ends RESOURCE_EXHAUSTED having read nothing.
-      Without auth every caller is one principal and this budget is off.
-    - The open services (Health, no token needed) run on a small pool of
-      their own: strangers' slow calls can fill only that pool (and then
-      Health's own answers wait), never token holders' workers. A burst of
-      probes queues there, up to grpc's ``maximum_concurrent_rpcs``, which
-      counts every call in flight.
+      ``principal_limit`` calls in flight, checked on the worker *before*
+      the request is read; past it the call ends RESOURCE_EXHAUSTED having
+      read nothing. Without auth every caller is one principal and this
+      budget is off.
+    - The open services (Health, no token needed) run on a pool of their own
+      (:class:`~layertap.server.rpc.open_pool.OpenPool`): strangers' calls
+      can fill only that pool, never token holders' workers, and a call
+      stalled on its request gives its thread up to a probe.
+    - A unary call that ends without its request gets INVALID_ARGUMENT
+      (field ``request``), not grpc's garbled UNIMPLEMENTED.
 
     Runs after :class:`~layertap.server.rpc.auth.Authenticator`, which names
     the principal; the callers it refuses never get here.
@@ -253,41 +265,43 @@ class PrincipalAdmission(grpc.ServerInterceptor):
         open_workers: Threads of the open services' pool.
         principal_of: The caller's principal id, from the call's context.
         flag: The setting named in refusals.
+        call_limit: Calls outside the open services in flight at once (None: unbounded).
+        open_limit: Calls of the open services in flight at once.
     """
 
     def __init__(self, *, principal_limit: int | None, open_services: frozenset[str], open_workers: int,
-                 principal_of: Callable[[grpc.ServicerContext], str], flag: str = "--principal-share") -> None:
+                 principal_of: Callable[[grpc.ServicerContext], str], flag: str = "--principal-share",
+                 call_limit: int | None = None, open_limit: int = 256) -> None:
         self.principals = _Budget(principal_limit) if principal_limit is not None else None
-        self.open_services = open_services
-        self.open_pool = futures.ThreadPoolExecutor(max_workers=open_workers, thread_name_prefix="layertap-open")
+        self.calls = _Budget(call_limit) if call_limit is not None else None
+        self.open = OpenServices(OpenPool(open_workers, limit=open_limit), open_services)
+        self.open_pool = self.open.pool.executor
+        self._refusals = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="layertap-refuse")
         self.flag = flag
         self._principal_of = principal_of
 
     def close(self) -> None:
-        """Stop the open services' pool (after the server stopped)."""
-        self.open_pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the open services' pool and the refusals' thread (after the server stopped)."""
+        self.open.pool.close()
+        self._refusals.shutdown(wait=False, cancel_futures=True)
 
     def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
         handler = continuation(handler_call_details)
         if handler is None:
             return None
         method: str = handler_call_details.method
-        if method.lstrip("/").split("/", 1)[0] in self.open_services:
-            return self._on_open_pool(handler)
-        if self.principals is None:
-            return handler
-        return self._budgeted(handler, method, self.principals)
-
-    def _on_open_pool(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        """The same handler, run on the open services' pool."""
-        inner = behavior_of(handler)
-
-        def behavior(*args: Any, **kwargs: Any) -> Any:
-            return inner(*args, **kwargs)
-        if hasattr(inner, "experimental_non_blocking"):  # Health.Watch answers through a callback
-            behavior.experimental_non_blocking = inner.experimental_non_blocking  # type: ignore[attr-defined]
-        behavior.experimental_thread_pool = self.open_pool  # type: ignore[attr-defined]
-        return rebuild(handler, behavior)
+        if self.open.covers(method):
+            return self.open.pool.serve(handler, method)
+        placed: _Slot | None = None
+        if self.calls is not None:
+            if n := self.calls.take(""):
+                log.debug("refused %s: %d calls in flight", method, n)
+                return refusal(handler, LimitExceeded(
+                    f"{method}: {n} calls are in flight, the server limit is {self.calls.limit} "
+                    "(2 x --workers); retry later",
+                    metadata={"method": method, "call_limit": str(self.calls.limit)}), self._refusals)
+            placed = _Slot(functools.partial(self.calls.give, ""))
+        return self._budgeted(handler, method, placed)
 
     def _take(self, method: str, budget: _Budget, context: grpc.ServicerContext) -> _Slot:
         """The call's place in its principal's budget, or the call ended RESOURCE_EXHAUSTED."""
@@ -301,31 +315,49 @@ class PrincipalAdmission(grpc.ServerInterceptor):
             context.abort_with_status(rpc_status.to_status(rich_status(exc)))
         return _Slot(functools.partial(budget.give, who))
 
-    def _budgeted(self, handler: grpc.RpcMethodHandler, method: str, budget: _Budget) -> grpc.RpcMethodHandler:
+    def _held(self, method: str, placed: _Slot | None, context: grpc.ServicerContext) -> list[_Slot]:
+        """The call's places (server-wide, its principal's), each given back by the RPC's end at the latest."""
+        held = [placed] if placed is not None else []
+        try:
+            if self.principals is not None:
+                held.append(self._take(method, self.principals, context))
+        except BaseException:
+            for slot in held:
+                slot.release()
+            raise
+        for slot in held:
+            if not context.add_callback(slot.release):  # already over; a cancelled generator is never resumed
+                slot.release()
+        return held
+
+    def _budgeted(self, handler: grpc.RpcMethodHandler, method: str, placed: _Slot | None) -> grpc.RpcMethodHandler:
         inner = behavior_of(handler)
         streaming_in = handler.request_streaming
 
         def request(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            return requests if streaming_in else _first(requests, context)
+            return requests if streaming_in else first_request(requests, context)
 
         behavior: Callable[..., Any]
         if not handler.response_streaming:
             def unary_reply(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-                held = self._take(method, budget, context)
+                held = self._held(method, placed, context)
                 try:
                     return inner(request(requests, context), context)
                 finally:
-                    held.release()
+                    for slot in held:
+                        slot.release()
             behavior = unary_reply
         else:
             def stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-                held = self._take(method, budget, context)
-                if not context.add_callback(held.release):  # a cancelled generator is never resumed
-                    held.release()
-                try:
-                    yield from inner(request(requests, context), context)
-                finally:
-                    held.release()
+                held = self._held(method, placed, context)  # here, not in the generator: it may never run
+
+                def responses() -> Iterator[Any]:
+                    try:
+                        yield from inner(request(requests, context), context)
+                    finally:
+                        for slot in held:
+                            slot.release()
+                return responses()
             behavior = stream
         # Served as a request stream whatever the method's shape: see the class docstring.
         return make_handler((True, handler.response_streaming), behavior, handler.request_deserializer,

@@ -70,10 +70,14 @@ def test_open_streams_never_starve_infer_or_health_check(make_server):
     srv = make_server(max_subscribers=4 * STREAMS_EACH)  # the stream cap, not the subscriber cap, is under test
     assert srv.streams is not None and srv.streams.limit == srv.state.config.max_streams == 48
     release = threading.Event()
-    channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    # A connection of its own per kind: 210 streams on one connection pass the transport's
+    # grpc.max_concurrent_streams (100), and under CPU load some were refused there (REFUSED_STREAM,
+    # UNAVAILABLE) before Python saw them, which is not what this test is about.
+    own = [("grpc.use_local_subchannel_pool", 1)]
+    channel, refl_channel, sub_channel = (grpc.insecure_channel(f"127.0.0.1:{srv.port}", own) for _ in range(3))
     health = health_pb2_grpc.HealthStub(channel)
-    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
-    telemetry = telemetry_pb2_grpc.TelemetryServiceStub(channel)
+    refl = reflection_pb2_grpc.ServerReflectionStub(refl_channel)
+    telemetry = telemetry_pb2_grpc.TelemetryServiceStub(sub_channel)
     ask = reflection_pb2.ServerReflectionRequest(list_services="")
     calls: list[grpc.Call] = []
     for _ in range(STREAMS_EACH):  # interleaved, so every kind meets a full server
@@ -113,7 +117,8 @@ def test_open_streams_never_starve_infer_or_health_check(make_server):
     again = health.Watch(health_pb2.HealthCheckRequest(), timeout=10)
     assert _open(again) is None and srv.streams.callbacks.open_streams == 1
     again.cancel()
-    channel.close()
+    for ch in (channel, refl_channel, sub_channel):
+        ch.close()
 
 
 def pool_samples(port: int) -> dict[tuple[str, str], float]:

@@ -25,7 +25,7 @@ from support.e2e import batch
 from support.h2abuse import HEALTH_CHECK, HEALTH_WATCH, LIST_LAYERS
 from support.storm import SERVING, TOKENS, Rpc, Server, Tls, abuse, free_port, rpcs, settle, tokens_file, wait_until
 
-from layertap.server.rpc import health, health_listener
+from layertap.server.rpc import health, health_listener, transport
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 GRACE = 1.0
@@ -44,8 +44,12 @@ FLOOD_SECONDS = 4.0
 PROBE_DEADLINE = 1.0
 #: Watches the --health-address listener admits at once: its stream pool and its servicer's total.
 LISTENER_WATCHES = min(health_listener.HEALTH_MAX_STREAMS, health_listener.HEALTH_MAX_WATCHES[0])
-#: Connections of a listener storm: enough that its per-connection cap never decides alone.
-LISTENER_CONNECTIONS = math.ceil(LISTENER_WATCHES / health_listener.HEALTH_MAX_WATCHES[1]) + 2
+#: Connections of a listener storm: enough that its per-connection cap never decides alone, and
+#: that each carries at most half the streams the listener's transport allows a connection (8): a
+#: refused Watch's stream stays allocated until Python has handled it, and under CPU load a fuller
+#: connection had later Watches refused REFUSED_STREAM (UNAVAILABLE) by the transport instead.
+LISTENER_CONNECTIONS = max(math.ceil(LISTENER_WATCHES / health_listener.HEALTH_MAX_WATCHES[1]) + 2,
+                           math.ceil(30 / (transport.HEALTH_MAX_STREAMS_PER_CONNECTION // 2)))
 
 def admitted(rpc: Rpc) -> int:
     """Streams of ``rpc`` the server admits at once.
