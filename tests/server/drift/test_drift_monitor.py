@@ -37,7 +37,9 @@ def feed(host: ModelHost, n: int, shift: float = 0.0, seed: int = 0) -> None:
 
 def test_baseline_freezes_then_scores(rig):
     host, engine, monitor = rig
-    tap, layers = monitor.set_baseline(pb.SetBaselineRequest(selector="layer*", passes=6, window=5))
+    # Six passes are too few to calibrate: explicit thresholds (fixed) decide the alarm.
+    tap, layers = monitor.set_baseline(pb.SetBaselineRequest(selector="layer*", passes=6, window=5,
+                                                             thresholds=pb.DriftThresholds(psi=0.2)))
     assert layers == ["layer1", "layer2", "layer3", "layer4"]
     feed(host, 6)
     engine.flush(10)
