@@ -1592,7 +1592,9 @@ class SetBaselineRequest(_message.Message):
     DERIVE_FIELD_NUMBER: _builtins.int
     selector: _builtins.str
     passes: _builtins.int
-    """Live passes to freeze (default 100)."""
+    """Live passes to freeze (default 500: ten windows of 50; the calibrated
+    alarm needs at least five windows).
+    """
     point: Global___Point.ValueType
     """POINT_OUTPUT by default."""
     window: _builtins.int

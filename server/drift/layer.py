@@ -205,8 +205,8 @@ class LayerEntry:
             x = pass_components(res)
             self.alarm.add(np.array([np.nan]) if x is None else x)
             reading = self.alarm.reading()
-            # Rebuilt on the per-feature test: features past the calibrated threshold in the last window.
-            score = replace(score, channel_drift_fraction=reading.feature_fraction)
+            if self.alarm.model.calibrated:  # rebuilt on the per-feature test: features past the threshold
+                score = replace(score, channel_drift_fraction=reading.feature_fraction)
         self.score = replace(score, alarm=reading)
         return True
 
@@ -227,7 +227,8 @@ class LayerEntry:
             msg.drifted = s.drifted
             if s.channel_drift_fraction is not None:
                 msg.channel_drift_fraction = s.channel_drift_fraction
-        a = s.alarm if s is not None else (self.alarm.reading() if self.alarm is not None else None)
+        # The alarm's own reading: a rate changed since the last pass shows at once.
+        a = self.alarm.reading() if self.alarm is not None else s.alarm if s is not None else None
         if a is None and b is not None and self.fixed:
             a = AlarmReading(FIXED)
         msg.score, msg.threshold, msg.p_value = math.nan, math.nan, math.nan

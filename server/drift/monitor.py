@@ -67,7 +67,8 @@ from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")
 
-DEFAULT_PASSES = 100
+#: 10 windows of the default 50: enough to calibrate the alarm (at least 5 windows).
+DEFAULT_PASSES = 500
 MAX_PASSES = 100_000
 
 
@@ -433,9 +434,13 @@ class DriftMonitor(Sink, BaselineReload):
     def _rebalance(self) -> int:
         """Split the rate evenly (Bonferroni) over the calibrated layers; returns how many."""
         with self._lock:
-            armed = [e.alarm for e in self._all() if e.calibrated and e.alarm is not None]
-        for a in armed:
-            a.set_rate(self.false_alarm_rate / len(armed))
+            armed = [e for e in self._all() if e.calibrated and e.alarm is not None]
+        for e in armed:
+            assert e.alarm is not None
+            e.alarm.set_rate(self.false_alarm_rate / len(armed))
+            if e.score is not None:  # the exported ratio follows at once, not at the next pass
+                e.score = replace(e.score, alarm=e.alarm.reading())
+                self._export(e)
         return len(armed)
 
     def _replan(self, entry: LayerEntry) -> bool:
