@@ -238,3 +238,16 @@ def test_an_unsaved_baseline_retries_with_backoff_until_it_is_written(tmp_path, 
         assert "saved after earlier failures" in caplog.text
     finally:
         engine.close()
+
+
+def test_a_baseline_too_short_to_calibrate_says_why_and_never_alarms(rig):
+    host, engine, monitor = rig
+    monitor.set_baseline(pb.SetBaselineRequest(selector="layer1", passes=6, window=5))
+    feed(host, 6)
+    engine.flush(10)
+    feed(host, 10, shift=3.0, seed=2)  # a shift the fixed thresholds flag (test_baseline_freezes_then_scores)
+    engine.flush(10)
+    (d,) = monitor.drift()
+    assert d.state == pb.BASELINE_STATE_READY and d.calibration == pb.DRIFT_CALIBRATION_UNCALIBRATED
+    assert "holds 1 window(s) of 5; calibration needs 5 (25 passes)" in d.calibration_reason, d.calibration_reason
+    assert d.mean_shift > 1.0 and not d.drifted and not d.alarm
