@@ -85,6 +85,12 @@ def layer_reducers(*, per_channel: bool, edges: Iterable[np.ndarray] = (), colle
     return specs
 
 
+def _features(b: Baseline) -> bool:
+    """Whether a frozen baseline reads per-feature statistics: its channel means, or its null's features
+    (a layer past ``max_channels`` keeps no channel means but tests its first features)."""
+    return b.channel_mean is not None or (b.null is not None and b.null.features > 0)
+
+
 def phases_reducers(entries: Iterable[LayerEntry]) -> list[pb.ReducerSpec]:
     """The reducers one layer runs for the baselines of all its phases (one tap plan serves every pass).
 
@@ -95,7 +101,7 @@ def phases_reducers(entries: Iterable[LayerEntry]) -> list[pb.ReducerSpec]:
     baseline yet) asks for nothing.
     """
     entries = sorted(entries, key=lambda e: PHASE_BY_NAME[e.phase])
-    per_channel = any(e.baseline.channel_mean is not None if e.baseline is not None else e.per_channel for e in entries)
+    per_channel = any(_features(e.baseline) if e.baseline is not None else e.per_channel for e in entries)
     return layer_reducers(per_channel=per_channel, edges=[e.baseline.edges for e in entries if e.baseline is not None],
                           collect=any(e.builder is not None for e in entries))
 

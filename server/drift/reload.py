@@ -58,7 +58,7 @@ class BaselineReload:
         loaded = 0
         for (tap_id, point), group in by_tap.items():
             selector = "re:" + "|".join(re.escape(layer) for layer in dict.fromkeys(b.layer for b in group))
-            per_channel = all(b.channel_mean is not None for b in group)
+            per_channel = all(b.channel_mean is not None or (b.null is not None and b.null.features > 0) for b in group)
             spec = pb.TapSpec(name=tap_id, selector=selector, point=POINT_BY_NAME[point],
                               reducers=layer_reducers(per_channel=per_channel))
             with self._lock:

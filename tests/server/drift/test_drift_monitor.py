@@ -251,3 +251,41 @@ def test_a_baseline_too_short_to_calibrate_says_why_and_never_alarms(rig):
     assert d.state == pb.BASELINE_STATE_READY and d.calibration == pb.DRIFT_CALIBRATION_UNCALIBRATED
     assert "holds 1 window(s) of 5; calibration needs 5 (25 passes)" in d.calibration_reason, d.calibration_reason
     assert d.mean_shift > 1.0 and not d.drifted and not d.alarm
+
+
+def test_past_max_channels_the_first_features_are_tested_and_a_shift_of_one_is_seen():
+    """A (batch, 5000) layer: the per-channel reducer reports 4096 features; the null and the live passes
+    agree on those (plus the pooled pair), so passes are scored, not left out, and a shift shows."""
+    from torch import nn
+
+    from layertap.server.host.sources import InputSpec, LoadedModel
+    from layertap.server.reducers.spec import MAX_CHANNELS
+
+    torch.manual_seed(0)
+    wide = nn.Sequential()
+    wide.add_module("wide", nn.Linear(4, 5000))
+    host = ModelHost(LoadedModel(wide, "wide", "factory", [InputSpec("input", torch.float32, (-1, 4))]))
+    host.warm_up()
+    engine = TapEngine(host, Broker(), max_taps=3)
+    monitor = engine.sinks.add(DriftMonitor(engine, default_window=5))
+    try:
+        monitor.set_baseline(pb.SetBaselineRequest(selector="wide", passes=30, window=5))
+        g = torch.Generator().manual_seed(1)
+        for _ in range(30):
+            host.run([torch.randn(16, 4, generator=g)])
+        engine.flush(10)
+        b = monitor.baseline_for("wide", "output")
+        assert b is not None and b.null is not None and b.null.calibrated and b.null.features == MAX_CHANNELS
+        assert b.channel_mean is None  # capped: no channel means kept, the null's features still are
+        for _ in range(10):
+            host.run([torch.randn(16, 4, generator=g)])
+        engine.flush(10)
+        (d,) = monitor.drift()
+        assert d.scored_passes == 10 and d.ignored_passes == 0 and d.windows == 2 and not d.alarm, d
+        for _ in range(5):
+            host.run([torch.randn(16, 4, generator=g) + 2.0])
+        engine.flush(10)
+        (d,) = monitor.drift()
+        assert d.alarm and d.score > d.threshold
+    finally:
+        engine.close()
