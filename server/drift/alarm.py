@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from layertap.server.drift.null import CUSUM_K, NullModel
+from layertap.server.drift.null import CUSUM_CLIP, CUSUM_K, NullModel
 
 __all__ = ["CALIBRATED", "FIXED", "UNCALIBRATED", "AlarmReading", "WindowAlarm"]
 
@@ -113,7 +113,7 @@ class WindowAlarm:
         self.passes += 1
         self._sum += v
         self._n += 1
-        z = m.pass_z(v)
+        z = np.clip(m.pass_z(v), -CUSUM_CLIP, CUSUM_CLIP)
         self._up = np.maximum(self._up + z - CUSUM_K, 0.0)
         self._down = np.maximum(self._down - z - CUSUM_K, 0.0)
         # A CUSUM at zero restarts its excursion at the next pass.

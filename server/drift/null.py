@@ -31,8 +31,8 @@ alarm rate ``α`` is the t quantile at ``1 - α / (2K)``. Why a model and not
 the empirical quantile of held-out windows: a 1e-4 tail needs ~10^5 windows,
 a baseline has ten.
 
-Sequential test. Each component's per-pass z feeds a two-sided CUSUM with
-reference ``k = 0.5``; its decision limit ``h`` comes from Siegmund's
+Sequential test. Each component's per-pass z, clipped to ±3, feeds a two-sided
+CUSUM with reference ``k = 0.5``; its decision limit ``h`` comes from Siegmund's
 approximation of the in-control average run length (ARL0). Half of the
 layer's rate goes to the window test, half to the CUSUMs, so the alarm's
 combined rate stays at most ``α`` per window (ARL0 of the union at least
@@ -51,6 +51,7 @@ import numpy.typing as npt
 from layertap.server.drift.merge import chan_merge
 
 __all__ = [
+    "CUSUM_CLIP",
     "CUSUM_K",
     "MIN_WINDOWS",
     "NullAccumulator",
@@ -67,6 +68,12 @@ FloatArray = npt.NDArray[np.float64]
 MIN_WINDOWS = 5
 #: The CUSUM's reference value (in σ of one pass): tuned to shifts of about 1σ per pass.
 CUSUM_K = 0.5
+#: Each pass's z enters the CUSUM clipped to ±CUSUM_CLIP. One pass is not a mean over many
+#: passes: a feature that is rarely active (a ReLU channel of a 2x2 map) has a per-pass std
+#: with a long right tail, and one such pass at z = 20 would cross the limit alone. Clipped, it
+#: takes several; a normal increment is clipped with probability 0.3%, which only lengthens the
+#: run length Siegmund's formula gives (the window test is untouched).
+CUSUM_CLIP = 3.0
 
 
 def components(mean: float, std: float, feature_mean: npt.ArrayLike | None = None,

@@ -208,3 +208,38 @@ def test_components_layout() -> None:
     np.testing.assert_array_equal(components(1.0, 2.0), [1.0, 2.0])
     np.testing.assert_array_equal(components(1.0, 2.0, [3, 4], [5, 6]), [3, 4, 5, 6, 1, 2])
     np.testing.assert_array_equal(components(1.0, 2.0, [3, 4], [5]), [1.0, 2.0])  # lengths disagree: pooled only
+
+
+def test_a_rarely_active_feature_does_not_trip_the_cusum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A per-pass statistic with a long right tail (mostly 0, sometimes large: a ReLU channel that rarely
+    fires) next to normal ones. The CUSUMs alone (window test off) over 2000 no-change windows stay under
+    their half of a 2% target; without clipping the per-pass z (CUSUM_CLIP) single rare passes trip them.
+    """
+    import layertap.server.drift.alarm as alarm_module
+
+    window = 20
+
+    def run(clip: float) -> int:
+        rng = np.random.default_rng(6)
+
+        def passes(n: int) -> np.ndarray:
+            normal = rng.standard_normal((n, 3))
+            rare = np.where(rng.random(n) < 0.02, rng.exponential(5.0, n), 0.0)
+            return np.column_stack((normal, rare))
+
+        monkeypatch.setattr(alarm_module, "CUSUM_CLIP", clip)
+        acc = NullAccumulator(window)
+        feed(acc, passes(100 * window))
+        alarm = WindowAlarm(acc.freeze(), 0.02)
+        alarm.threshold = math.inf  # the CUSUMs only
+        raised, last = 0, 0
+        for p in passes(2000 * window):
+            alarm.add(p)
+            r = alarm.reading()
+            if r.alarm and r.alarm_pass != last:
+                raised, last = raised + 1, r.alarm_pass
+        assert r.windows == 2000
+        return raised
+
+    assert run(3.0) <= 20 + 11  # the CUSUMs' half of the target: 20, + 2.5 sd
+    assert run(math.inf) > 40
