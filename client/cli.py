@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--derive", default="", choices=("", "entropy", "top1_prob"),
                    help="baseline the per-token softmax entropy or top-1 probability of the tensor's last axis")
     for metric in ("psi", "js", "wasserstein", "mean-shift"):
-        p.add_argument(f"--{metric}", type=positive_float, help=f"{metric} threshold")
+        p.add_argument(f"--{metric}", type=positive_float,
+                       help=f"{metric} threshold; any threshold makes the alarm fixed instead of calibrated")
     p.set_defaults(func=_cmd_baseline)
 
     p = command("drift", "Show current drift scores and alarms against the baselines.")
