@@ -13,6 +13,7 @@ import math
 import urllib.request
 
 import numpy as np
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import layertap
@@ -21,7 +22,7 @@ from layertap.server.drift.null import t_quantile
 LAYERS = ["layer1", "layer2", "layer3", "layer4"]
 CHANNELS = {"layer1": 16, "layer2": 32, "layer3": 64, "layer4": 128}
 WINDOW, PASSES, BATCH = 50, 500, 2
-CALM_WINDOWS = 10
+CALM_WINDOWS = 8
 
 
 def series(port: int, name: str) -> dict[str, float]:
@@ -32,6 +33,8 @@ def series(port: int, name: str) -> dict[str, float]:
             if s.name == name}
 
 
+# About 40 s on an idle 2-vCPU VM (950 passes); the shared VM under load average 8 took over 300 s.
+@pytest.mark.timeout(900)
 def test_calibrated_alarm_is_quiet_in_distribution_and_sees_a_tenth_sigma_within_one_window(make_server) -> None:
     srv = make_server(metrics_port=0)
     rng = np.random.default_rng(0)
