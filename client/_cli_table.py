@@ -140,8 +140,25 @@ _DRIFT_COLUMNS = (
     Column("w1/σ", _RIGHT, drop=5),
     Column("shift σ", _RIGHT, drop=4),
     Column("channels", _RIGHT, drop=0),
-    Column("drifted", _RIGHT),
+    Column("alarm by", drop=8),
+    Column("score/thr", _RIGHT, drop=9),
+    Column("detected in", _RIGHT, drop=10),
+    Column("alarm", _RIGHT),
 )
+
+
+def _alarm_by(d: LayerDrift) -> str:
+    """The calibration state; uncalibrated with its reason (cut), so the table says why it never fires."""
+    if d.calibration == "uncalibrated" and d.calibration_reason:
+        return escape(f"uncalibrated: {d.calibration_reason[:60]}")
+    return d.calibration or "-"
+
+
+def _ratio(d: LayerDrift) -> str:
+    r = d.ratio
+    if r != r:  # NaN: no completed window yet, or not calibrated
+        return "-"
+    return f"[bold red]{r:.2f}[/]" if r > 1 else f"{r:.2f}"
 
 
 def _score(value: float, threshold: float) -> str:
@@ -160,6 +177,9 @@ def drift_table(rows: Sequence[LayerDrift], width: int, title: str) -> Table:
             _score(d.wasserstein, d.thresholds.wasserstein),
             _score(d.mean_shift, d.thresholds.mean_shift),
             "-" if d.channel_drift_fraction is None else f"{d.channel_drift_fraction:.0%}",
+            _alarm_by(d),
+            _ratio(d),
+            f"{d.detection_passes} passes" if d.drifted and d.detection_passes else "-",
             "[bold red]yes[/]" if d.drifted else "no",
         )
         for d in rows

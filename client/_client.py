@@ -484,7 +484,7 @@ class Client:
     # ------------------------------------------------------------------ drift (older spellings)
 
     def set_baseline(
-        self, selector: str, *, passes: int = 100, window: int = 50, point: str = "output",
+        self, selector: str, *, passes: int = 500, window: int = 50, point: str = "output",
         thresholds: DriftThresholds | Mapping[str, float] | None = None, name: str = "", derive: str = "", timeout: float | None = None,
     ) -> BaselineInfo:
         """Freezes a drift baseline from the next ``passes`` live passes: ``client.baselines.set``, which see."""

@@ -67,9 +67,8 @@ _PHASE_NAMES = {code: name for name, code in _PHASES.items()}
 _DERIVES = {"": telemetry_pb2.DERIVE_UNSPECIFIED, **_enum_names(telemetry_pb2.Derive, "DERIVE_")}  # "": the tensor
 _DERIVE_NAMES = {code: name for name, code in _DERIVES.items()}
 _TAP_KINDS = {code: name for name, code in _enum_names(telemetry_pb2.TapKind, "TAP_KIND_").items()}
-_BASELINE_STATES = {
-    code: name for name, code in _enum_names(telemetry_pb2.BaselineState, "BASELINE_STATE_").items()
-}
+_BASELINE_STATES = {code: name for name, code in _enum_names(telemetry_pb2.BaselineState, "BASELINE_STATE_").items()}
+_CALIBRATIONS = {code: name for name, code in _enum_names(telemetry_pb2.DriftCalibration, "DRIFT_CALIBRATION_").items()}
 #: Parameters each reducer accepts: the fields of its params message in ReducerSpec.
 REDUCER_PARAMS: dict[str, frozenset[str]] = {
     fd.name: frozenset(fd.message_type.fields_by_name)
@@ -494,6 +493,7 @@ def drift_from_proto(r: telemetry_pb2.GetDriftResponse) -> list[LayerDrift]:
             channel_drift_fraction=None if d.channel_drift_fraction < 0 else d.channel_drift_fraction,
             phase=phase_name(d.phase),
             derive=_DERIVE_NAMES.get(d.derive, ""),
+            calibration=_CALIBRATIONS.get(d.calibration, ""),
         )
         for d in r.layers
     ]

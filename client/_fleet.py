@@ -301,7 +301,7 @@ class Fleet:
         """Every member's drift scores, each against its baseline (one shared one after :meth:`set_baseline`)."""
         return self._fan_out(lambda c: c.drift(selector, timeout=timeout), timeout)
 
-    def set_baseline(self, selector: str, *, passes: int = 100, window: int = 50, point: str = "output",
+    def set_baseline(self, selector: str, *, passes: int = 500, window: int = 50, point: str = "output",
                      thresholds: DriftThresholds | Mapping[str, float] | None = None, name: str | None = None,
                      wait: float = 600.0, timeout: float | None = None) -> FleetResult[BaselineInfo]:
         """One drift baseline for the whole fleet, installed on every member.

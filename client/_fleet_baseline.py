@@ -45,6 +45,8 @@ from .v1 import telemetry_pb2
 SET_BASELINE = Unary.of("TelemetryService", "SetBaseline", telemetry_pb2.SetBaselineRequest, telemetry_pb2.SetBaselineResponse)
 GET_DRIFT = Unary.of("TelemetryService", "GetDrift", telemetry_pb2.GetDriftRequest, telemetry_pb2.GetDriftResponse)
 EXPORT_BASELINE = Unary.of("TelemetryService", "ExportBaseline", telemetry_pb2.ExportBaselineRequest, telemetry_pb2.ExportBaselineResponse)
+SET_RATE = Unary.of("TelemetryService", "SetDriftFalseAlarmRate", telemetry_pb2.SetDriftFalseAlarmRateRequest,
+                    telemetry_pb2.SetDriftFalseAlarmRateResponse)
 INSTALL_BASELINE = Unary.of("TelemetryService", "InstallBaseline", telemetry_pb2.InstallBaselineRequest, telemetry_pb2.InstallBaselineResponse)
 
 #: Seconds between GetDrift polls while the members collect.
@@ -69,7 +71,7 @@ class Baselines:
         self,
         selector: str,
         *,
-        passes: int = 100,
+        passes: int = 500,
         window: int = 50,
         point: str = "output",
         thresholds: DriftThresholds | Mapping[str, float] | None = None,
@@ -110,6 +112,16 @@ class Baselines:
         """Returns the current drift scores, optionally filtered by a layer selector."""
         req = telemetry_pb2.GetDriftRequest(selector=selector)
         return _convert.drift_from_proto(self._transport.unary(GET_DRIFT, req, timeout=timeout, layer_hint=True))
+
+    def set_false_alarm_rate(self, rate: float, *, timeout: float | None = None) -> int:
+        """Sets the server-wide false-alarm rate per window of the calibrated drift alarms (needs ``admin``).
+
+        The rate is split evenly across the calibrated layers; their thresholds
+        are recomputed from each baseline's saved null statistics, without new
+        passes. Returns the number of calibrated layers it is split across.
+        """
+        req = telemetry_pb2.SetDriftFalseAlarmRateRequest(rate=rate)
+        return int(self._transport.unary(SET_RATE, req, timeout=timeout).calibrated_layers)
 
     # The steps of Fleet.set_baseline (below): protobuf in and out, for this module only.
 

@@ -12,6 +12,7 @@ and ``"param_grad"``; dtype names are numpy-style (``"float32"``,
 from __future__ import annotations
 
 import datetime as _dt
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, Union
@@ -282,6 +283,16 @@ class LayerDrift:
     ``"decode"``, or ``""`` for plain forwards): a layer has one entry per phase seen.
     ``derive`` is what the baseline reads of the tensor (``"entropy"``,
     ``"top1_prob"``; ``""``: the tensor itself).
+
+    The alarm (``drifted`` and ``alarm`` agree): ``calibration`` is
+    ``"calibrated"`` (thresholds from the baseline's own null model at the
+    server's false-alarm rate), ``"uncalibrated"`` (never fires;
+    ``calibration_reason`` says why, e.g. a baseline too short) or ``"fixed"``
+    (explicit thresholds: any of the four scores over its threshold).
+    ``score`` is the last completed window's largest per-feature |z|,
+    ``threshold`` its threshold, ``ratio`` the two's quotient (NaN before the
+    first window); ``detection_passes`` counts the passes from the change's
+    estimated start to the pass that raised the alarm (0 while none).
     """
 
     tap: str
@@ -300,3 +311,21 @@ class LayerDrift:
     save_error: str = ""
     phase: str = ""
     derive: str = ""
+    calibration: str = ""
+    calibration_reason: str = ""
+    score: float = math.nan
+    threshold: float = math.nan
+    p_value: float = math.nan
+    alarm: bool = False
+    detection_passes: int = 0
+    alarm_pass: int = 0
+    scored_passes: int = 0
+    windows: int = 0
+    ignored_passes: int = 0
+    constant_features: int = 0
+    false_alarm_rate: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        """``score / threshold`` (NaN before the first window, or when not calibrated)."""
+        return self.score / self.threshold if self.threshold > 0 else math.nan

@@ -141,18 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("baseline", "Freeze a drift baseline from the next N live passes.")
     p.add_argument("selector", metavar="SELECTOR")
-    p.add_argument("--passes", type=positive_int, default=100, help="passes in the baseline (default 100)")
+    p.add_argument("--passes", type=positive_int, default=500, help="passes in the baseline (default 500: ten windows of 50, enough to calibrate)")
     p.add_argument("--window", type=positive_int, default=50, help="sliding window compared with it (default 50)")
     p.add_argument("--point", default="output")
     p.add_argument("--name", default="", help="the baseline tap's id (default: baseline-<hash of selector and point>)")
     p.add_argument("--derive", default="", choices=("", "entropy", "top1_prob"),
                    help="baseline the per-token softmax entropy or top-1 probability of the tensor's last axis")
     for metric in ("psi", "js", "wasserstein", "mean-shift"):
-        p.add_argument(f"--{metric}", type=positive_float, help=f"{metric} threshold")
+        p.add_argument(f"--{metric}", type=positive_float,
+                       help=f"{metric} threshold; any threshold makes the alarm fixed instead of calibrated")
     p.set_defaults(func=_cmd_baseline)
 
-    p = command("drift", "Show current drift scores against the baselines.")
+    p = command("drift", "Show current drift scores and alarms against the baselines.")
     p.add_argument("selector", nargs="?", default="", metavar="SELECTOR", help="filter layers")
+    p.add_argument("--false-alarm-rate", type=positive_float, default=None, metavar="RATE",
+                   help="first set the server's per-window false-alarm rate of calibrated alarms (needs admin)")
     _json_flag(p)
     p.set_defaults(func=_cmd_drift)
 
@@ -344,6 +347,8 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
 
 def _cmd_drift(args: argparse.Namespace) -> int:
     with _client(args) as client:
+        if args.false_alarm_rate is not None:
+            client.baselines.set_false_alarm_rate(args.false_alarm_rate)
         rows = client.drift(args.selector)
     if args.json:
         write_json_lines(rows)

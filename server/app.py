@@ -258,7 +258,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
         metrics.subscribers.set_function(lambda: broker.subscriber_count)
         sinks.add(MetricsSink(metrics, snapshots, taps.is_durable))
     drift = sinks.add(DriftMonitor(taps, on_score=snapshots.set_drift if snapshots is not None else None, baseline_dir=config.baseline_dir,
-                                   default_window=config.drift_window,
+                                   default_window=config.drift_window, false_alarm_rate=config.drift_false_alarm_rate,
                                    on_load_error=(lambda _why: metrics.baseline_load_errors.inc()) if metrics else None,
                                    on_save_error=(lambda _why: metrics.baseline_save_errors.inc()) if metrics else None))
     if metrics is not None:

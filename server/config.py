@@ -84,6 +84,8 @@ class ServerConfig:
     tap_config: str | None = None
     baseline_dir: str | None = None
     drift_window: int = 50
+    #: Per-window false alarms of the calibrated drift alarms, all layers together.
+    drift_false_alarm_rate: float = 1e-4
     max_export_layers: int = 200
     grace_seconds: float = 5.0
     #: Token file (``id sha256:<hex> scopes [expiry]`` per line); None: no auth.

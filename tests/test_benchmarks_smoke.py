@@ -35,3 +35,17 @@ def test_generate_benchmark_prints_every_row() -> None:
     assert "Generate, no taps: server (GenerationFinished)" in out.stdout
     assert "skipped" not in lines["Generate + inline basic tap on 1 layer"], out.stdout
     assert "4 summaries per call (layers x steps = 4), 0 dropped" in out.stdout
+
+
+def test_drift_power_benchmark_prints_every_row(tmp_path: Path) -> None:
+    """benchmarks/drift_power.py at its smallest calibrated size (5 windows of 20); alibi-detect is not run."""
+    import json
+
+    tiny = ["--passes", "100", "--window", "20", "--calm-windows", "2", "--batch", "2", "--out", str(tmp_path)]
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "drift_power.py"), *tiny],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "layer1 calibrated" in out.stdout and "calibrated alarm:" in out.stdout, out.stdout
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["shift"] for r in result["shifts"]] == ["+0.05σ", "+0.1σ", "+0.2σ", "×1.05", "×1.1"]
+    assert (tmp_path / "calm_layer4.npy").exists() and (tmp_path / "shift_×1.1_layer1.npy").exists()

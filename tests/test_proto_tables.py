@@ -33,6 +33,7 @@ PINNED_SCOPES = {
     "/layertap.v1.TelemetryService/Explain": "capture",
     "/layertap.v1.TelemetryService/ExportBaseline": "tap",
     "/layertap.v1.TelemetryService/InstallBaseline": "tap",
+    "/layertap.v1.TelemetryService/SetDriftFalseAlarmRate": "admin",
 }
 #: Scope names in the order messages list them.
 PINNED_SCOPE_NAMES = ("infer", "read", "tap", "capture", "admin")

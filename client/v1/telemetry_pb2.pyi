@@ -195,6 +195,36 @@ backoff and reports READY once the file is written.
 """
 Global___BaselineState: _TypeAlias = BaselineState  # noqa: Y015
 
+class _DriftCalibration:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DriftCalibrationEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DriftCalibration.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DRIFT_CALIBRATION_UNSPECIFIED: _DriftCalibration.ValueType  # 0
+    DRIFT_CALIBRATION_CALIBRATED: _DriftCalibration.ValueType  # 1
+    """Thresholds from the baseline's null model at the server's false-alarm rate."""
+    DRIFT_CALIBRATION_UNCALIBRATED: _DriftCalibration.ValueType  # 2
+    """The baseline cannot be calibrated (too short, an older file, constant
+    features): the alarm never fires; calibration_reason says why.
+    """
+    DRIFT_CALIBRATION_FIXED: _DriftCalibration.ValueType  # 3
+    """SetBaseline gave thresholds: any pooled score over its threshold."""
+
+class DriftCalibration(_DriftCalibration, metaclass=_DriftCalibrationEnumTypeWrapper):
+    """How a layer's drift alarm is decided."""
+
+DRIFT_CALIBRATION_UNSPECIFIED: DriftCalibration.ValueType  # 0
+DRIFT_CALIBRATION_CALIBRATED: DriftCalibration.ValueType  # 1
+"""Thresholds from the baseline's null model at the server's false-alarm rate."""
+DRIFT_CALIBRATION_UNCALIBRATED: DriftCalibration.ValueType  # 2
+"""The baseline cannot be calibrated (too short, an older file, constant
+features): the alarm never fires; calibration_reason says why.
+"""
+DRIFT_CALIBRATION_FIXED: DriftCalibration.ValueType  # 3
+"""SetBaseline gave thresholds: any pooled score over its threshold."""
+Global___DriftCalibration: _TypeAlias = DriftCalibration  # noqa: Y015
+
 class _ExplainMethod:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -1562,7 +1592,9 @@ class SetBaselineRequest(_message.Message):
     DERIVE_FIELD_NUMBER: _builtins.int
     selector: _builtins.str
     passes: _builtins.int
-    """Live passes to freeze (default 100)."""
+    """Live passes to freeze (default 500: ten windows of 50; the calibrated
+    alarm needs at least five windows).
+    """
     point: Global___Point.ValueType
     """POINT_OUTPUT by default."""
     window: _builtins.int
@@ -1580,7 +1612,10 @@ class SetBaselineRequest(_message.Message):
     """
     @_builtins.property
     def thresholds(self) -> Global___DriftThresholds:
-        """Zero fields take the defaults (0.2, 0.1, 0.1, 1.0)."""
+        """Any non-zero field makes the alarm fixed: those thresholds decide it
+        (zero fields take the defaults 0.2, 0.1, 0.1, 1.0). All zero: the alarm is
+        calibrated from the baseline's own passes.
+        """
 
     @_builtins.property
     def sampling(self) -> Global___Sampling:
@@ -1650,6 +1685,19 @@ class LayerDrift(_message.Message):
     SAVE_ERROR_FIELD_NUMBER: _builtins.int
     PHASE_FIELD_NUMBER: _builtins.int
     DERIVE_FIELD_NUMBER: _builtins.int
+    CALIBRATION_FIELD_NUMBER: _builtins.int
+    CALIBRATION_REASON_FIELD_NUMBER: _builtins.int
+    SCORE_FIELD_NUMBER: _builtins.int
+    THRESHOLD_FIELD_NUMBER: _builtins.int
+    P_VALUE_FIELD_NUMBER: _builtins.int
+    ALARM_FIELD_NUMBER: _builtins.int
+    DETECTION_PASSES_FIELD_NUMBER: _builtins.int
+    ALARM_PASS_FIELD_NUMBER: _builtins.int
+    SCORED_PASSES_FIELD_NUMBER: _builtins.int
+    WINDOWS_FIELD_NUMBER: _builtins.int
+    IGNORED_PASSES_FIELD_NUMBER: _builtins.int
+    CONSTANT_FEATURES_FIELD_NUMBER: _builtins.int
+    FALSE_ALARM_RATE_FIELD_NUMBER: _builtins.int
     tap: _builtins.str
     layer: _builtins.str
     point: Global___Point.ValueType
@@ -1673,6 +1721,39 @@ class LayerDrift(_message.Message):
     """
     derive: Global___Derive.ValueType
     """What the baseline tap reads of the tensor (DERIVE_UNSPECIFIED: the tensor)."""
+    calibration: Global___DriftCalibration.ValueType
+    """The calibrated alarm (drifted is its value). Each tumbling window of
+    window passes is tested once: the largest |z| of the per-feature means
+    and spreads (and the pooled mean and std) against the baseline's null
+    model; a CUSUM per component may raise it before the window completes.
+    """
+    calibration_reason: _builtins.str
+    """Why the alarm is uncalibrated (empty otherwise)."""
+    score: _builtins.float
+    """The last completed window's largest |z| (NaN before the first window)."""
+    threshold: _builtins.float
+    """Its threshold for this layer's share of the false-alarm rate."""
+    p_value: _builtins.float
+    """Bonferroni p-value of score over the layer's components (normal tails)."""
+    alarm: _builtins.bool
+    """The calibrated alarm, as drifted."""
+    detection_passes: _builtins.int
+    """Passes from the change's estimated start to the pass that raised the
+    alarm (0 while it is not raised).
+    """
+    alarm_pass: _builtins.int
+    """The scored pass that raised the alarm (0 while it is not raised)."""
+    scored_passes: _builtins.int
+    """Passes scored by the calibrated alarm since the baseline froze, and the
+    windows completed.
+    """
+    windows: _builtins.int
+    ignored_passes: _builtins.int
+    """Passes left out: no finite component (NaN-only, empty tensors)."""
+    constant_features: _builtins.int
+    """Features (and spreads) constant in the baseline: left out of the test."""
+    false_alarm_rate: _builtins.float
+    """This layer's share of the server's per-window false-alarm rate."""
     @_builtins.property
     def thresholds(self) -> Global___DriftThresholds: ...
     def __init__(
@@ -1694,14 +1775,70 @@ class LayerDrift(_message.Message):
         save_error: _builtins.str = ...,
         phase: Global___Phase.ValueType = ...,
         derive: Global___Derive.ValueType = ...,
+        calibration: Global___DriftCalibration.ValueType = ...,
+        calibration_reason: _builtins.str = ...,
+        score: _builtins.float = ...,
+        threshold: _builtins.float = ...,
+        p_value: _builtins.float = ...,
+        alarm: _builtins.bool = ...,
+        detection_passes: _builtins.int = ...,
+        alarm_pass: _builtins.int = ...,
+        scored_passes: _builtins.int = ...,
+        windows: _builtins.int = ...,
+        ignored_passes: _builtins.int = ...,
+        constant_features: _builtins.int = ...,
+        false_alarm_rate: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["thresholds", b"thresholds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["baseline_passes", b"baseline_passes", "channel_drift_fraction", b"channel_drift_fraction", "derive", b"derive", "drifted", b"drifted", "js", b"js", "layer", b"layer", "mean_shift", b"mean_shift", "phase", b"phase", "point", b"point", "psi", b"psi", "save_error", b"save_error", "state", b"state", "tap", b"tap", "thresholds", b"thresholds", "wasserstein", b"wasserstein", "window_passes", b"window_passes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alarm", b"alarm", "alarm_pass", b"alarm_pass", "baseline_passes", b"baseline_passes", "calibration", b"calibration", "calibration_reason", b"calibration_reason", "channel_drift_fraction", b"channel_drift_fraction", "constant_features", b"constant_features", "derive", b"derive", "detection_passes", b"detection_passes", "drifted", b"drifted", "false_alarm_rate", b"false_alarm_rate", "ignored_passes", b"ignored_passes", "js", b"js", "layer", b"layer", "mean_shift", b"mean_shift", "p_value", b"p_value", "phase", b"phase", "point", b"point", "psi", b"psi", "save_error", b"save_error", "score", b"score", "scored_passes", b"scored_passes", "state", b"state", "tap", b"tap", "threshold", b"threshold", "thresholds", b"thresholds", "wasserstein", b"wasserstein", "window_passes", b"window_passes", "windows", b"windows"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LayerDrift: _TypeAlias = LayerDrift  # noqa: Y015
+
+@_typing.final
+class SetDriftFalseAlarmRateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RATE_FIELD_NUMBER: _builtins.int
+    rate: _builtins.float
+    """Expected false alarms per window over all calibrated layers, in (0, 0.5]."""
+    def __init__(
+        self,
+        *,
+        rate: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rate", b"rate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetDriftFalseAlarmRateRequest: _TypeAlias = SetDriftFalseAlarmRateRequest  # noqa: Y015
+
+@_typing.final
+class SetDriftFalseAlarmRateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RATE_FIELD_NUMBER: _builtins.int
+    CALIBRATED_LAYERS_FIELD_NUMBER: _builtins.int
+    rate: _builtins.float
+    calibrated_layers: _builtins.int
+    """Calibrated layers the rate is split across now."""
+    def __init__(
+        self,
+        *,
+        rate: _builtins.float = ...,
+        calibrated_layers: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calibrated_layers", b"calibrated_layers", "rate", b"rate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetDriftFalseAlarmRateResponse: _TypeAlias = SetDriftFalseAlarmRateResponse  # noqa: Y015
 
 @_typing.final
 class GetDriftRequest(_message.Message):

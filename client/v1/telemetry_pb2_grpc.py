@@ -110,6 +110,11 @@ class TelemetryServiceStub:
                 request_serializer=layertap_dot_v1_dot_telemetry__pb2.InstallBaselineRequest.SerializeToString,
                 response_deserializer=layertap_dot_v1_dot_telemetry__pb2.InstallBaselineResponse.FromString,
                 _registered_method=True)
+        self.SetDriftFalseAlarmRate = channel.unary_unary(
+                '/layertap.v1.TelemetryService/SetDriftFalseAlarmRate',
+                request_serializer=layertap_dot_v1_dot_telemetry__pb2.SetDriftFalseAlarmRateRequest.SerializeToString,
+                response_deserializer=layertap_dot_v1_dot_telemetry__pb2.SetDriftFalseAlarmRateResponse.FromString,
+                _registered_method=True)
 
 
 class TelemetryServiceServicer:
@@ -231,6 +236,17 @@ class TelemetryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetDriftFalseAlarmRate(self, request, context):
+        """Sets the server-wide per-window false-alarm rate of the calibrated drift
+        alarms (serve --drift-false-alarm-rate), split evenly across the
+        calibrated layers. Thresholds are recomputed from each baseline's saved
+        null statistics, with no new passes. SCOPE_ADMIN: it changes every
+        principal's alarms.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TelemetryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -308,6 +324,11 @@ def add_TelemetryServiceServicer_to_server(servicer, server):
                     servicer.InstallBaseline,
                     request_deserializer=layertap_dot_v1_dot_telemetry__pb2.InstallBaselineRequest.FromString,
                     response_serializer=layertap_dot_v1_dot_telemetry__pb2.InstallBaselineResponse.SerializeToString,
+            ),
+            'SetDriftFalseAlarmRate': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetDriftFalseAlarmRate,
+                    request_deserializer=layertap_dot_v1_dot_telemetry__pb2.SetDriftFalseAlarmRateRequest.FromString,
+                    response_serializer=layertap_dot_v1_dot_telemetry__pb2.SetDriftFalseAlarmRateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -716,6 +737,33 @@ class TelemetryService:
             '/layertap.v1.TelemetryService/InstallBaseline',
             layertap_dot_v1_dot_telemetry__pb2.InstallBaselineRequest.SerializeToString,
             layertap_dot_v1_dot_telemetry__pb2.InstallBaselineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetDriftFalseAlarmRate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layertap.v1.TelemetryService/SetDriftFalseAlarmRate',
+            layertap_dot_v1_dot_telemetry__pb2.SetDriftFalseAlarmRateRequest.SerializeToString,
+            layertap_dot_v1_dot_telemetry__pb2.SetDriftFalseAlarmRateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -80,6 +80,13 @@ class TelemetryServiceStub:
     builders exported by every replica, or a frozen document as given. On
     another principal's baseline it also needs SCOPE_ADMIN.
     """
+    SetDriftFalseAlarmRate: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.SetDriftFalseAlarmRateRequest, _telemetry_pb2.SetDriftFalseAlarmRateResponse]
+    """Sets the server-wide per-window false-alarm rate of the calibrated drift
+    alarms (serve --drift-false-alarm-rate), split evenly across the
+    calibrated layers. Thresholds are recomputed from each baseline's saved
+    null statistics, with no new passes. SCOPE_ADMIN: it changes every
+    principal's alarms.
+    """
 
 @_typing.type_check_only
 class TelemetryServiceAsyncStub(TelemetryServiceStub):
@@ -132,6 +139,13 @@ class TelemetryServiceAsyncStub(TelemetryServiceStub):
     """Installs one frozen reference on a baseline tap's layers: frozen here from
     builders exported by every replica, or a frozen document as given. On
     another principal's baseline it also needs SCOPE_ADMIN.
+    """
+    SetDriftFalseAlarmRate: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.SetDriftFalseAlarmRateRequest, _telemetry_pb2.SetDriftFalseAlarmRateResponse]  # type: ignore[assignment]
+    """Sets the server-wide per-window false-alarm rate of the calibrated drift
+    alarms (serve --drift-false-alarm-rate), split evenly across the
+    calibrated layers. Thresholds are recomputed from each baseline's saved
+    null statistics, with no new passes. SCOPE_ADMIN: it changes every
+    principal's alarms.
     """
 
 class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -272,6 +286,19 @@ class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
         """Installs one frozen reference on a baseline tap's layers: frozen here from
         builders exported by every replica, or a frozen document as given. On
         another principal's baseline it also needs SCOPE_ADMIN.
+        """
+
+    @_abc_1.abstractmethod
+    def SetDriftFalseAlarmRate(
+        self,
+        request: _telemetry_pb2.SetDriftFalseAlarmRateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_telemetry_pb2.SetDriftFalseAlarmRateResponse, _abc.Awaitable[_telemetry_pb2.SetDriftFalseAlarmRateResponse]]:
+        """Sets the server-wide per-window false-alarm rate of the calibrated drift
+        alarms (serve --drift-false-alarm-rate), split evenly across the
+        calibrated layers. Thresholds are recomputed from each baseline's saved
+        null statistics, with no new passes. SCOPE_ADMIN: it changes every
+        principal's alarms.
         """
 
 def add_TelemetryServiceServicer_to_server(servicer: TelemetryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from layertap.server.drift.null import MIN_WINDOWS
 from layertap.server.drift.thresholds import DRIFT_METRICS
 
 log = logging.getLogger("layertap.demo")
@@ -156,9 +157,14 @@ def run(client: Any, args: argparse.Namespace, stop: threading.Event, out: TextI
     """Drive traffic until ``--duration`` or ``stop``; returns the layers drifting at the end."""
     meta = client.metadata()
     make_inputs = _input_maker(meta, args.batch, args.seed)
-    info = client.set_baseline(args.selector, passes=args.baseline_passes, window=args.window)
+    # A baseline shorter than five windows cannot calibrate its alarm: the demo then gives the
+    # default thresholds, so the alarm is fixed and still fires.
+    fixed = args.baseline_passes < MIN_WINDOWS * args.window
+    info = client.set_baseline(args.selector, passes=args.baseline_passes, window=args.window,
+                               thresholds={"psi": 0.2} if fixed else None)
     print(f"layertap demo: baseline {info.tap} over {len(info.layers)} layer(s) ({', '.join(info.layers)}), "
-          f"{args.baseline_passes} passes, window {args.window}", file=out, flush=True)
+          f"{args.baseline_passes} passes, window {args.window}, "
+          f"{'fixed thresholds (too short to calibrate)' if fixed else 'calibrated alarm'}", file=out, flush=True)
     print(f"layertap demo: {args.rate:g} passes/s of N(0, 1) inputs; shifting to N({args.shift:g}, 1) "
           f"after {args.shift_after:g}s", file=out, flush=True)
     period = 1.0 / args.rate

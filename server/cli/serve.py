@@ -24,6 +24,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _rate(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 0.5:
+        raise argparse.ArgumentTypeError(f"must be in (0, 0.5], got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = ServerConfig()
     p = argparse.ArgumentParser(prog="layertap serve", description="Serve a PyTorch model with layer telemetry over gRPC.")
@@ -96,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-dir", help="directory where drift baselines are saved and reloaded")
     p.add_argument("--drift-window", type=int, default=d.drift_window,
                    help="passes in the sliding drift window of baselines that name none (SetBaseline with window 0, reloaded ones); default 50")
+    p.add_argument("--drift-false-alarm-rate", type=_rate, default=d.drift_false_alarm_rate,
+                   help="expected false drift alarms per window over all calibrated layers (split evenly across "
+                        "them); default 1e-4; change it at run time with SetDriftFalseAlarmRate (admin)")
     p.add_argument("--max-export-layers", type=int, default=d.max_export_layers)
     p.add_argument("--grace", dest="grace_seconds", type=float, default=d.grace_seconds, help="seconds to drain on SIGTERM")
     p.add_argument("--auth-tokens", help="token file: 'id sha256:<hex> scope,scope [RFC 3339 expiry]' per line; SIGHUP reloads")

@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from layertap.server.drift.merge import chan_merge
+from layertap.server.drift.null import NullModel
 from layertap.server.drift.phases import FORWARD
 from layertap.server.drift.thresholds import DriftThresholds
 
@@ -68,6 +69,8 @@ class Baseline:
     thresholds: DriftThresholds = field(default_factory=DriftThresholds)
     created_at: float = 0.0
     phase: str = FORWARD
+    null: NullModel | None = None
+    fixed: bool = False
 
     @property
     def key(self) -> tuple[str, str, str, str]:
@@ -92,7 +95,8 @@ class Baseline:
         exactly from their values alone; they become the count-weighted mean
         of both sides, a fair approximation when both references come from
         the same distribution (the replica case). Window, thresholds and tap
-        are kept from ``self``.
+        are kept from ``self``; the null statistics do not merge, so the
+        result is uncalibrated.
 
         Raises:
             ValueError: On a different layer/point/phase or different edges.
@@ -129,4 +133,6 @@ class Baseline:
             quantiles=quantiles,
             channel_mean=cmean,
             channel_std=cstd,
+            null=NullModel.uncalibrated("merged from frozen baselines, whose null statistics do not merge",
+                                        self.window),
         )

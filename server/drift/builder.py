@@ -40,6 +40,7 @@ import numpy.typing as npt
 
 from layertap.server.drift.baseline import Baseline
 from layertap.server.drift.merge import chan_merge
+from layertap.server.drift.null import NullAccumulator
 from layertap.server.drift.phases import FORWARD
 from layertap.server.drift.thresholds import DriftThresholds
 from layertap.server.reducers.spec import DEFAULT_PROBABILITIES
@@ -98,6 +99,7 @@ class BaselineBuilder:
         reservoir_size: int = 20_000,
         seed: int | None = None,
         phase: str = FORWARD,
+        window: int = 50,
     ) -> None:
         """Start collecting.
 
@@ -109,6 +111,7 @@ class BaselineBuilder:
             reservoir_size: Values kept for the quantile edges.
             seed: Seed of the reservoir's random keys (None: fresh entropy).
             phase: The phase whose passes the caller feeds (``"decode"``...).
+            window: The drift window, the size of the held-out windows of the null model.
         """
         if reservoir_size < 1:
             raise ValueError("reservoir_size must be >= 1")
@@ -130,6 +133,8 @@ class BaselineBuilder:
         self._c_n = 0.0
         self._c_mean: FloatArray | None = None
         self._c_m2: FloatArray | None = None
+        #: The null statistics of the calibrated alarm (``null.components`` of each pass).
+        self.null = NullAccumulator(window)
 
     @property
     def done(self) -> bool:
@@ -152,6 +157,7 @@ class BaselineBuilder:
         population: int | None = None,
         channel_mean: npt.ArrayLike | None = None,
         channel_std: npt.ArrayLike | None = None,
+        components: npt.ArrayLike | None = None,
     ) -> None:
         """Add one live pass.
 
@@ -166,6 +172,7 @@ class BaselineBuilder:
             population: Elements the sample was drawn from (default ``count``).
             channel_mean: Per-channel means, if tapped.
             channel_std: Per-channel population stds, if tapped.
+            components: The pass's components for the null model (:func:`.null.components`).
         """
         if count <= 0 or not (math.isfinite(mean) and math.isfinite(std)):
             # A pass with NaN/Inf must not poison the reference; the nonfinite
@@ -173,6 +180,8 @@ class BaselineBuilder:
             self.skip()
             return
         self.passes += 1
+        if components is not None:
+            self.null.add(components)
         n, m, m2 = chan_merge(self.count, self.mean, self.m2, int(count), float(mean), float(std) ** 2 * count)
         self.count, self.mean, self.m2 = int(n), float(m), float(m2)
         if math.isfinite(min):
@@ -211,6 +220,7 @@ class BaselineBuilder:
         self.count, self.mean, self.m2 = int(n), float(m), float(m2)
         self.passes += other.passes
         self.skipped_passes += other.skipped_passes
+        self.null.merge(other.null)
         self.min = builtins.min(self.min, other.min)
         self.max = builtins.max(self.max, other.max)
         self._keep(np.concatenate((self._values, other._values)), np.concatenate((self._keys, other._keys)))
@@ -258,6 +268,7 @@ class BaselineBuilder:
         probabilities: tuple[float, ...] = DEFAULT_PROBABILITIES,
         window: int = 50,
         thresholds: DriftThresholds | None = None,
+        fixed: bool = False,
     ) -> Baseline:
         """Freeze the reference: place edges at its quantiles and bin the reservoir.
 
@@ -267,6 +278,7 @@ class BaselineBuilder:
             probabilities: Quantiles to store.
             window: Sliding window drift will use.
             thresholds: Drift thresholds (defaults when None).
+            fixed: The thresholds were given: they decide the alarm, not calibration.
 
         Raises:
             ValueError: When no usable pass or value was fed.
@@ -300,4 +312,6 @@ class BaselineBuilder:
             thresholds=thresholds or DriftThresholds(),
             created_at=time.time(),
             phase=self.phase,
+            null=self.null.freeze(),
+            fixed=fixed,
         )

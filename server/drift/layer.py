@@ -5,14 +5,16 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from layertap.server.drift.alarm import CALIBRATED, FIXED, UNCALIBRATED, AlarmReading, WindowAlarm
 from layertap.server.drift.baseline import Baseline
 from layertap.server.drift.builder import BaselineBuilder
 from layertap.server.drift.exchange import builder_state_to_proto, frozen_to_bytes
 from layertap.server.drift.files import save_baseline
+from layertap.server.drift.null import NullModel, components
 from layertap.server.drift.phases import FORWARD, PHASE_BY_NAME
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
@@ -24,7 +26,30 @@ from layertap.v1 import telemetry_pb2 as pb
 log = logging.getLogger("layertap.server")
 
 __all__ = ["COLLECT_PROBABILITIES", "SAVE_RETRY_FIRST_SECONDS", "SAVE_RETRY_MAX_SECONDS", "LayerEntry",
-           "layer_reducers", "phases_reducers"]
+           "layer_reducers", "pass_components", "phases_reducers"]
+
+_CALIBRATION = {CALIBRATED: pb.DRIFT_CALIBRATION_CALIBRATED, UNCALIBRATED: pb.DRIFT_CALIBRATION_UNCALIBRATED,
+                FIXED: pb.DRIFT_CALIBRATION_FIXED}
+#: The reason of a baseline loaded from a file written before calibration.
+OLD_FILE = ("saved by an older layertap without null statistics (baseline schema v1/v2): "
+            "set the baseline again to calibrate its alarm")
+
+
+def pass_components(res: dict[str, pb.ReducerResult]) -> np.ndarray | None:
+    """A pass's components for the null model and the alarm (:func:`.null.components`); None without moments.
+
+    Per-feature statistics are the ``per_channel`` reducer's, computed on the
+    device in the tap's one reducer pass: past ``max_channels`` (4096) only
+    the first features are reported and tested; the rest count in the pooled
+    mean and std.
+    """
+    if "moments" not in res:
+        return None
+    m = res["moments"].moments
+    if m.count == 0:
+        return np.array([np.nan, np.nan])
+    pc = res["per_channel"].per_channel if "per_channel" in res else None
+    return components(m.mean, m.std, pc.mean if pc is not None else None, pc.std if pc is not None else None)
 
 #: Percentiles reported per pass while a baseline collects.
 COLLECT_PROBABILITIES = tuple(round(i / 100, 2) for i in range(1, 100))
@@ -60,6 +85,12 @@ def layer_reducers(*, per_channel: bool, edges: Iterable[np.ndarray] = (), colle
     return specs
 
 
+def _features(b: Baseline) -> bool:
+    """Whether a frozen baseline reads per-feature statistics: its channel means, or its null's features
+    (a layer past ``max_channels`` keeps no channel means but tests its first features)."""
+    return b.channel_mean is not None or (b.null is not None and b.null.features > 0)
+
+
 def phases_reducers(entries: Iterable[LayerEntry]) -> list[pb.ReducerSpec]:
     """The reducers one layer runs for the baselines of all its phases (one tap plan serves every pass).
 
@@ -70,7 +101,7 @@ def phases_reducers(entries: Iterable[LayerEntry]) -> list[pb.ReducerSpec]:
     baseline yet) asks for nothing.
     """
     entries = sorted(entries, key=lambda e: PHASE_BY_NAME[e.phase])
-    per_channel = any(e.baseline.channel_mean is not None if e.baseline is not None else e.per_channel for e in entries)
+    per_channel = any(_features(e.baseline) if e.baseline is not None else e.per_channel for e in entries)
     return layer_reducers(per_channel=per_channel, edges=[e.baseline.edges for e in entries if e.baseline is not None],
                           collect=any(e.builder is not None for e in entries))
 
@@ -107,6 +138,20 @@ class LayerEntry:
     edge_list: list[float] | None = None
     #: What the tap reads of the tensor (``pb.Derive``; 0: the tensor itself).
     derive: int = 0
+    #: Explicit thresholds decide the alarm (SetBaseline gave some).
+    fixed: bool = False
+    #: The calibrated alarm, once frozen (uncalibrated ones never fire).
+    alarm: WindowAlarm | None = None
+
+    def arm(self, baseline: Baseline, rate: float) -> None:
+        """The alarm of a newly frozen (or reloaded) baseline, at this layer's share of the rate."""
+        null = baseline.null if baseline.null is not None else NullModel.uncalibrated(OLD_FILE, baseline.window)
+        self.fixed = baseline.fixed
+        self.alarm = None if baseline.fixed else WindowAlarm(null, rate)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.alarm is not None and self.alarm.model.calibrated
 
     def save(self, baseline_dir: str | None, now: float) -> bool:
         """Write the baseline's file; on failure mark the entry UNSAVED, with its next retry's time.
@@ -158,7 +203,17 @@ class LayerEntry:
             chan = np.asarray(pc.mean, dtype=np.float64)
         window.add(np.asarray(hist.counts, dtype=np.int64), m.count, m.mean, m.std,
                    mm.min if mm else math.nan, mm.max if mm else math.nan, channel_mean=chan)
-        self.score = window.score(baseline, self.thresholds)
+        score = window.score(baseline, self.thresholds)
+        assert score is not None
+        if self.alarm is None:
+            reading = AlarmReading(FIXED, alarm=any(score.flags.values()))
+        else:
+            x = pass_components(res)
+            self.alarm.add(np.array([np.nan]) if x is None else x)
+            reading = self.alarm.reading()
+            if self.alarm.model.calibrated:  # rebuilt on the per-feature test: features past the threshold
+                score = replace(score, channel_drift_fraction=reading.feature_fraction)
+        self.score = replace(score, alarm=reading)
         return True
 
     def drift_message(self) -> pb.LayerDrift:
@@ -178,6 +233,18 @@ class LayerEntry:
             msg.drifted = s.drifted
             if s.channel_drift_fraction is not None:
                 msg.channel_drift_fraction = s.channel_drift_fraction
+        # The alarm's own reading: a rate changed since the last pass shows at once.
+        a = self.alarm.reading() if self.alarm is not None else s.alarm if s is not None else None
+        if a is None and b is not None and self.fixed:
+            a = AlarmReading(FIXED)
+        msg.score, msg.threshold, msg.p_value = math.nan, math.nan, math.nan
+        if a is not None:
+            msg.calibration = _CALIBRATION[a.calibration]  # type: ignore[assignment]
+            msg.calibration_reason, msg.alarm = a.reason, a.alarm
+            msg.score, msg.threshold, msg.p_value = a.score, a.threshold, a.p_value
+            msg.detection_passes, msg.alarm_pass, msg.scored_passes = a.detection_passes, a.alarm_pass, a.passes
+            msg.windows, msg.ignored_passes, msg.constant_features = a.windows, a.ignored_passes, a.constant_features
+            msg.false_alarm_rate = a.false_alarm_rate
         return msg
 
     def export_message(self) -> pb.LayerBaseline | None:
@@ -198,9 +265,10 @@ class LayerEntry:
     def sibling(self, phase: str) -> LayerEntry:
         """A fresh entry of the same layer and settings for passes of ``phase``, collecting."""
         return LayerEntry(self.tap, self.layer, self.point, self.passes, self.window_len, self.thresholds,
-                          builder=BaselineBuilder(self.tap, self.layer, self.point, passes=self.passes, phase=phase),
+                          builder=BaselineBuilder(self.tap, self.layer, self.point, passes=self.passes, phase=phase,
+                                                  window=self.window_len),
                           handle=self.handle, hold=self.hold, phase=phase, per_channel=self.per_channel,
-                          derive=self.derive)
+                          derive=self.derive, fixed=self.fixed)
 
     @property
     def state(self) -> pb.BaselineState.ValueType:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -46,15 +45,17 @@ import numpy as np
 from layertap.server.drift.baseline import Baseline
 from layertap.server.drift.builder import BaselineBuilder, BuilderState
 from layertap.server.drift.exchange import builder_state_from_proto, frozen_from_bytes, merge_states
-from layertap.server.drift.files import baseline_filename, load_baselines
-from layertap.server.drift.layer import SAVE_RETRY_FIRST_SECONDS, LayerEntry, layer_reducers, phases_reducers
+from layertap.server.drift.files import baseline_filename
+from layertap.server.drift.layer import SAVE_RETRY_FIRST_SECONDS, LayerEntry, layer_reducers, pass_components, phases_reducers
 from layertap.server.drift.names import baseline_tap_id, check_derive, check_not_baseline_name
 from layertap.server.drift.phases import FORWARD, PHASE_NAMES
+from layertap.server.drift.rates import DEFAULT_FALSE_ALARM_RATE, check_rate
+from layertap.server.drift.reload import BaselineReload
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.drift.window import SlidingWindow
 from layertap.server.errors import AlreadyExists, InvalidField, NotFound, Unsupported
-from layertap.server.host.hooks import POINT_BY_NAME, POINT_NAMES
+from layertap.server.host.hooks import POINT_NAMES
 from layertap.server.host.model_host import PassContext
 from layertap.server.limits import check_name
 from layertap.server.reducers.spec import default_feature_axis
@@ -66,7 +67,8 @@ from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")
 
-DEFAULT_PASSES = 100
+#: 10 windows of the default 50: enough to calibrate the alarm (at least 5 windows).
+DEFAULT_PASSES = 500
 MAX_PASSES = 100_000
 
 
@@ -81,14 +83,14 @@ class ScoreListener(Protocol):
                  *, phase: str) -> None: ...
 
 
-class DriftMonitor(Sink):
+class DriftMonitor(Sink, BaselineReload):
     """Owns baseline taps, their builders and windows; a sink of the tap engine."""
 
     def __init__(self, engine: TapEngine, *, on_score: ScoreListener | None = None,
                  baseline_dir: str | None = None, default_window: int = 50,
                  on_load_error: Callable[[str], None] | None = None,
                  on_save_error: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE) -> None:
         """Create the monitor (a sink of ``engine``).
 
         Args:
@@ -98,7 +100,9 @@ class DriftMonitor(Sink):
             on_load_error: Called with each message of a baseline file refused at start-up.
             on_save_error: Called with each failed write of a frozen baseline, retries included.
             clock: Monotonic seconds, for the save retries' backoff.
+            false_alarm_rate: Per-window false alarms of the calibrated alarms, split across their layers.
         """
+        self.false_alarm_rate = check_rate(false_alarm_rate)
         self.engine = engine
         self._on_score = on_score
         self.baseline_dir = baseline_dir
@@ -163,6 +167,7 @@ class DriftMonitor(Sink):
         check_derive(req.derive)
         tap_id = baseline_tap_id(req)
         thresholds = DriftThresholds.from_message(req.thresholds)
+        fixed = any(getattr(req.thresholds, m) > 0 for m in DRIFT_METRICS)
         # A derived tensor (one value per token) has no channels.
         per_channel = not req.derive and all(self._channels(layer) is not None for layer in layers)
         spec = pb.TapSpec(name=tap_id, selector=req.selector, point=point, sampling=req.sampling,
@@ -173,8 +178,8 @@ class DriftMonitor(Sink):
                 raise AlreadyExists(f"name: a tap named {tap_id!r} exists and is not a baseline; pick another name")
             self.engine.delete(tap_id, reason="replaced")
         entries = {layer: LayerEntry(tap_id, layer, POINT_NAMES[point], passes, window, thresholds,
-                                 builder=BaselineBuilder(tap_id, layer, POINT_NAMES[point], passes=passes),
-                                 hold=req.hold, per_channel=per_channel, derive=req.derive)
+                                 builder=BaselineBuilder(tap_id, layer, POINT_NAMES[point], passes=passes, window=window),
+                                 hold=req.hold, per_channel=per_channel, derive=req.derive, fixed=fixed)
                    for layer in layers}
         with self._lock:
             self._layers.update({(tap_id, layer): {FORWARD: e} for layer, e in entries.items()})
@@ -243,8 +248,8 @@ class DriftMonitor(Sink):
             for (layer, phase), states in groups.items():
                 e = next(iter(entries[layer].values()))
                 try:
-                    baselines[layer, phase] = merge_states(req.tap, states).freeze(window=e.window_len,
-                                                                                   thresholds=e.thresholds)
+                    baselines[layer, phase] = merge_states(req.tap, states).freeze(
+                        window=e.window_len, thresholds=e.thresholds, fixed=e.fixed)
                 except ValueError as exc:
                     raise Unsupported(f"builders: {exc}; collect more passes first", field="builders") from None
         else:
@@ -255,7 +260,8 @@ class DriftMonitor(Sink):
                 if (b.layer, b.phase) in baselines:
                     raise InvalidField(f"frozen[{i}]", f"a second document for layer {b.layer!r} in phase {b.phase!r}")
                 e = next(iter(entries[b.layer].values()))
-                baselines[b.layer, b.phase] = replace(b, tap=req.tap, window=e.window_len, thresholds=e.thresholds)
+                baselines[b.layer, b.phase] = replace(b, tap=req.tap, window=e.window_len, thresholds=e.thresholds,
+                                                      fixed=e.fixed)
         with self._build_lock:
             for (layer, phase), b in baselines.items():
                 entry = entries[layer].get(phase) or self._add_phase(req.tap, layer, phase, replan=False)
@@ -280,50 +286,6 @@ class DriftMonitor(Sink):
         return self._skipped
 
     # -- start-up ------------------------------------------------------------
-    def load(self) -> int:
-        """Reload saved baselines and recreate their taps; returns how many."""
-        if not self.baseline_dir:
-            return 0
-        known = {name: self._channels(name) for name in self.engine.host.layer_names}
-        baselines, errors = load_baselines(self.baseline_dir, known)
-        for err in errors:
-            log.error("baseline refused: %s", err)
-            if self._on_load_error is not None:
-                self._on_load_error(err)
-        by_tap: dict[tuple[str, str], list[Baseline]] = {}
-        for b in baselines:
-            by_tap.setdefault((b.tap, b.point), []).append(b)
-        loaded = 0
-        for (tap_id, point), group in by_tap.items():
-            selector = "re:" + "|".join(re.escape(layer) for layer in dict.fromkeys(b.layer for b in group))
-            per_channel = all(b.channel_mean is not None for b in group)
-            spec = pb.TapSpec(name=tap_id, selector=selector, point=POINT_BY_NAME[point],
-                              reducers=layer_reducers(per_channel=per_channel))
-            with self._lock:
-                for b in group:
-                    self._layers.setdefault((tap_id, b.layer), {})[b.phase] = LayerEntry(
-                        tap_id, b.layer, point, b.passes, b.window, b.thresholds, phase=b.phase,
-                        per_channel=b.channel_mean is not None)
-            try:
-                tap = self.engine.create(spec, forever=True, trusted_selector=True)
-                self._own.add(tap_id)
-            except Exception as exc:  # noqa: BLE001 - one bad group must not stop start-up
-                msg = f"{tap_id}: cannot recreate its tap: {exc}"
-                log.error("baseline refused: %s", msg)
-                if self._on_load_error is not None:
-                    self._on_load_error(msg)
-                with self._lock:
-                    for b in group:
-                        self._layers.pop((tap_id, b.layer), None)
-                continue
-            for b in group:
-                self._layers[(tap_id, b.layer)][b.phase].handle = tap
-            for b in group:
-                if self._install(self._layers[(tap_id, b.layer)][b.phase], b):
-                    loaded += 1
-        if loaded:
-            log.info("reloaded %d baseline(s) from %s", loaded, self.baseline_dir)
-        return loaded
 
     # -- host-transfer thread ----------------------------------------------------
     def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
@@ -389,11 +351,12 @@ class DriftMonitor(Sink):
             builder.feed(values, m.count, m.mean, m.std, mm.min if mm else math.nan, mm.max if mm else math.nan,
                          population=m.count,
                          channel_mean=np.asarray(pc.mean) if pc and pc.channels == len(pc.mean) else None,
-                         channel_std=np.asarray(pc.std) if pc and pc.channels == len(pc.std) else None)
+                         channel_std=np.asarray(pc.std) if pc and pc.channels == len(pc.std) else None,
+                         components=pass_components(res))
         # Only this (host-transfer) thread writes the total; readers see an int.
         self._skipped += builder.skipped_passes - before
         if builder.done and not entry.hold:
-            self._freeze(entry, builder.freeze(window=entry.window_len, thresholds=entry.thresholds))
+            self._freeze(entry, builder.freeze(window=entry.window_len, thresholds=entry.thresholds, fixed=entry.fixed))
 
     def _live(self, entry: LayerEntry) -> bool:
         """Whether ``entry`` is still its layer's entry for its phase (the caller holds ``_lock``)."""
@@ -453,10 +416,32 @@ class DriftMonitor(Sink):
         entry.builder = None
         entry.window = SlidingWindow.for_baseline(baseline, entry.window_len)
         entry.edge_list = baseline.edges.tolist()
+        entry.arm(baseline, self.false_alarm_rate)
+        self._rebalance()
         if not self._replan(entry):
             return False
         self._export(entry)
         return True
+
+    def set_false_alarm_rate(self, rate: float) -> int:
+        """Set the server-wide per-window rate (SetDriftFalseAlarmRate); returns the calibrated layers it is split across.
+
+        Every calibrated alarm's thresholds are recomputed from its saved null statistics: no new passes.
+        """
+        self.false_alarm_rate = check_rate(rate)
+        return self._rebalance()
+
+    def _rebalance(self) -> int:
+        """Split the rate evenly (Bonferroni) over the calibrated layers; returns how many."""
+        with self._lock:
+            armed = [e for e in self._all() if e.calibrated and e.alarm is not None]
+        for e in armed:
+            assert e.alarm is not None
+            e.alarm.set_rate(self.false_alarm_rate / len(armed))
+            if e.score is not None:  # the exported ratio follows at once, not at the next pass
+                e.score = replace(e.score, alarm=e.alarm.reading())
+                self._export(e)
+        return len(armed)
 
     def _replan(self, entry: LayerEntry) -> bool:
         """Give ``entry``'s layer the reducers all its phases need now; False when its tap went meanwhile."""
@@ -479,6 +464,7 @@ class DriftMonitor(Sink):
         with self._lock:
             self._own.discard(tap.id)
             gone = [e for k in [k for k in self._layers if k[0] == tap.id] for e in self._layers.pop(k).values()]
+        self._rebalance()
         # A deleted (or replaced) baseline must not come back at the next start.
         if self.baseline_dir:
             for entry in gone:

@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from layertap.server.drift.baseline import Baseline
+from layertap.server.drift.null import NullModel
 from layertap.server.drift.phases import FORWARD, PHASE_BY_NAME
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.host.hooks import POINT_BY_NAME
@@ -44,10 +45,10 @@ FloatArray = npt.NDArray[np.float64]
 KnownLayers: TypeAlias = Collection[str] | Mapping[str, int | None]
 
 BASELINE_SCHEMA = "layertap.baseline"
-#: The newest version (the one with ``phase``).
-BASELINE_VERSION = 2
+#: The newest version (the one with ``null``).
+BASELINE_VERSION = 3
 #: Versions this build reads.
-BASELINE_VERSIONS = (1, 2)
+BASELINE_VERSIONS = (1, 2, 3)
 
 
 class BaselineFormatError(ValueError):
@@ -55,10 +56,10 @@ class BaselineFormatError(ValueError):
 
 
 def baseline_to_dict(b: Baseline) -> dict[str, Any]:
-    """The JSON document for ``b``: v1 for a forward baseline, v2 (with ``phase``) otherwise."""
+    """The JSON document for ``b``: v3 with its null statistics; without them v1 for a forward baseline, else v2."""
     doc: dict[str, Any] = {
         "schema": BASELINE_SCHEMA,
-        "version": 1 if b.phase == FORWARD else 2,
+        "version": 3 if b.null is not None else 1 if b.phase == FORWARD else 2,
         "tap": b.tap,
         "layer": b.layer,
         "point": b.point,
@@ -77,9 +78,29 @@ def baseline_to_dict(b: Baseline) -> dict[str, Any]:
         "thresholds": b.thresholds.as_dict(),
         "created_at": float(b.created_at),
     }
-    if b.phase != FORWARD:
+    if b.phase != FORWARD or b.null is not None:
         doc["phase"] = b.phase
+    if b.null is not None:
+        doc["null"] = b.null.as_dict()
+        doc["fixed"] = bool(b.fixed)
     return doc
+
+
+def _null_from_dict(d: Any) -> NullModel:
+    if not isinstance(d, dict):
+        raise BaselineFormatError("field 'null' must be an object")
+    reason = d.get("reason", "")
+    if not isinstance(reason, str):
+        raise BaselineFormatError("field 'null.reason' must be a string")
+    mean, std = _floats(d, "mean"), _floats(d, "std")
+    if mean.shape != std.shape or np.any(std < 0):
+        raise BaselineFormatError(f"null: mean has {mean.size} entries, std {std.size}, or a std is negative")
+    passes, window, windows, features = (_num(d, k, int) for k in ("passes", "window", "windows", "features"))
+    dispersion = _num(d, "dispersion")
+    if not reason and (mean.size != 2 * features + 2 or passes < 2 or window < 1 or dispersion < 0):
+        raise BaselineFormatError(f"null: {mean.size} components for {features} features, {passes} passes, "
+                                  f"window {window}, dispersion {dispersion}: not a calibrated null")
+    return NullModel(mean, std, passes, max(window, 1), windows, dispersion, features, reason[:500])
 
 
 def _num(d: Mapping[str, Any], key: str, kind: type = float) -> Any:
@@ -122,6 +143,15 @@ def baseline_from_dict(d: Any, known_layers: KnownLayers | None = None) -> Basel
     if isinstance(version, bool) or version not in BASELINE_VERSIONS:
         raise BaselineFormatError(f"schema version {version!r} is not supported "
                                   f"(expected one of {', '.join(map(str, BASELINE_VERSIONS))})")
+    null: NullModel | None = None
+    fixed = False
+    if version == 3:
+        null = _null_from_dict(d.get("null"))
+        fixed = d.get("fixed", False)
+        if not isinstance(fixed, bool):
+            raise BaselineFormatError("field 'fixed' must be true or false")
+    elif "null" in d:
+        raise BaselineFormatError("field 'null' needs schema version 3")
     if version == 1:
         if "phase" in d:
             raise BaselineFormatError("field 'phase' needs schema version 2 (a v1 reader takes it for a forward baseline)")
@@ -192,5 +222,5 @@ def baseline_from_dict(d: Any, known_layers: KnownLayers | None = None) -> Basel
         tap=d["tap"], layer=layer, point=d["point"], edges=edges, counts=counts, count=count,
         mean=mean, m2=m2, min=lo, max=hi, passes=passes, quantiles=quantiles,
         channel_mean=cmean, channel_std=cstd, window=window, thresholds=thresholds,
-        created_at=float(created) if isinstance(created, (int, float)) else 0.0, phase=phase,
+        created_at=float(created) if isinstance(created, (int, float)) else 0.0, phase=phase, null=null, fixed=fixed,
     )

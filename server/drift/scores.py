@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from layertap.server.drift.alarm import AlarmReading
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 
 __all__ = [
@@ -220,6 +221,8 @@ class DriftScore:
     baseline_passes: int = 0
     #: Fraction of channels past the mean-shift threshold; None when not tapped.
     channel_drift_fraction: float | None = None
+    #: The calibrated alarm (None: scores computed without one, e.g. in a unit test of the four scores).
+    alarm: AlarmReading | None = None
 
     def as_dict(self) -> dict[str, float]:
         """``{metric: score}`` in ``DRIFT_METRICS`` order."""
@@ -233,5 +236,7 @@ class DriftScore:
 
     @property
     def drifted(self) -> bool:
-        """True when any of the four scores is above its threshold."""
+        """The alarm: calibrated, or (fixed thresholds, or no alarm attached) any of the four scores over its threshold."""
+        if self.alarm is not None:
+            return self.alarm.alarm
         return any(self.flags.values())

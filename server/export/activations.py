@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from layertap._results import RESULTS, Family
+from layertap.server.drift.alarm import FIXED
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.export.exposition import RenderedFamily, model_only_family
@@ -68,7 +69,13 @@ _FAMILIES: tuple[tuple[str, str, str, str, str], ...] = (
      "", ""),
     ("layertap_activation_drift", "Drift of the layer against its baseline.", "gauge", "", "metric"),
     ("layertap_activation_drift_threshold", "Drift threshold per metric.", "gauge", "", "metric"),
-    ("layertap_activation_channel_drift_fraction", "Fraction of channels whose mean drifted.", "gauge", "", ""),
+    ("layertap_activation_channel_drift_fraction",
+     "Fraction of the features past the calibrated threshold in the last window (fixed thresholds: of the channels "
+     "whose mean moved past the mean-shift threshold).", "gauge", "", ""),
+    ("layertap_activation_drift_alarm", "The layer's drift alarm (1 raised): calibrated, or fixed thresholds.",
+     "gauge", "", ""),
+    ("layertap_activation_drift_ratio", "Drift score over its threshold (calibrated: the last window's max |z|; "
+     "fixed: the largest of the four); the alarm is raised above 1.", "gauge", "", ""),
     *map(_row, _BUCKETS),
 )
 #: Slots of the histogram families, whose values are counts.
@@ -134,6 +141,21 @@ def _channel(s: LayerSnapshot, drift: DriftScore | None) -> float | None:
     if cf is None and drift is not None:
         cf = drift.channel_drift_fraction
     return None if cf is None or math.isnan(cf) else cf
+
+
+def _alarm(drift: DriftScore | None) -> float | None:
+    return None if drift is None or drift.alarm is None else float(drift.alarm.alarm)
+
+
+def _ratio(drift: DriftScore | None) -> float | None:
+    if drift is None or drift.alarm is None:
+        return None
+    if drift.alarm.calibration == FIXED:
+        t = drift.thresholds.as_dict()
+        r = max((v / t[m] for m, v in drift.as_dict().items() if not math.isnan(v)), default=math.nan)
+    else:
+        r = drift.alarm.ratio
+    return None if math.isnan(r) else r
 
 
 def _cumulative(counts: list[Sequence[int] | npt.NDArray[np.int64]], picks: list[list[int]]) -> list[int]:
@@ -334,6 +356,8 @@ class ActivationCollector(Collector):
             _per_metric(drifts),  # type: ignore[arg-type]
             _per_metric([s.thresholds or (d.thresholds if d is not None else None) for s, d in zip(snaps, drifts)]),
             _present([_channel(s, d) for s, d in zip(snaps, drifts)]),
+            _present(list(map(_alarm, drifts))),
+            _present(list(map(_ratio, drifts))),
         )
         cols += [self._histograms(snaps, get) for get in _bucket_getters]
         return cols

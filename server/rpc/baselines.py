@@ -1,4 +1,4 @@
-"""SetBaseline, GetDrift, ExportBaseline and InstallBaseline: baselines and drift against them.
+"""SetBaseline, GetDrift, ExportBaseline, InstallBaseline and SetDriftFalseAlarmRate: baselines and drift against them.
 
 SetBaseline builds a baseline on a tap of its own; GetDrift scores the live
 summaries against it. ExportBaseline and InstallBaseline carry a fleet-wide
@@ -57,6 +57,12 @@ class BaselinesServicer(StateBacked):
         installed = self.state.drift.install(request)
         return pb.InstallBaselineResponse(layers=[b.layer for b in installed],
                                           frozen=[frozen_to_bytes(b) for b in installed])
+
+    @grpc_errors
+    def SetDriftFalseAlarmRate(self, request: pb.SetDriftFalseAlarmRateRequest,
+                               context: grpc.ServicerContext) -> pb.SetDriftFalseAlarmRateResponse:
+        layers = self.state.drift.set_false_alarm_rate(request.rate)
+        return pb.SetDriftFalseAlarmRateResponse(rate=self.state.drift.false_alarm_rate, calibrated_layers=layers)
 
     def _own(self, tap: str, context: grpc.ServicerContext, doing: str) -> None:
         """PermissionDenied unless ``tap`` is the caller's, or the caller has ``admin`` (or no such tap)."""

@@ -69,6 +69,8 @@ PROBES = {
     "/layertap.v1.TelemetryService/GetDrift": telemetry_pb2.GetDriftRequest(),
     "/layertap.v1.TelemetryService/ExportBaseline": telemetry_pb2.ExportBaselineRequest(tap="no-such-tap"),
     "/layertap.v1.TelemetryService/InstallBaseline": telemetry_pb2.InstallBaselineRequest(tap="no-such-tap"),
+    # Rate 0 is refused past the interceptor (INVALID_ARGUMENT): the probe changes nothing.
+    "/layertap.v1.TelemetryService/SetDriftFalseAlarmRate": telemetry_pb2.SetDriftFalseAlarmRateRequest(rate=0.0),
     "/layertap.v1.TelemetryService/GetServerStats": telemetry_pb2.GetServerStatsRequest(),
     "/layertap.v1.TelemetryService/ListIncidents": telemetry_pb2.ListIncidentsRequest(),
     "/layertap.v1.TelemetryService/GetIncident": telemetry_pb2.GetIncidentRequest(id="inc-0000000000001-00000000"),

@@ -59,7 +59,9 @@ def test_baseline_collects_scores_small_then_flags_shifted_inputs(make_server) -
     srv = make_server(perturbable_loaded(), drift_window=50)
     with layertap.Client(f"127.0.0.1:{srv.port}") as client:
         drive = Driver(srv, client)
-        info = client.set_baseline("layer*", passes=20, window=10)
+        # Twenty passes are too few to calibrate (test_drift_calibrated.py): a given threshold
+        # makes the alarm fixed, today's rule on the four scores.
+        info = client.set_baseline("layer*", passes=20, window=10, thresholds={"psi": 0.2})
         assert info.layers == LAYERS and info.tap.startswith("baseline-")
         assert [t.id for t in client.taps()] == [info.tap]
 
@@ -77,7 +79,7 @@ def test_baseline_collects_scores_small_then_flags_shifted_inputs(make_server) -
         drive.feed(10)
         scored = by_layer(client.drift())
         for d in scored.values():
-            assert d.tap == info.tap and d.point == "output"
+            assert d.tap == info.tap and d.point == "output" and d.calibration == "fixed"
             assert d.window_passes == 10  # the requested window, not the server's default of 50
             assert (d.thresholds.psi, d.thresholds.js, d.thresholds.wasserstein, d.thresholds.mean_shift) == (
                 0.2, 0.1, 0.1, 1.0)
@@ -106,8 +108,8 @@ def test_channel_fraction_only_where_channels_exist(make_server) -> None:
     srv = make_server(pooled_loaded())
     with layertap.Client(f"127.0.0.1:{srv.port}") as client:
         drive = Driver(srv, client)
-        client.set_baseline("lin", passes=10, window=5)
-        client.set_baseline("total", passes=10, window=5)  # (batch,) outputs: no channel dim
+        client.set_baseline("lin", passes=10, window=5, thresholds={"psi": 0.2})
+        client.set_baseline("total", passes=10, window=5, thresholds={"psi": 0.2})  # (batch,) outputs: no channel dim
         drive.feed(10)
         drive.feed(5, shift=3.0)
         d = by_layer(client.drift())

@@ -1,9 +1,14 @@
-"""Baselines per phase on disk and on the wire: schema v2 names the phase, v1 files load as forward."""
+"""Baselines per phase on disk and on the wire: schema v2 names the phase, v1 files load as forward.
+
+A baseline frozen now carries its null statistics and is v3 (tests/server/drift/test_calibration.py);
+one without them (reloaded from an older file) is still written as v1/v2, as before.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,15 +28,16 @@ V1_KEYS = {"schema", "version", "tap", "layer", "point", "edges", "counts", "cou
 
 
 def make(phase: str = "forward", layer: str = "layer1", mu: float = 0.0, seed: int = 0) -> Baseline:
+    """A baseline as a server before calibration froze it (no null statistics)."""
     b = BaselineBuilder("tap-1", layer, passes=3, seed=seed, phase=phase)
     rng = np.random.default_rng(seed)
     for _ in range(3):
         x = rng.normal(mu, 1.0, size=1000)
         b.feed(x, x.size, x.mean(), x.std(), x.min(), x.max())
-    return b.freeze(window=30, thresholds=DriftThresholds(psi=0.25))
+    return replace(b.freeze(window=30, thresholds=DriftThresholds(psi=0.25)), null=None)
 
 
-def test_a_forward_baseline_is_still_written_as_v1() -> None:
+def test_a_forward_baseline_without_null_statistics_is_still_written_as_v1() -> None:
     """Rolled back, or read by an older replica of the fleet, a forward baseline still loads."""
     doc = schema.baseline_to_dict(make())
     assert doc["version"] == 1 and set(doc) == V1_KEYS
@@ -71,7 +77,9 @@ def test_phases_of_one_layer_are_separate_files_that_round_trip(tmp_path: Path) 
     ({"version": 2}, "phase None"),  # v2 must name its phase
     ({"version": 2, "phase": "sideways"}, "phase 'sideways' is not one of forward, prefill, decode"),
     ({"version": 2, "phase": 2}, "phase 2 is not"),
-    ({"version": 3, "phase": "decode"}, "version 3 is not supported"),
+    ({"version": 4, "phase": "decode"}, "version 4 is not supported"),
+    ({"version": 3, "phase": "decode"}, "field 'null' must be an object"),  # v3 holds its null statistics
+    ({"null": {}}, "field 'null' needs schema version 3"),
     ({"version": True}, "version True"),
 ])
 def test_a_bad_phase_or_version_is_refused(tmp_path: Path, change: dict[str, object], message: str) -> None:

@@ -37,7 +37,9 @@ def feed(host: ModelHost, n: int, shift: float = 0.0, seed: int = 0) -> None:
 
 def test_baseline_freezes_then_scores(rig):
     host, engine, monitor = rig
-    tap, layers = monitor.set_baseline(pb.SetBaselineRequest(selector="layer*", passes=6, window=5))
+    # Six passes are too few to calibrate: explicit thresholds (fixed) decide the alarm.
+    tap, layers = monitor.set_baseline(pb.SetBaselineRequest(selector="layer*", passes=6, window=5,
+                                                             thresholds=pb.DriftThresholds(psi=0.2)))
     assert layers == ["layer1", "layer2", "layer3", "layer4"]
     feed(host, 6)
     engine.flush(10)
@@ -234,5 +236,56 @@ def test_an_unsaved_baseline_retries_with_backoff_until_it_is_written(tmp_path, 
         assert d.state == pb.BASELINE_STATE_READY and d.save_error == ""
         assert len(list(tmp_path.glob("*.json"))) == 1 and monitor.unsaved() == 0
         assert "saved after earlier failures" in caplog.text
+    finally:
+        engine.close()
+
+
+def test_a_baseline_too_short_to_calibrate_says_why_and_never_alarms(rig):
+    host, engine, monitor = rig
+    monitor.set_baseline(pb.SetBaselineRequest(selector="layer1", passes=6, window=5))
+    feed(host, 6)
+    engine.flush(10)
+    feed(host, 10, shift=3.0, seed=2)  # a shift the fixed thresholds flag (test_baseline_freezes_then_scores)
+    engine.flush(10)
+    (d,) = monitor.drift()
+    assert d.state == pb.BASELINE_STATE_READY and d.calibration == pb.DRIFT_CALIBRATION_UNCALIBRATED
+    assert "holds 1 window(s) of 5; calibration needs 5 (25 passes)" in d.calibration_reason, d.calibration_reason
+    assert d.mean_shift > 1.0 and not d.drifted and not d.alarm
+
+
+def test_past_max_channels_the_first_features_are_tested_and_a_shift_of_one_is_seen():
+    """A (batch, 5000) layer: the per-channel reducer reports 4096 features; the null and the live passes
+    agree on those (plus the pooled pair), so passes are scored, not left out, and a shift shows."""
+    from torch import nn
+
+    from layertap.server.host.sources import InputSpec, LoadedModel
+    from layertap.server.reducers.spec import MAX_CHANNELS
+
+    torch.manual_seed(0)
+    wide = nn.Sequential()
+    wide.add_module("wide", nn.Linear(4, 5000))
+    host = ModelHost(LoadedModel(wide, "wide", "factory", [InputSpec("input", torch.float32, (-1, 4))]))
+    host.warm_up()
+    engine = TapEngine(host, Broker(), max_taps=3)
+    monitor = engine.sinks.add(DriftMonitor(engine, default_window=5))
+    try:
+        monitor.set_baseline(pb.SetBaselineRequest(selector="wide", passes=30, window=5))
+        g = torch.Generator().manual_seed(1)
+        for _ in range(30):
+            host.run([torch.randn(16, 4, generator=g)])
+        engine.flush(10)
+        b = monitor.baseline_for("wide", "output")
+        assert b is not None and b.null is not None and b.null.calibrated and b.null.features == MAX_CHANNELS
+        assert b.channel_mean is None  # capped: no channel means kept, the null's features still are
+        for _ in range(10):
+            host.run([torch.randn(16, 4, generator=g)])
+        engine.flush(10)
+        (d,) = monitor.drift()
+        assert d.scored_passes == 10 and d.ignored_passes == 0 and d.windows == 2 and not d.alarm, d
+        for _ in range(5):
+            host.run([torch.randn(16, 4, generator=g) + 2.0])
+        engine.flush(10)
+        (d,) = monitor.drift()
+        assert d.alarm and d.score > d.threshold
     finally:
         engine.close()

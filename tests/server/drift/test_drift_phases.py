@@ -117,7 +117,9 @@ def reducer_names(rig: Rig, tap: str, layer: str) -> list[str]:
 
 
 def test_each_phase_freezes_its_own_baseline_and_is_scored_only_against_it(rig: Rig) -> None:
-    tap, layers = rig.monitor.set_baseline(pb.SetBaselineRequest(selector="layer*", passes=4, window=4))
+    # Four passes are too few to calibrate: fixed thresholds (the defaults, given) decide the alarm.
+    tap, layers = rig.monitor.set_baseline(pb.SetBaselineRequest(selector="layer*", passes=4, window=4,
+                                                                 thresholds=pb.DriftThresholds(psi=0.2)))
     assert layers == LAYERS
     rig.run("forward", 4, **DIST["forward"], seed=0)
     assert all(d.state == pb.BASELINE_STATE_READY for d in rig.monitor.drift())
@@ -186,7 +188,9 @@ def test_phase_baselines_survive_a_restart(tmp_path: Path) -> None:
     first = make_rig(baselines)
     rig = next(first)
     try:
-        tap, _ = rig.monitor.set_baseline(pb.SetBaselineRequest(selector="layer1", passes=3, window=4))
+        # Three passes cannot calibrate: fixed thresholds, which the files keep.
+        tap, _ = rig.monitor.set_baseline(pb.SetBaselineRequest(selector="layer1", passes=3, window=4,
+                                                                thresholds=pb.DriftThresholds(psi=0.2)))
         # Interleaved, as a server serving Infer and Generate sees them: while forward collects, the
         # others' first passes carry quantiles too, so all three freeze after exactly 3 passes.
         for i in range(3):
@@ -200,7 +204,7 @@ def test_phase_baselines_survive_a_restart(tmp_path: Path) -> None:
     files = sorted(baselines.glob("*.json"))
     assert len(files) == 3
     versions = sorted(json.loads(p.read_text())["version"] for p in files)
-    assert versions == [1, 2, 2]  # forward stays v1: a server rolled back still loads it
+    assert versions == [3, 3, 3]  # frozen now, every phase carries its null statistics: v3
 
     second = make_rig(baselines)
     rig = next(second)

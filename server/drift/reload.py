@@ -1,0 +1,88 @@
+"""Start-up: saved baselines reloaded, their taps recreated (the monitor's ``load``).
+
+A mixin of :class:`~layertap.server.drift.monitor.DriftMonitor` that reads
+only the attributes it declares, so this module imports nothing downstream.
+A file saved before calibration (schema v1/v2) loads uncalibrated, with the
+reason on its GetDrift entry; a refused file is logged and counted, and the
+others still load.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable
+
+from layertap.server.drift.baseline import Baseline
+from layertap.server.drift.files import load_baselines
+from layertap.server.drift.layer import LayerEntry, layer_reducers
+from layertap.server.host.hooks import POINT_BY_NAME
+from layertap.server.taps.engine import TapEngine
+from layertap.v1 import telemetry_pb2 as pb
+
+__all__ = ["BaselineReload"]
+
+log = logging.getLogger("layertap.server")
+
+
+class BaselineReload:
+    """``load()``: every saved baseline back on a tap of its own."""
+
+    engine: TapEngine
+    baseline_dir: str | None
+    _on_load_error: Callable[[str], None] | None
+    _lock: threading.Lock
+    _layers: dict[tuple[str, str], dict[str, LayerEntry]]
+    _own: set[str]
+
+    def _channels(self, layer: str) -> int | None:
+        raise NotImplementedError
+
+    def _install(self, entry: LayerEntry, baseline: Baseline) -> bool:
+        raise NotImplementedError
+
+    def load(self) -> int:
+        """Reload saved baselines and recreate their taps; returns how many."""
+        if not self.baseline_dir:
+            return 0
+        known = {name: self._channels(name) for name in self.engine.host.layer_names}
+        baselines, errors = load_baselines(self.baseline_dir, known)
+        for err in errors:
+            log.error("baseline refused: %s", err)
+            if self._on_load_error is not None:
+                self._on_load_error(err)
+        by_tap: dict[tuple[str, str], list[Baseline]] = {}
+        for b in baselines:
+            by_tap.setdefault((b.tap, b.point), []).append(b)
+        loaded = 0
+        for (tap_id, point), group in by_tap.items():
+            selector = "re:" + "|".join(re.escape(layer) for layer in dict.fromkeys(b.layer for b in group))
+            per_channel = all(b.channel_mean is not None or (b.null is not None and b.null.features > 0) for b in group)
+            spec = pb.TapSpec(name=tap_id, selector=selector, point=POINT_BY_NAME[point],
+                              reducers=layer_reducers(per_channel=per_channel))
+            with self._lock:
+                for b in group:
+                    self._layers.setdefault((tap_id, b.layer), {})[b.phase] = LayerEntry(
+                        tap_id, b.layer, point, b.passes, b.window, b.thresholds, phase=b.phase,
+                        per_channel=b.channel_mean is not None)
+            try:
+                tap = self.engine.create(spec, forever=True, trusted_selector=True)
+                self._own.add(tap_id)
+            except Exception as exc:  # noqa: BLE001 - one bad group must not stop start-up
+                msg = f"{tap_id}: cannot recreate its tap: {exc}"
+                log.error("baseline refused: %s", msg)
+                if self._on_load_error is not None:
+                    self._on_load_error(msg)
+                with self._lock:
+                    for b in group:
+                        self._layers.pop((tap_id, b.layer), None)
+                continue
+            for b in group:
+                self._layers[(tap_id, b.layer)][b.phase].handle = tap
+            for b in group:
+                if self._install(self._layers[(tap_id, b.layer)][b.phase], b):
+                    loaded += 1
+        if loaded:
+            log.info("reloaded %d baseline(s) from %s", loaded, self.baseline_dir)
+        return loaded
