@@ -67,9 +67,8 @@ _PHASE_NAMES = {code: name for name, code in _PHASES.items()}
 _DERIVES = {"": telemetry_pb2.DERIVE_UNSPECIFIED, **_enum_names(telemetry_pb2.Derive, "DERIVE_")}  # "": the tensor
 _DERIVE_NAMES = {code: name for name, code in _DERIVES.items()}
 _TAP_KINDS = {code: name for name, code in _enum_names(telemetry_pb2.TapKind, "TAP_KIND_").items()}
-_BASELINE_STATES = {
-    code: name for name, code in _enum_names(telemetry_pb2.BaselineState, "BASELINE_STATE_").items()
-}
+_TAP_SERVING = {code: name for name, code in _enum_names(telemetry_pb2.TapServing, "TAP_SERVING_").items()}
+_BASELINE_STATES = {code: name for name, code in _enum_names(telemetry_pb2.BaselineState, "BASELINE_STATE_").items()}
 #: Parameters each reducer accepts: the fields of its params message in ReducerSpec.
 REDUCER_PARAMS: dict[str, frozenset[str]] = {
     fd.name: frozenset(fd.message_type.fields_by_name)
@@ -330,6 +329,7 @@ def tap_info_from_proto(t: telemetry_pb2.TapInfo) -> TapInfo:
         t,
         spec=tap_spec_from_proto(t.spec),
         kind=_TAP_KINDS.get(t.kind, "unspecified"),
+        serving=_TAP_SERVING.get(t.serving, ""),
         expires_at=_utc(t, "expires_at"),
         created_at=_utc(t, "created_at"),
     )
