@@ -83,6 +83,17 @@ def check_mode(mode: str, device: torch.device) -> str | None:
     return None
 
 
+def _inference(t: Any) -> Any:
+    """An inference tensor over ``t``'s memory (no copy), not a view: how every compiled pass sees its inputs.
+
+    Dynamo's guards check an input's dispatch keys, and a view's base: a request's
+    tensor is a view of its wire buffer, a warm-up's is not. Called in inference mode.
+    """
+    if not isinstance(t, torch.Tensor) or (t.is_inference() and t._base is None):
+        return t
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
 @dataclass(frozen=True)
 class GraphPlan:
     """What the taps need of a compiled pass."""
@@ -112,7 +123,7 @@ class _Slot:
     variant: Variant | None = None
     error: str = ""
     #: Input shapes compiled or queued (a miss queues its shape once).
-    shapes: set[tuple[tuple[int | bool, ...], ...]] = field(default_factory=set)
+    shapes: set[tuple[tuple[int, ...], ...]] = field(default_factory=set)
 
 
 @dataclass
@@ -217,6 +228,7 @@ class CompiledServing:
         ``(False, None)``: the caller runs the eager module. Never compiles."""
         taps = self.taps
         plan = taps.graph_plan(ctx) if taps is not None else GraphPlan(())
+        args, kwargs = tuple(_inference(t) for t in args), {k: _inference(v) for k, v in kwargs.items()}
         if plan.eager:
             self.eager_passes += 1
             return False, None
@@ -264,22 +276,23 @@ class CompiledServing:
     def _example(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Zeros shaped like the pass's inputs, their free dims marked dynamic (no activation is kept).
 
-        Made as the pass's are (an inference tensor or not): dynamo's guards check the dispatch keys."""
+        Inference tensors, as :meth:`serve` hands every pass's inputs to the graph: dynamo's
+        guards check each input's dispatch keys."""
         def like(t: Any, where: int | str) -> Any:
             if not isinstance(t, torch.Tensor):
                 return t
-            with torch.inference_mode(t.is_inference()):
-                z = torch.zeros_like(t)
+            z = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
             for d in self._free.get(where, ()):
                 if d < z.dim() and z.shape[d] >= 2:
                     torch._dynamo.maybe_mark_dynamic(z, d)
             return z
 
-        return tuple(like(t, i) for i, t in enumerate(args)), {k: like(v, k) for k, v in kwargs.items()}
+        with torch.inference_mode():
+            return tuple(like(t, i) for i, t in enumerate(args)), {k: like(v, k) for k, v in kwargs.items()}
 
     @staticmethod
-    def _shape_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[int | bool, ...], ...]:
-        return tuple((*t.shape, t.is_inference()) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+    def _shape_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(t.shape) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
 
     def _request(self, key: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if key in self._slots:

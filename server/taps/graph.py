@@ -4,8 +4,7 @@ A tap runs inside the compiled graph (:mod:`layertap.server.host.compiled`)
 when all it asks of a pass is the basic statistics of a layer's output
 tensor: point ``output``, basic reducers only (per layer too), no latency
 timer, no derived quantity, no Generate request binding, every pass
-(``phases`` unset), and an output recorded as one tensor of more than
-``SHIFT_SAMPLE`` elements. Any other live hook (such a tap that is not, a
+(``phases`` unset), and an output recorded as one non-empty tensor. Any other live hook (such a tap that is not, a
 capture) makes the pass eager, as does a pass whose attention mask pads a
 row while a tap leaves padding out (the graph reduces whole tensors).
 
@@ -81,7 +80,7 @@ class GraphFeed:
         shapes = self._host.layer_shapes
         for layer in tap.layers:
             seen = shapes.get(layer)
-            if seen is None or len(seen.outputs) != 1 or math.prod(seen.outputs[0]) <= SHIFT_SAMPLE:
+            if seen is None or len(seen.outputs) != 1 or math.prod(seen.outputs[0]) == 0:
                 return False
         return True
 
