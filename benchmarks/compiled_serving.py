@@ -236,9 +236,10 @@ def module_level(args: argparse.Namespace, report: list[str]) -> None:
     from layertap.server.taps.graph import GraphFeed
     from layertap.v1 import telemetry_pb2 as pb
 
-    model = build_demo_model(0).eval()
+    device = torch.device(args.device)
+    model = build_demo_model(0).to(device).eval()
     layers = [n for n, _ in model.named_modules() if re.match(SELECTOR.removeprefix("re:"), n)]
-    x = torch.randn(args.batch, 3, 32, 32)
+    x = torch.randn(args.batch, 3, 32, 32, device=device)
     plan = ReducerPlan(build_reducers([pb.ReducerSpec(kind=k) for k in (
         pb.REDUCER_KIND_MOMENTS, pb.REDUCER_KIND_MINMAX, pb.REDUCER_KIND_ZERO_FRACTION, pb.REDUCER_KIND_NONFINITE)]))
     from torch._inductor.compile_fx import compile_fx
@@ -273,6 +274,8 @@ def module_level(args: argparse.Namespace, report: list[str]) -> None:
                 for _ in range(args.requests):
                     t0 = time.perf_counter()
                     fn()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
                     ts.append(time.perf_counter() - t0)
                 med[name].append(statistics.median(ts))
     b = statistics.median(med["compiled base"])
@@ -286,21 +289,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steady", type=int, default=300, help="Infer calls of the steady distribution")
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: module,eager,pending")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: compiled,pending,eager,module")
+    ap.add_argument("--only", default="", help="comma-separated parts to run (default: all)")
+    ap.add_argument("--device", default="cpu", help="the module-level part's device (the servers pick their own)")
     args = ap.parse_args()
-    skip = set(filter(None, args.skip.split(",")))
+    parts = {"compiled", "pending", "eager", "module"}
+    skip = set(filter(None, args.skip.split(","))) | (parts - set(args.only.split(",")) if args.only else set())
     torch.set_num_threads(os.cpu_count() or 1)
     x = np.random.default_rng(0).standard_normal((args.batch, 3, 32, 32)).astype(np.float32)
     report: list[str] = [f"layertap compiled serving: demo model, batch {args.batch}, {platform.machine()}, "
-                         f"{os.cpu_count()} CPUs, torch {torch.__version__}"]
-    serve_compiled(args, x, "eager", report)
-    print("\n".join(report), flush=True)
+                         f"{os.cpu_count()} CPUs, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}"]
+    if "compiled" not in skip:
+        serve_compiled(args, x, "eager", report)
+        print("\n".join(report), flush=True)
     if "pending" not in skip:
         serve_compiled(args, x, "pending", report)
     if "eager" not in skip:
         serve_eager(args, x, report)
     if "module" not in skip:
         module_level(args, report)
+    report.append(f"load average at the end {os.getloadavg()[0]:.1f}")
     print("\n".join(report))
 
 

@@ -116,12 +116,13 @@ def test_tap_churn_under_load_never_compiles_on_a_request_thread(compiled_demo) 
     worker.start()
     try:
         with layertap.Client(address) as client:
-            for i in range(20):
-                tap = client.create_tap("layer?", reducers=["moments"], name=f"churn-{i}")
+            for i in range(20):  # three tap sets: two graphs compile in the background under load
+                selector = ("layer?", "layer?.0", "layer?.1")[i % 3]
+                tap = client.create_tap(selector, reducers=["moments"], name=f"churn-{i}")
                 client.infer(x)
                 client.delete_tap(tap)
             assert graph.wait_idle(COMPILE_WAIT)
-            tap = client.create_tap("layer?", reducers=["moments"], name="churn-last")
+            tap = client.create_tap("layer?.1", reducers=["moments"], name="churn-last")
             assert wait_for(lambda: client.taps()[0].serving == "in_graph", timeout=COMPILE_WAIT)
             before = client.stats()
             for _ in range(5):
