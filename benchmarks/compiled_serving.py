@@ -146,9 +146,12 @@ def tap_change(client: layertap.Client, x: np.ndarray, selector: str) -> tuple[l
     worker.start()
     time.sleep(0.5)
     n0 = len(lat)
+    taps = len(client.taps())
     w = Watched(client, selector)
     start = time.monotonic()
     try:
+        while len(client.taps()) <= taps:  # the stream's tap is in
+            time.sleep(0.01)
         while not all(t.serving == "in_graph" for t in client.taps()):
             time.sleep(0.1)
             if time.monotonic() - start > 600:
@@ -239,7 +242,8 @@ def module_level(args: argparse.Namespace, report: list[str]) -> None:
     device = torch.device(args.device)
     model = build_demo_model(0).to(device).eval()
     layers = [n for n, _ in model.named_modules() if re.match(SELECTOR.removeprefix("re:"), n)]
-    x = torch.randn(args.batch, 3, 32, 32, device=device)
+    with torch.inference_mode():  # a served pass's inputs reach the graph as inference tensors
+        x = torch.randn(args.batch, 3, 32, 32, device=device)
     plan = ReducerPlan(build_reducers([pb.ReducerSpec(kind=k) for k in (
         pb.REDUCER_KIND_MOMENTS, pb.REDUCER_KIND_MINMAX, pb.REDUCER_KIND_ZERO_FRACTION, pb.REDUCER_KIND_NONFINITE)]))
     from torch._inductor.compile_fx import compile_fx
@@ -262,6 +266,7 @@ def module_level(args: argparse.Namespace, report: list[str]) -> None:
         base.compile((xd,), {})
         graph.compile((xd,), {})
         hooks_fn(xd)
+        assert base.run((x,), {}) is not None and graph.run((x,), {}) is not None, "a compiled entry rejects x"
         runs = {"compiled base": lambda: base.run((x,), {}), "stats in graph": lambda: graph.run((x,), {}),
                 "hooks between graphs": lambda: (hooks_fn(x), out.clear()),
                 "eager, no taps": lambda: model(x)}

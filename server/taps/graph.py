@@ -12,6 +12,11 @@ A compiled pass's statistics then take the same road as a hook's: one
 vector per tapped layer into the pass buffer, one device-to-host copy when
 the pass ends (the host-transfer thread), decoded by the taps' own plans.
 No ``.item()`` or ``.cpu()`` on the model thread.
+
+A container that returns its last child's output as is (``layer1`` of a
+ResNet is ``layer1.1``'s output, see :mod:`.reuse`) is computed once in the
+graph, at the child: the key names the child, and both taps' layers read
+its row, as the eager path's reuse shares one reduction.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.reducers.transfer import PassBuffer
 from layertap.server.reducers.workspace import F64
 from layertap.server.stream.publisher import Piece
+from layertap.server.taps.reuse import passthrough_parents
 from layertap.server.taps.tap import Tap
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -54,6 +60,19 @@ class GraphFeed:
         self._pass_buffer = pass_buffer
         self._index: tuple[tuple[str, ...], dict[str, int]] = ((), {})
         self._pass_taps: list[Tap] = []
+        parents = passthrough_parents(host.modules)
+        #: Layer -> the layer whose output it returns as is (itself when none).
+        self._same: dict[str, str] = {}
+        for layer in parents:
+            child = layer
+            while child in parents:
+                child = parents[child]
+            self._same[layer] = child
+
+    def _key(self, taps: list[Tap]) -> tuple[str, ...]:
+        """The layers a graph must compute for these taps: each tensor once."""
+        same = self._same
+        return tuple(sorted({same.get(layer, layer) for t in taps for layer in t.layers}))
 
     @staticmethod
     def statistics(out: torch.Tensor) -> torch.Tensor:
@@ -89,7 +108,7 @@ class GraphFeed:
         graph = [t for t in taps if self.in_graph(t)]
         self._pass_taps = graph
         owned = sum(len(h._handles) for t in graph for h in t.handles)
-        key = tuple(sorted({layer for t in graph for layer in t.layers}))
+        key = self._key(graph)
         eager = len(graph) != len(taps) or self._host.hooks.active != owned
         mask = ctx.attention_mask
         if not eager and mask is not None and any(not t.spec.keep_padding for t in graph):
@@ -100,7 +119,9 @@ class GraphFeed:
                    shapes: list[tuple[int, ...]]) -> None:
         """Hand each tap its layers' statistics rows, as its hooks would have (sampling included)."""
         if self._index[0] != key:
-            self._index = (key, {layer: i for i, layer in enumerate(key)})
+            rows = {layer: i for i, layer in enumerate(key)}
+            rows.update({layer: rows[child] for layer, child in self._same.items() if child in rows})
+            self._index = (key, rows)
         index = self._index[1]
         buffer, pieces = self._pass_buffer()
         for tap in self._pass_taps:
@@ -124,10 +145,9 @@ class GraphFeed:
         graph = self._host.graph
         if graph is None or not self.in_graph(tap):
             return pb.TAP_SERVING_EAGER
-        key = tuple(sorted({layer for t in self._taps() if not t.disabled and self.in_graph(t)
-                            for layer in t.layers}))
+        key = self._key([t for t in self._taps() if not t.disabled and self.in_graph(t)])
         state = graph.state(key)
-        if state == READY or graph.serves(tap.layers):
+        if state == READY or graph.serves([self._same.get(layer, layer) for layer in tap.layers]):
             return pb.TAP_SERVING_IN_GRAPH
         if state == FAILED:
             return pb.TAP_SERVING_COMPILE_FAILED
