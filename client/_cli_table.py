@@ -187,6 +187,10 @@ def drift_table(rows: Sequence[LayerDrift], width: int, title: str) -> Table:
     return fit_table(_DRIFT_COLUMNS, cells, width, title=title)
 
 
+#: ``TapInfo.serving`` as a cell: where a compiled server runs the tap (see docs/operations.md).
+_SERVING = {"in_graph": "in graph", "compiling_eager": "eager (compiling)", "pending": "[yellow]pending[/]",
+            "compile_failed": "[red]compile failed[/]"}
+
 _TAP_COLUMNS = (
     Column("id"),
     Column("name", shrink=(3, 12), drop=8),
@@ -198,6 +202,7 @@ _TAP_COLUMNS = (
     Column("hits", _RIGHT, drop=9),
     Column("drops", _RIGHT, drop=6),
     Column("errors", _RIGHT),
+    Column("serving", drop=3),
     Column("expires", drop=0),
 )
 
@@ -215,6 +220,7 @@ def taps_table(taps: Sequence[TapInfo], width: int, title: str) -> Table:
             str(tap.hits),
             str(tap.drops),
             f"[red]{tap.errors}[/]" if tap.errors else "0",
+            _SERVING.get(tap.serving, tap.serving or "-"),
             "never" if tap.expires_at is None else tap.expires_at.isoformat(timespec="seconds"),
         )
         for tap in taps

@@ -67,14 +67,13 @@ _PHASE_NAMES = {code: name for name, code in _PHASES.items()}
 _DERIVES = {"": telemetry_pb2.DERIVE_UNSPECIFIED, **_enum_names(telemetry_pb2.Derive, "DERIVE_")}  # "": the tensor
 _DERIVE_NAMES = {code: name for name, code in _DERIVES.items()}
 _TAP_KINDS = {code: name for name, code in _enum_names(telemetry_pb2.TapKind, "TAP_KIND_").items()}
+_TAP_SERVING = {code: name for name, code in _enum_names(telemetry_pb2.TapServing, "TAP_SERVING_").items()}
 _BASELINE_STATES = {code: name for name, code in _enum_names(telemetry_pb2.BaselineState, "BASELINE_STATE_").items()}
 _CALIBRATIONS = {code: name for name, code in _enum_names(telemetry_pb2.DriftCalibration, "DRIFT_CALIBRATION_").items()}
 #: Parameters each reducer accepts: the fields of its params message in ReducerSpec.
-REDUCER_PARAMS: dict[str, frozenset[str]] = {
-    fd.name: frozenset(fd.message_type.fields_by_name)
-    for fd in telemetry_pb2.ReducerSpec.DESCRIPTOR.fields
-    if fd.message_type is not None
-}
+REDUCER_PARAMS: dict[str, frozenset[str]] = {fd.name: frozenset(fd.message_type.fields_by_name)
+                                              for fd in telemetry_pb2.ReducerSpec.DESCRIPTOR.fields
+                                              if fd.message_type is not None}
 #: Every reducer name the server knows, in proto order.
 REDUCER_NAMES: tuple[str, ...] = tuple(_REDUCERS)
 #: Every point name, in proto order.
@@ -329,6 +328,7 @@ def tap_info_from_proto(t: telemetry_pb2.TapInfo) -> TapInfo:
         t,
         spec=tap_spec_from_proto(t.spec),
         kind=_TAP_KINDS.get(t.kind, "unspecified"),
+        serving=_TAP_SERVING.get(t.serving, ""),
         expires_at=_utc(t, "expires_at"),
         created_at=_utc(t, "created_at"),
     )

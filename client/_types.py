@@ -109,6 +109,15 @@ class ServerStats:
     taps: int
     reducer_errors: int
     stream_dropped: int
+    #: ``serve --compile-model`` only (0 otherwise): Infer passes run by a compiled
+    #: graph and by the eager module; model compiles finished and failed; compiles
+    #: seen on a request's thread (should stay 0); compiled variants live.
+    compiled_passes: int = 0
+    eager_passes: int = 0
+    model_compiles: int = 0
+    model_compile_failures: int = 0
+    request_thread_compiles: int = 0
+    compiled_variants: int = 0
 
 
 @dataclass(frozen=True)
@@ -199,6 +208,12 @@ class TapInfo:
     expires_at: _dt.datetime | None
     created_at: _dt.datetime | None
     owner: str = ""
+    #: How its passes are served: ``"eager"`` (Python hooks on the eager module),
+    #: and on a compiled server ``"in_graph"`` (statistics inside the compiled
+    #: graph), ``"compiling_eager"`` (its graph compiles; the eager module serves
+    #: its passes meanwhile), ``"pending"`` (its graph compiles; it sees no pass
+    #: yet) or ``"compile_failed"`` (the previous graph serves; it sees no pass).
+    serving: str = ""
 
 
 @dataclass(frozen=True)

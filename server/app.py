@@ -21,6 +21,7 @@ from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.errors import LayertapServerError
 from layertap.server.explain.library import preload as preload_captum
 from layertap.server.export.activations import ActivationCollector
+from layertap.server.export.compiled_model import CompiledModelCollector
 from layertap.server.export.endpoint import start_metrics_server, stop_metrics_server
 from layertap.server.export.generation import GenerationMetrics
 from layertap.server.export.health import ServerMetrics
@@ -29,6 +30,7 @@ from layertap.server.export.sink import MetricsSink
 from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.export.streams import StreamsCollector
 from layertap.server.host.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, trim_free_memory, tune_malloc
+from layertap.server.host.compiled import check_mode
 from layertap.server.host.generate import Generator
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.model_thread import in_own_thread
@@ -238,6 +240,14 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
         host = in_own_thread(_load_host, config, loaded)
         host.warm_up()
     loaded = host.loaded
+    if config.compile_model:
+        why_not = check_mode(config.compile_mode, host.device)
+        if why_not is None and (host.training or not loaded.hooks_supported):
+            why_not = "--compile-model serves a hosted model's Infer passes; this model is not one"
+        if why_not is not None:
+            raise ModelLoadError(why_not)
+        host.compile_model(mode=config.compile_mode, fallback=config.compile_fallback,
+                           max_variants=config.compile_variants)
     # One process-wide switch: inductor's caches are process-wide too.
     COMPILED_STATS.set_enabled(config.compile_reducers)
     version = server_version()
@@ -264,6 +274,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
     if metrics is not None:
         metrics.baselines_unsaved.set_function(drift.unsaved)
     if registry is not None:
+        if host.graph is not None:
+            registry.register(CompiledModelCollector(loaded.name, host.graph.counters))
         registry.register(PipelineCollector(loaded.name, transfer=taps.transfer.stats,
                                             baseline_skipped=drift.skipped_passes,
                                             compiled=COMPILED_STATS.counters if config.compile_reducers else None))
@@ -373,6 +385,8 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
         running._closers.append(("health listener's pool", listener_pool.close))
     running._closers.append(("host-transfer thread", state.taps.close))
     running._closers.append(("model thread", state.host.model_thread.close))
+    if state.host.graph is not None:
+        running._closers.append(("model compiler", state.host.graph.close))
     if state.recorder is not None:
         running._closers.append(("flight recorder", state.recorder.close))
     if state.registry is not None:

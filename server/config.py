@@ -70,6 +70,13 @@ class ServerConfig:
     #: Basic statistics from one compiled (inductor) kernel per signature,
     #: compiled in the background; False (``--no-compile``): eager torch ops only.
     compile_reducers: bool = True
+    #: Serve Infer from torch.compile'd variants of the model (``--compile-model``), with in-graph tap
+    #: statistics; see host.compiled. ``compile_mode`` is inductor's mode, ``compile_fallback`` what
+    #: serves a tapped pass while its graph compiles (eager or pending), ``compile_variants`` the cap.
+    compile_model: bool = False
+    compile_mode: str = "default"
+    compile_fallback: str = "eager"
+    compile_variants: int = 4
     #: How much nicer than the model thread the telemetry threads run
     #: (host-transfer, recorder, /metrics); 0: same priority. See host.priority.
     telemetry_nice: int = 19

@@ -168,6 +168,58 @@ TAP_KIND_DURABLE: TapKind.ValueType  # 1
 TAP_KIND_STREAM: TapKind.ValueType  # 2
 Global___TapKind: _TypeAlias = TapKind  # noqa: Y015
 
+class _TapServing:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TapServingEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TapServing.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TAP_SERVING_UNSPECIFIED: _TapServing.ValueType  # 0
+    TAP_SERVING_EAGER: _TapServing.ValueType  # 1
+    """Python hooks on the eager module. On a compiled server, every pass runs
+    eager while such a tap exists (its reducers, point or request binding
+    cannot run inside the graph).
+    """
+    TAP_SERVING_IN_GRAPH: _TapServing.ValueType  # 2
+    """Its statistics are computed inside the compiled graph."""
+    TAP_SERVING_COMPILING_EAGER: _TapServing.ValueType  # 3
+    """A graph with it compiles in the background; meanwhile the eager module
+    serves its passes with its hooks (it is active already).
+    """
+    TAP_SERVING_PENDING: _TapServing.ValueType  # 4
+    """A graph with it compiles in the background; meanwhile the previous graph
+    serves and the tap sees no pass yet.
+    """
+    TAP_SERVING_COMPILE_FAILED: _TapServing.ValueType  # 5
+    """Its graph failed to compile: the previous graph keeps serving and the tap
+    sees no pass (the server logs why and counts it).
+    """
+
+class TapServing(_TapServing, metaclass=_TapServingEnumTypeWrapper):
+    """How a tap's passes are served on a compiled model (serve --compile-model)."""
+
+TAP_SERVING_UNSPECIFIED: TapServing.ValueType  # 0
+TAP_SERVING_EAGER: TapServing.ValueType  # 1
+"""Python hooks on the eager module. On a compiled server, every pass runs
+eager while such a tap exists (its reducers, point or request binding
+cannot run inside the graph).
+"""
+TAP_SERVING_IN_GRAPH: TapServing.ValueType  # 2
+"""Its statistics are computed inside the compiled graph."""
+TAP_SERVING_COMPILING_EAGER: TapServing.ValueType  # 3
+"""A graph with it compiles in the background; meanwhile the eager module
+serves its passes with its hooks (it is active already).
+"""
+TAP_SERVING_PENDING: TapServing.ValueType  # 4
+"""A graph with it compiles in the background; meanwhile the previous graph
+serves and the tap sees no pass yet.
+"""
+TAP_SERVING_COMPILE_FAILED: TapServing.ValueType  # 5
+"""Its graph failed to compile: the previous graph keeps serving and the tap
+sees no pass (the server logs why and counts it).
+"""
+Global___TapServing: _TypeAlias = TapServing  # noqa: Y015
+
 class _BaselineState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -819,6 +871,7 @@ class TapInfo(_message.Message):
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    SERVING_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     kind: Global___TapKind.ValueType
     hits: _builtins.int
@@ -830,6 +883,8 @@ class TapInfo(_message.Message):
     """The token id (principal) that created the tap: "anonymous" when auth is
     off, empty for taps the server owns (--taps files, reloaded baselines).
     """
+    serving: Global___TapServing.ValueType
+    """How its passes are served (compiled model or eager hooks)."""
     @_builtins.property
     def spec(self) -> Global___TapSpec: ...
     @_builtins.property
@@ -855,10 +910,11 @@ class TapInfo(_message.Message):
         expires_at: _timestamp_pb2.Timestamp | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
         owner: _builtins.str = ...,
+        serving: Global___TapServing.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "disabled", b"disabled", "drops", b"drops", "errors", b"errors", "expires_at", b"expires_at", "hits", b"hits", "id", b"id", "kind", b"kind", "last_error", b"last_error", "layers", b"layers", "owner", b"owner", "spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "disabled", b"disabled", "drops", b"drops", "errors", b"errors", "expires_at", b"expires_at", "hits", b"hits", "id", b"id", "kind", b"kind", "last_error", b"last_error", "layers", b"layers", "owner", b"owner", "serving", b"serving", "spec", b"spec"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1906,6 +1962,12 @@ class GetServerStatsResponse(_message.Message):
     TAPS_FIELD_NUMBER: _builtins.int
     REDUCER_ERRORS_FIELD_NUMBER: _builtins.int
     STREAM_DROPPED_FIELD_NUMBER: _builtins.int
+    COMPILED_PASSES_FIELD_NUMBER: _builtins.int
+    EAGER_PASSES_FIELD_NUMBER: _builtins.int
+    MODEL_COMPILES_FIELD_NUMBER: _builtins.int
+    MODEL_COMPILE_FAILURES_FIELD_NUMBER: _builtins.int
+    REQUEST_THREAD_COMPILES_FIELD_NUMBER: _builtins.int
+    COMPILED_VARIANTS_FIELD_NUMBER: _builtins.int
     active_hooks: _builtins.int
     passes: _builtins.int
     active_captures: _builtins.int
@@ -1913,6 +1975,17 @@ class GetServerStatsResponse(_message.Message):
     taps: _builtins.int
     reducer_errors: _builtins.int
     stream_dropped: _builtins.int
+    compiled_passes: _builtins.int
+    """serve --compile-model: passes run by a compiled graph, and by the eager module."""
+    eager_passes: _builtins.int
+    model_compiles: _builtins.int
+    """Model compiles finished and failed (background thread), and compiles seen
+    on any other thread (a request's: should stay 0).
+    """
+    model_compile_failures: _builtins.int
+    request_thread_compiles: _builtins.int
+    compiled_variants: _builtins.int
+    """Compiled variants (tap sets) live now."""
     def __init__(
         self,
         *,
@@ -1923,10 +1996,16 @@ class GetServerStatsResponse(_message.Message):
         taps: _builtins.int = ...,
         reducer_errors: _builtins.int = ...,
         stream_dropped: _builtins.int = ...,
+        compiled_passes: _builtins.int = ...,
+        eager_passes: _builtins.int = ...,
+        model_compiles: _builtins.int = ...,
+        model_compile_failures: _builtins.int = ...,
+        request_thread_compiles: _builtins.int = ...,
+        compiled_variants: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_captures", b"active_captures", "active_hooks", b"active_hooks", "passes", b"passes", "reducer_errors", b"reducer_errors", "stream_dropped", b"stream_dropped", "subscribers", b"subscribers", "taps", b"taps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_captures", b"active_captures", "active_hooks", b"active_hooks", "compiled_passes", b"compiled_passes", "compiled_variants", b"compiled_variants", "eager_passes", b"eager_passes", "model_compile_failures", b"model_compile_failures", "model_compiles", b"model_compiles", "passes", b"passes", "reducer_errors", b"reducer_errors", "request_thread_compiles", b"request_thread_compiles", "stream_dropped", b"stream_dropped", "subscribers", b"subscribers", "taps", b"taps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -93,6 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plaintext gRPC health-only listener for probes that cannot speak TLS (e.g. 127.0.0.1:50052)")
     p.add_argument("--no-compile", dest="compile_reducers", action="store_false",
                    help="never torch.compile the reducers' statistics kernel (eager torch ops only)")
+    p.add_argument("--compile-model", action="store_true", default=d.compile_model,
+                   help="serve Infer from torch.compile'd variants of the model, tap statistics inside the graph; "
+                        "a tap change compiles in the background (see docs/operations.md)")
+    p.add_argument("--compile-mode", default=d.compile_mode,
+                   help="inductor mode for --compile-model: default, max-autotune-no-cudagraphs (reduce-overhead "
+                        "and max-autotune use CUDA graphs, refused on CUDA until verified)")
+    p.add_argument("--compile-fallback", choices=("eager", "pending"), default=d.compile_fallback,
+                   help="while a tap's graph compiles: eager (its passes run the eager model, the tap is active at "
+                        "once) or pending (the previous graph serves, the tap starts when its graph is ready)")
+    p.add_argument("--compile-variants", type=_positive, default=d.compile_variants,
+                   help="compiled variants (tap sets) kept at most, least recently used dropped (default 4)")
     p.add_argument("--telemetry-nice", type=int, default=d.telemetry_nice,
                    help="raise the telemetry threads' nice value by this much (0-19; 0: as the model), so that "
                         "under full CPU load telemetry falls behind before inference slows down (Linux)")

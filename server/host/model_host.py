@@ -28,6 +28,7 @@ from torch import nn
 
 from layertap.server.codec import dtype_name
 from layertap.server.errors import InvalidField, LimitExceeded, Unsupported
+from layertap.server.host.compiled import CompiledServing
 from layertap.server.host.hooks import CallArgs, HookRegistry, ParamGrad
 from layertap.server.host.inputs import ModelInputs, as_positional, bind_inputs
 from layertap.server.host.model_thread import ModelThread
@@ -218,6 +219,35 @@ class ModelHost:
         self.layer_shapes: dict[str, LayerShapes] = {}
         self._probe_armed = loaded.hooks_supported
         self._last_probe = -math.inf
+        #: Serves Infer passes compiled (``serve --compile-model``); None: eager only.
+        self.graph: CompiledServing | None = None
+
+    def compile_model(self, *, mode: str = "default", fallback: str = "eager", max_variants: int = 4) -> None:
+        """Serve Infer passes from compiled variants (:mod:`.compiled`); the untapped graph compiles now,
+        in the background. Explain, captures, replays and Generate keep the eager module."""
+        free: dict[int | str, tuple[int, ...]] = {}
+        for i, spec in enumerate(self.inputs):
+            free[i] = free[spec.name] = tuple(d for d, size in enumerate(spec.shape) if size == -1)
+        self.graph = CompiledServing(self.module, free, mode=mode, fallback=fallback, max_variants=max_variants)
+        if any(d < -1 for spec in self.inputs for d in spec.shape):
+            return  # no example to compile ahead from: the first pass queues it
+        # Free dims as 2: torch specializes sizes 0 and 1, a traced 2 stays dynamic.
+        zeros = {s.name: torch.zeros([2 if d == -1 else d for d in s.shape], dtype=s.dtype, device=self.device)
+                 for s in self.inputs if s.required}
+        # Bound as warm_up's and a client's passes are: one input by position, several by name.
+        example = ModelInputs.positional(list(zeros.values())) if len(zeros) == 1 else ModelInputs((), zeros)
+        if not self.loaded.keywords:
+            example = as_positional(example, self.inputs)
+        self.graph.prepare(example.args, example.kwargs)
+
+    def graph_stats(self) -> dict[str, int]:
+        """The compiled-serving fields of ``GetServerStatsResponse`` (none when serving eager)."""
+        g = self.graph
+        if g is None:
+            return {}
+        return {"compiled_passes": g.compiled_passes, "eager_passes": g.eager_passes, "model_compiles": g.compiles,
+                "model_compile_failures": g.compile_failures,
+                "request_thread_compiles": g.request_thread_compiles, "compiled_variants": g.variants}
 
     # -- introspection -------------------------------------------------------
     @property
@@ -353,7 +383,8 @@ class ModelHost:
         # Shapes are recorded on one pass per PROBE_SECONDS (or the next
         # pass after ListLayers): a one-pass global hook, cheap on average.
         now = time.monotonic()
-        due = self.loaded.hooks_supported and now - self._last_probe >= PROBE_SECONDS
+        # Not on a compiled host: a probing pass runs eager (only armed ones: warm-up, ListLayers).
+        due = self.loaded.hooks_supported and self.graph is None and now - self._last_probe >= PROBE_SECONDS
         self._probe = self._start_probe() if (self._probe_armed or due) else None
         return ctx
 
@@ -396,12 +427,24 @@ class ModelHost:
     def _run_here(self, inputs: ModelInputs, active_owner: object | None) -> tuple[Any, PassContext]:
         try:
             with self.pass_context(active_owner=active_owner, inputs=inputs) as ctx, torch.inference_mode():
-                out = self.forward(self.to_device(inputs))
+                out = self._forward_pass(self.to_device(inputs), ctx)
         except torch.OutOfMemoryError:
             raise LimitExceeded("the device ran out of memory for this pass; send a smaller batch") from None
         except Exception as exc:  # noqa: BLE001 - the caller's input made the model raise
             raise model_raised(exc) from None
         return out, ctx
+
+    def _forward_pass(self, inputs: ModelInputs, ctx: PassContext) -> Any:
+        """A compiled variant when one serves this pass (:meth:`CompiledServing.serve`), else the eager module.
+
+        Active captures' passes and shape-probing passes run eager: their hooks are on the eager module."""
+        graph = self.graph
+        if graph is not None and ctx.active_owner is None and self._probe is None:
+            bound = inputs if self.loaded.keywords else as_positional(inputs, self.inputs)
+            served, out = graph.serve(bound.args, bound.kwargs, ctx)
+            if served:
+                return out
+        return self.forward(inputs)
 
     def _start_probe(self) -> torch.utils.hooks.RemovableHandle:
         self._probe_armed = False

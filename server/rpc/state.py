@@ -75,6 +75,7 @@ class ServerState:
             taps=len(self.taps.all_taps()),
             reducer_errors=self.taps.reducer_errors,
             stream_dropped=self.broker.dropped_total,
+            **self.host.graph_stats(),
         )
 
 

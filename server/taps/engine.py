@@ -48,6 +48,7 @@ from layertap.server.reducers.transfer import DEFAULT_TRANSFER_BYTES, HostTransf
 from layertap.server.stream.broker import Broker
 from layertap.server.stream.publisher import Piece, Publisher
 from layertap.server.stream.sinks import Sinks
+from layertap.server.taps.graph import GraphFeed
 from layertap.server.taps.reuse import PassReuse, passthrough_parents
 from layertap.server.taps.sampling import Clock, Sampler
 from layertap.server.taps.selectors import MAX_SELECTOR_BYTES, select_layers
@@ -114,6 +115,10 @@ class TapEngine:
         self._reuse = PassReuse(passthrough_parents(host.modules))
         #: Model thread only: the current pass's index and padding, made at the first tap that leaves it out.
         self._padding: tuple[int, PassPadding | None] = (-1, None)
+        #: Feeds compiled passes' in-graph statistics to the taps (``serve --compile-model``).
+        self.graph_feed = GraphFeed(host, self.all_taps, self._pass_buffer)
+        if host.graph is not None:
+            host.graph.taps = self.graph_feed
         host.add_observer(self)
 
     @property
@@ -193,6 +198,7 @@ class TapEngine:
             tap = Tap(tap_id, stored, kind, layers, plan, plan.nonfinite_only(), sampler, self.wall())
             tap.owner = owner
             tap.phases, tap.request_id, tap.derive = phases, request_id, derivation
+            tap.serving = self.graph_feed.serving
             if kind == pb.TAP_KIND_DURABLE and not forever:
                 life = DEFAULT_TTL_SECONDS if ttl is None else ttl
                 tap.expires_at = self.clock() + life
@@ -377,6 +383,12 @@ class TapEngine:
             self._fail(tap, layer, exc)
         finally:
             self._hook_seconds += time.perf_counter() - t0
+
+    def _pass_buffer(self) -> tuple[PassBuffer, list[Piece[Tap]]]:
+        """The current pass's buffer (made on first use) and pieces: compiled passes feed them too."""
+        if self._buffer is None:
+            self._buffer = PassBuffer()
+        return self._buffer, self._pieces
 
     @staticmethod
     def _feeds(tap: Tap, ctx: PassContext) -> bool:

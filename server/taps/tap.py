@@ -7,6 +7,7 @@ only as a ``stream.sinks.TapView``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from layertap.server.host.hooks import HookHandle
@@ -58,6 +59,8 @@ class Tap:
     request_id: str | None = None
     #: What it reads of each tensor in place of the tensor (``spec.derive``); None: the tensor itself.
     derive: Derivation | None = None
+    #: Its ``TapServing`` state now (the engine's :meth:`~.graph.GraphFeed.serving`); None: eager hooks.
+    serving: Callable[[Tap], pb.TapServing.ValueType] | None = field(default=None, repr=False)
     _pass: int = -1
     _sampled: bool = False
     #: The current pass is not for this tap (another phase, or without its request).
@@ -76,6 +79,7 @@ class Tap:
             id=self.id, spec=self.spec, kind=self.kind, layers=self.layers, hits=self.hits,
             drops=self.drops, errors=self.errors, last_error=self.last_error, disabled=self.disabled,
             created_at=timestamp(self.created_wall), owner=self.owner,
+            serving=self.serving(self) if self.serving is not None else pb.TAP_SERVING_EAGER,
         )
         if self.expires_wall is not None:
             msg.expires_at.CopyFrom(timestamp(self.expires_wall))

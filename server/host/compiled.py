@@ -1,0 +1,390 @@
+"""Serving a compiled model (``serve --compile-model``): variants by tap set, compiled off the request path.
+
+What a pass runs (model thread, under the model lock, :meth:`CompiledServing.serve`):
+
+* The taps say which layers need statistics in the graph (their *key*) and
+  whether every hook on the model belongs to them (:class:`GraphTaps`). A
+  hook the graph cannot serve (a histogram tap, a capture, an input point, a
+  request's inline tap, an armed shape probe) makes the pass eager, with
+  every Python hook, as an uncompiled server runs it.
+* A ready variant for the key (or one whose key holds it: a deleted tap's
+  statistics are just not read) runs the pass compiled, its guards checked
+  by us (:mod:`.compiled_graph`): a request never compiles.
+* None ready: the key's variant is queued for the background compiler, and
+  meanwhile (``fallback``) either the eager module serves the pass with the
+  taps' hooks (``eager``: the taps are active at once) or the last variant
+  that served keeps serving and the new taps wait (``pending``). A new
+  input shape that no compiled entry accepts runs eager once and compiles in
+  the background, up to ``max_shapes`` per variant.
+* A failed compile is counted and logged; the last variant keeps serving and
+  the taps it lacks see no pass (their state says so) until the tap set
+  changes again.
+
+Shape policy: each declared free dimension (``-1``: the batch, a token
+model's sequence) is traced dynamic (``maybe_mark_dynamic``), so one entry
+serves every batch from 2 up and every sequence length from 2 up; torch
+specializes sizes 0 and 1, so a batch of 1 gets its own entry, compiled in the
+background the first time one arrives.
+
+Compiled modes: ``reduce-overhead`` and ``max-autotune`` use CUDA graphs on
+CUDA; they are refused until a CUDA-graph test has passed on a lent GPU
+(:data:`CUDA_GRAPHS_VERIFIED`), since a CUDA graph's replay is where Python
+hooks are skipped and a wrong statistic would go unnoticed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from layertap.server.host.compiled_graph import GraphResult, StatsFunction, Variant
+from layertap.server.host.model_thread import in_own_thread
+
+__all__ = ["COMPILE_MODES", "CUDA_GRAPHS_VERIFIED", "CompiledServing", "GraphPlan", "GraphTaps", "check_mode"]
+
+log = logging.getLogger("layertap.server.compiled")
+
+#: ``--compile-mode`` values (inductor's modes).
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+#: Modes that replay CUDA graphs on a CUDA device.
+CUDA_GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
+#: Flipped once ``tests/server/host/test_compiled_cuda.py`` has passed on a lent
+#: GPU (``benchmarks/gpu_checks.sh``); until then CUDA-graph modes are refused.
+CUDA_GRAPHS_VERIFIED = False
+#: ``fallback`` values: what serves a tapped pass while its graph compiles.
+FALLBACKS = ("eager", "pending")
+
+QUEUED, COMPILING, READY, FAILED = "queued", "compiling", "ready", "failed"
+
+#: Runs before ``concurrent.futures`` shuts its pools at exit, so a compile in
+#: flight can finish (see ``reducers.compiled_worker``, which does the same).
+_at_exit: Callable[..., Any] = getattr(threading, "_register_atexit", atexit.register)
+
+
+def check_mode(mode: str, device: torch.device) -> str | None:
+    """Why ``mode`` cannot serve on ``device``, or None when it can."""
+    if mode not in COMPILE_MODES:
+        return f"--compile-mode {mode!r}: expected one of {', '.join(COMPILE_MODES)}"
+    if mode in CUDA_GRAPH_MODES and device.type == "cuda" and not CUDA_GRAPHS_VERIFIED:
+        return (f"--compile-mode {mode} replays CUDA graphs, which skip Python hooks; layertap has not yet "
+                "verified its in-graph statistics under CUDA graphs on a GPU (tests/server/host/"
+                "test_compiled_cuda.py, run by benchmarks/gpu_checks.sh): use --compile-mode default or "
+                "max-autotune-no-cudagraphs")
+    return None
+
+
+def _inference(t: Any) -> Any:
+    """An inference tensor over ``t``'s memory (no copy), not a view: how every compiled pass sees its inputs.
+
+    Dynamo's guards check an input's dispatch keys, and a view's base: a request's
+    tensor is a view of its wire buffer, a warm-up's is not. Called in inference mode.
+    """
+    if not isinstance(t, torch.Tensor) or (t.is_inference() and t._base is None):
+        return t
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """What the taps need of a compiled pass."""
+
+    #: Layers whose output statistics the graph computes, sorted.
+    key: tuple[str, ...]
+    #: The pass must run eager: a hook the graph cannot serve is live (a capture, a
+    #: histogram tap...), or a tap must leave this pass's padding out.
+    eager: bool = False
+
+
+class GraphTaps(Protocol):
+    """The taps' side of a compiled pass (the tap engine's ``taps.graph``)."""
+
+    #: The statistics traced at a tapped output (:data:`~.compiled_graph.StatsFunction`).
+    def statistics(self, out: torch.Tensor) -> torch.Tensor: ...
+
+    def graph_plan(self, ctx: Any) -> GraphPlan: ...
+
+    def graph_feed(self, ctx: Any, key: tuple[str, ...], stats: torch.Tensor, shapes: list[tuple[int, ...]]) -> None: ...
+
+
+@dataclass
+class _Slot:
+    key: tuple[str, ...]
+    state: str = QUEUED
+    variant: Variant | None = None
+    error: str = ""
+    #: Input shapes compiled or queued (a miss queues its shape once).
+    shapes: set[tuple[tuple[int, ...], ...]] = field(default_factory=set)
+
+
+@dataclass
+class _Job:
+    slot: _Slot
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class CompiledServing:
+    """Compiled variants of one model, keyed by tap set, compiled on one background thread.
+
+    Args:
+        module: The eager module (it keeps serving eager passes, Explain and replays).
+        free_dims: Per input (positional by index, keyword by name): the dims declared free (-1).
+        mode: Inductor's mode (:data:`COMPILE_MODES`).
+        max_variants: Compiled variants kept at most (least recently used goes).
+        max_shapes: Compiled input-shape entries per variant at most.
+        fallback: ``eager`` or ``pending`` (see the module docstring).
+
+    Counters (plain ints, each written by one thread): ``compiles``,
+    ``compile_failures``, ``compile_seconds``, ``request_thread_compiles``
+    (compiles seen on any thread but the compiler's: must stay 0),
+    ``compiled_passes``, ``eager_passes``, ``shape_misses``, ``evictions``.
+    """
+
+    def __init__(self, module: torch.nn.Module, free_dims: dict[int | str, tuple[int, ...]] | None = None, *,
+                 mode: str = "default", max_variants: int = 4, max_shapes: int = 4,
+                 fallback: str = "eager") -> None:
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"unknown compile mode {mode!r}")
+        if fallback not in FALLBACKS:
+            raise ValueError(f"unknown fallback {fallback!r}")
+        self._module = module
+        self._free = free_dims or {}
+        self.mode = mode
+        self.fallback = fallback
+        self.max_variants = max_variants
+        self.max_shapes = max_shapes
+        from torch._inductor import list_mode_options  # noqa: PLC0415 - heavy; only a compiled server needs it
+
+        self._patches = list_mode_options(mode)
+        self.taps: GraphTaps | None = None
+        self._slots: OrderedDict[tuple[str, ...], _Slot] = OrderedDict()
+        self._last: _Slot | None = None  # the variant that served the last compiled pass
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._busy = 0
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._serial = itertools.count()
+        self._compiling = threading.local()
+        self.compiles = self.compile_failures = self.request_thread_compiles = 0
+        self.compiled_passes = self.eager_passes = self.shape_misses = self.evictions = 0
+        self.compile_seconds = 0.0
+
+    # -- control ---------------------------------------------------------------
+    def counters(self) -> dict[str, float]:
+        return {"compiles": self.compiles, "compile_failures": self.compile_failures,
+                "compile_seconds": self.compile_seconds, "request_thread_compiles": self.request_thread_compiles,
+                "compiled_passes": self.compiled_passes, "eager_passes": self.eager_passes,
+                "shape_misses": self.shape_misses, "evictions": self.evictions, "variants": self.variants}
+
+    @property
+    def variants(self) -> int:
+        """Live compiled variants."""
+        return sum(1 for s in list(self._slots.values()) if s.state == READY)
+
+    def state(self, key: tuple[str, ...]) -> str | None:
+        """The key's variant: queued, compiling, ready, failed, or None (never asked for, or evicted)."""
+        slot = self._slots.get(key)
+        return slot.state if slot is not None else None
+
+    def serves(self, layers: list[str]) -> bool:
+        """Whether the variant that served the last compiled pass computes these layers' statistics."""
+        last = self._last
+        return last is not None and set(layers) <= set(last.key)
+
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: tuple[str, ...] = ()) -> None:
+        """Queue the key's variant for example inputs like these (start-up: the untapped graph)."""
+        self._request(key, args, kwargs)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Blocks until no compile is queued or running; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._busy == 0, timeout)
+
+    def close(self, timeout: float | None = 60.0) -> bool:
+        """Drops queued compiles and joins the compiler after its current one; True when it stopped."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout)
+        return thread is None or not thread.is_alive()
+
+    # -- the pass (model thread) -------------------------------------------------
+    def serve(self, args: tuple[Any, ...], kwargs: dict[str, Any], ctx: Any) -> tuple[bool, Any]:
+        """``(True, output)`` when a compiled variant ran the pass (its statistics fed to the taps), else
+        ``(False, None)``: the caller runs the eager module. Never compiles."""
+        taps = self.taps
+        plan = taps.graph_plan(ctx) if taps is not None else GraphPlan(())
+        args, kwargs = tuple(_inference(t) for t in args), {k: _inference(v) for k, v in kwargs.items()}
+        if plan.eager:
+            self.eager_passes += 1
+            return False, None
+        slot = self._slots.get(plan.key)
+        if slot is None or slot.state != READY:
+            if slot is None or slot.state != FAILED:
+                self._request(plan.key, args, kwargs)
+                slot = self._superset(plan.key)
+                if slot is None and self.fallback == "pending" and plan.key:
+                    slot = self._last
+            else:
+                slot = self._last  # the old graph keeps serving; the taps it lacks see nothing
+            if slot is None or slot.variant is None:
+                self.eager_passes += 1
+                return False, None
+        variant = slot.variant
+        assert variant is not None
+        result: GraphResult | None = variant.run(args, kwargs)
+        if result is None:  # no compiled entry takes this shape: eager now, compiled in the background
+            self.shape_misses += 1
+            self.eager_passes += 1
+            self._request_shape(slot, args, kwargs)
+            return False, None
+        self.compiled_passes += 1
+        if self._last is not slot:
+            self._last = slot
+            with self._lock:  # LRU order; the compiler thread evicts under the lock
+                if slot.key in self._slots:
+                    self._slots.move_to_end(slot.key)
+        out, stats, shapes = result
+        if taps is not None and stats is not None:
+            taps.graph_feed(ctx, slot.key, stats, shapes)
+        return True, out
+
+    def _superset(self, key: tuple[str, ...]) -> _Slot | None:
+        """The smallest ready variant whose statistics include every layer of ``key``."""
+        want = set(key)
+        best: _Slot | None = None
+        for slot in list(self._slots.values()):
+            if slot.state == READY and want <= set(slot.key) and (best is None or len(slot.key) < len(best.key)):
+                best = slot
+        return best
+
+    # -- queueing ------------------------------------------------------------------
+    def _example(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Zeros shaped like the pass's inputs, their free dims marked dynamic (no activation is kept).
+
+        Inference tensors, as :meth:`serve` hands every pass's inputs to the graph: dynamo's
+        guards check each input's dispatch keys."""
+        def like(t: Any, where: int | str) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            z = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+            for d in self._free.get(where, ()):
+                if d < z.dim() and z.shape[d] >= 2:
+                    torch._dynamo.maybe_mark_dynamic(z, d)
+            return z
+
+        with torch.inference_mode():
+            return tuple(like(t, i) for i, t in enumerate(args)), {k: like(v, k) for k, v in kwargs.items()}
+
+    @staticmethod
+    def _shape_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(t.shape) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+
+    def _request(self, key: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if key in self._slots:
+            return
+        with self._lock:
+            if self._closed or key in self._slots:
+                return
+            slot = self._slots[key] = _Slot(key)
+            slot.shapes.add(self._shape_of(args, kwargs))
+            self._submit(_Job(slot, *self._example(args, kwargs)))
+
+    def _request_shape(self, slot: _Slot, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        shape = self._shape_of(args, kwargs)
+        if shape in slot.shapes or len(slot.shapes) >= self.max_shapes:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            slot.shapes.add(shape)
+            self._submit(_Job(slot, *self._example(args, kwargs)))
+
+    def _submit(self, job: _Job) -> None:  # under self._lock
+        self._busy += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="layertap-model-compile", daemon=True)
+            self._thread.start()
+            _at_exit(self.close, None)
+        self._queue.put(job)
+
+    # -- the compiler thread ---------------------------------------------------------
+    def backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        """Inductor, counting any compile that is not on the compiler's own thread."""
+        if not getattr(self._compiling, "active", False):
+            self.request_thread_compiles += 1
+            log.warning("a model compile ran on thread %s, not the compiler's", threading.current_thread().name)
+        from torch._inductor.compile_fx import compile_fx  # noqa: PLC0415 - heavy
+
+        return compile_fx(gm, example_inputs, config_patches=self._patches)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if not self._closed:
+                    self._run(job)
+            finally:
+                with self._lock:
+                    self._busy -= 1
+                    if self._busy == 0:
+                        self._idle.notify_all()
+
+    def _run(self, job: _Job) -> None:
+        slot = job.slot
+        first = slot.variant is None
+        t0 = time.monotonic()
+        if first:
+            slot.state = COMPILING
+        try:
+            in_own_thread(self._compile_here, job)
+        except Exception as exc:  # noqa: BLE001 - any compile error leaves the old graph serving
+            self.compile_failures += 1
+            error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            if first:
+                slot.state, slot.error = FAILED, error
+            log.warning("compiling the model with taps at %d layers failed; the previous graph keeps serving: %s",
+                        len(slot.key), error)
+            return
+        finally:
+            self.compile_seconds += time.monotonic() - t0
+        self.compiles += 1
+        if first:
+            slot.state = READY
+            self._evict(slot)
+        log.info("compiled the model with in-graph statistics at %d layers in %.1f s (%d live variants)",
+                 len(slot.key), time.monotonic() - t0, self.variants)
+
+    def _compile_here(self, job: _Job) -> None:
+        self._compiling.active = True
+        slot = job.slot
+        stats: StatsFunction | None = self.taps.statistics if self.taps is not None else None
+        variant = slot.variant or Variant(self._module, slot.key, self.backend, next(self._serial), stats)
+        with torch.inference_mode():
+            variant.compile(job.args, job.kwargs)
+        slot.variant = variant
+
+    def _evict(self, keep: _Slot) -> None:
+        with self._lock:
+            ready = [s for s in self._slots.values() if s.state == READY]
+            while len(ready) > self.max_variants:
+                victim = next(s for s in ready if s is not keep and s is not self._last)
+                ready.remove(victim)
+                del self._slots[victim.key]
+                self.evictions += 1
