@@ -207,7 +207,7 @@ def test_taps_on_a_compiled_transformer_equal_eager(make_server, llama_dir) -> N
 def test_cuda_graph_modes_are_refused_until_verified(make_server) -> None:
     from layertap.server.host.compiled import check_mode
 
-    why = check_mode("reduce-overhead", torch.device("cuda"))
+    why = check_mode("max-autotune", torch.device("cuda"))
     assert why is not None and "CUDA graphs" in why and "gpu_checks.sh" in why
     assert check_mode("reduce-overhead", torch.device("cpu")) is None  # inductor ignores it off CUDA
     assert check_mode("bogus", torch.device("cpu")) is not None

@@ -1,8 +1,8 @@
 """In-graph tap statistics on CUDA, with and without CUDA graphs (``--compile-mode reduce-overhead``).
 
 Skipped without CUDA; ``benchmarks/gpu_checks.sh`` runs it on a lent GPU.
-Until it has passed there, the server refuses CUDA-graph modes
-(``host.compiled.CUDA_GRAPHS_VERIFIED``). Runs on torch 2.11 and later.
+It passed on an H200 (torch 2.11.0+cu130, 2026-11-26) for reduce-overhead; the server refuses
+CUDA-graph modes it has not verified (``host.compiled.CUDA_GRAPHS_VERIFIED``). Runs on torch 2.11+.
 
 What it checks beyond the CPU tests: a CUDA graph's replay writes its
 outputs into the same memory each time, so a pass's statistics must be
@@ -40,7 +40,11 @@ class _Taps:
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_in_graph_statistics_on_cuda_equal_eager(mode: str) -> None:
+def test_in_graph_statistics_on_cuda_equal_eager(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # cuDNN convolutions run in TF32 by default (10-bit mantissa): the graph's and the eager model's
+    # algorithms then differ by ~1e-3 relative in the layer outputs themselves, before any statistic.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     model = build_demo_model(0).cuda().eval()
     serving = CompiledServing(model, {0: (0,)}, mode=mode)
     serving.taps = taps = _Taps()
