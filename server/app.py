@@ -39,7 +39,7 @@ from layertap.server.host.sources import LoadedModel, ModelLoadError, load_model
 from layertap.server.record.wiring import start_recorder
 from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.rpc.admission import PrincipalAdmission, StreamAdmission, rpc_limit
-from layertap.server.rpc.auth import OPEN_SERVICES, Authenticator, principal_of
+from layertap.server.rpc.auth import OPEN_SERVICES, Authenticator, arriving_principal
 from layertap.server.rpc.health import HealthServicer
 from layertap.server.rpc.health_listener import start_health_listener
 from layertap.server.rpc.inference import InferenceService
@@ -329,8 +329,9 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
     streams = StreamAdmission(config.max_streams, callback_limit=config.max_streams)
     principals = PrincipalAdmission(
         principal_limit=max(1, int(config.workers * config.principal_share)) if auth else None,
-        open_services=OPEN_SERVICES, open_workers=OPEN_WORKERS, principal_of=lambda ctx: principal_of(ctx).id,
-        call_limit=rpc_limit(config.workers))
+        open_services=OPEN_SERVICES, open_workers=OPEN_WORKERS,
+        principal_at_arrival=lambda: p.id if (p := arriving_principal()) is not None else None,
+        call_limit=rpc_limit(config.workers), workers=config.workers)
     # Every open stream holds a worker, so at most max_streams of them are
     # admitted and workers - max_streams threads stay for unary calls. Auth
     # runs first: a refused caller never takes a stream slot. Malformed
@@ -406,7 +407,7 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
         if principals.principals is not None:
             pools["principals"] = principals.principals.pool
         if principals.calls is not None:
-            pools["calls"] = principals.calls.pool
+            pools["calls"] = principals.calls_pool
         pools["health_calls"] = principals.open.pool.pool
         state.registry.register(StreamsCollector(state.host.loaded.name, pools))
         try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from typing import Any
@@ -36,11 +37,18 @@ from grpc_status import rpc_status
 
 from layertap.server.errors import LimitExceeded, rich_status
 from layertap.server.rpc.method_handlers import behavior_of, make_handler, rebuild
-from layertap.server.rpc.open_pool import OpenPool, OpenServices, first_request, refusal
+from layertap.server.rpc.open_pool import READ_TIMEOUT, OpenPool, OpenServices, first_request, refusal
+from layertap.server.rpc.read_watch import ReadWatch
 
 log = logging.getLogger("layertap.server.admission")
 
-__all__ = ["PrincipalAdmission", "StreamAdmission", "is_long_stream", "rpc_limit", "streaming_methods"]
+__all__ = ["UPLOAD_TIMEOUT", "PrincipalAdmission", "StreamAdmission", "is_long_stream", "rpc_limit", "streaming_methods"]
+
+
+#: Seconds from arrival a call outside the open services may take to send its (unary) request when the
+#: server-wide places are not all taken: 256 MiB (--max-request-bytes) at 4.5 MB/s. When they are all
+#: taken, :data:`~layertap.server.rpc.open_pool.READ_TIMEOUT` (10 s) from arrival, as for Health.
+UPLOAD_TIMEOUT = 60.0
 
 
 def is_long_stream(handler: grpc.RpcMethodHandler) -> bool:
@@ -209,6 +217,11 @@ class _Budget:
         with self._lock:
             return sum(self._held.values()), self.refused
 
+    def full(self) -> bool:
+        """Every place is held."""
+        with self._lock:
+            return sum(self._held.values()) >= self.limit
+
     def take(self, key: str) -> int:
         """0 when taken, else how many ``key`` already holds."""
         with self._lock:
@@ -237,18 +250,30 @@ class PrincipalAdmission(grpc.ServerInterceptor):
     took every worker, Health's included. So every call is served as a
     request stream: its behaviour runs before the request is read.
 
+    - An authenticated principal (any scope, admin included) holds at most
+      ``principal_limit`` calls in flight, checked when the call *arrives*
+      (in ``intercept_service``, the principal named by the Authenticator
+      from the call's metadata): past it the call ends RESOURCE_EXHAUSTED
+      on a thread of its own, having read nothing and holding no
+      server-wide place, so one principal's burst never takes the places
+      of others. Without auth every caller is one principal and this budget
+      is off.
     - Calls outside the open services are at most ``call_limit`` in flight
       (grpc's ``maximum_concurrent_rpcs``, which the server leaves unset: it
       counts Health's calls too, and a burst of anything made probes fail).
-      The place is taken when the call arrives and given back when its
-      behaviour ends, which it always reaches (a request stream's behaviour
-      runs even for a call cancelled while queued); past the limit the call
-      ends RESOURCE_EXHAUSTED on a thread of its own, having read nothing.
-    - An authenticated principal (any scope, admin included) holds at most
-      ``principal_limit`` calls in flight, checked on the worker *before*
-      the request is read; past it the call ends RESOURCE_EXHAUSTED having
-      read nothing. Without auth every caller is one principal and this
-      budget is off.
+      The place is taken when the call arrives, only once its principal's
+      share granted it, and given back when its behaviour ends, which it
+      always reaches (a request stream's behaviour runs even for a call
+      cancelled while queued); past the limit the call ends
+      RESOURCE_EXHAUSTED on a thread of its own, having read nothing.
+    - A unary call's request is read under a
+      :class:`~layertap.server.rpc.read_watch.ReadWatch`, measured from
+      arrival: a call still without its request ``patience``
+      (:data:`~layertap.server.rpc.open_pool.READ_TIMEOUT`, 10 s) after it
+      arrived is cancelled while every server-wide place is taken, and
+      after ``read_timeout`` (:data:`UPLOAD_TIMEOUT`, 60 s) in any case;
+      cancelled reads are counted with the refusals (:meth:`calls_pool`).
+      Stalled calls thus hold places for a bounded time, tokens or not.
     - The open services (Health, no token needed) run on a pool of their own
       (:class:`~layertap.server.rpc.open_pool.OpenPool`): strangers' calls
       can fill only that pool, never token holders' workers, and a call
@@ -257,32 +282,70 @@ class PrincipalAdmission(grpc.ServerInterceptor):
       (field ``request``), not grpc's garbled UNIMPLEMENTED.
 
     Runs after :class:`~layertap.server.rpc.auth.Authenticator`, which names
-    the principal; the callers it refuses never get here.
+    the principal before the interceptors after it run
+    (``principal_at_arrival``: None for a call it refuses, which takes no
+    place here).
 
     Args:
         principal_limit: Calls in flight per principal; None: no per-principal budget (auth off).
         open_services: Service names callable without a token.
         open_workers: Threads of the open services' pool.
-        principal_of: The caller's principal id, from the call's context.
+        principal_at_arrival: The arriving call's principal id, or None when the Authenticator refuses it.
         flag: The setting named in refusals.
         call_limit: Calls outside the open services in flight at once (None: unbounded).
         open_limit: Calls of the open services in flight at once.
+        patience: Seconds from arrival a request may take while every server-wide place is taken.
+        read_timeout: Seconds from arrival a request may take in any case.
+        grace: Seconds a call that gets its worker past either still has to read its request.
     """
 
     def __init__(self, *, principal_limit: int | None, open_services: frozenset[str], open_workers: int,
-                 principal_of: Callable[[grpc.ServicerContext], str], flag: str = "--principal-share",
-                 call_limit: int | None = None, open_limit: int = 256) -> None:
+                 principal_at_arrival: Callable[[], str | None], flag: str = "--principal-share",
+                 call_limit: int | None = None, workers: int | None = None, open_limit: int = 256,
+                 patience: float = READ_TIMEOUT,
+                 read_timeout: float = UPLOAD_TIMEOUT, grace: float = 1.0) -> None:
         self.principals = _Budget(principal_limit) if principal_limit is not None else None
         self.calls = _Budget(call_limit) if call_limit is not None else None
         self.open = OpenServices(OpenPool(open_workers, limit=open_limit), open_services)
         self.open_pool = self.open.pool.executor
         self._refusals = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="layertap-refuse")
         self.flag = flag
-        self._principal_of = principal_of
+        self._principal_at_arrival = principal_at_arrival
+        self.workers = workers
+        self._lock = threading.Lock()
+        self._queued = self._running = 0  # calls admitted: waiting for a worker, on one
+        self.reads = ReadWatch("layertap-calls", pressed=self._pressed, patience=patience,
+                               read_timeout=read_timeout, grace=grace)
+
+    def calls_pool(self) -> tuple[int, int]:
+        """``(in flight, refused or cancelled unread)`` of the calls outside the open services."""
+        held, refused = self.calls.pool() if self.calls is not None else (0, 0)
+        return held, refused + self.reads.cancelled
+
+    def _pressed(self) -> bool:
+        """Every server-wide place is taken (a call arriving now is refused), or an admitted call waits for a
+        worker while every worker runs one."""
+        if self.calls is not None and self.calls.full():
+            return True
+        with self._lock:
+            return self.workers is not None and self._queued > 0 and self._running >= self.workers
+
+    def _started(self) -> None:
+        """An admitted call got its worker."""
+        with self._lock:
+            self._queued -= 1
+            self._running += 1
+        if self._pressed():
+            self.reads.poke()
+
+    def _ended(self) -> None:
+        with self._lock:
+            self._running -= 1
 
     def close(self) -> None:
-        """Stop the open services' pool and the refusals' thread (after the server stopped)."""
+        """Stop the open services' pool, the read watch and the refusals' thread (after the server stopped)."""
         self.open.pool.close()
+        self.reads.close()
         self._refusals.shutdown(wait=False, cancel_futures=True)
 
     def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
@@ -292,55 +355,60 @@ class PrincipalAdmission(grpc.ServerInterceptor):
         method: str = handler_call_details.method
         if self.open.covers(method):
             return self.open.pool.serve(handler, method)
-        placed: _Slot | None = None
+        arrived = time.monotonic()
+        who = self._principal_at_arrival()
+        if who is None:  # the Authenticator refuses this call and replaces its handler: no place for it
+            return handler
+        held: list[_Slot] = []
+        if self.principals is not None:  # the share first: a burst over it never holds a server-wide place
+            if n := self.principals.take(who):
+                log.debug("refused %s for %s: %d calls in flight", method, who, n)
+                return refusal(handler, LimitExceeded(
+                    f"{method}: principal {who!r} has {n} calls in flight, the limit is {self.principals.limit} "
+                    f"({self.flag} of --workers); retry later",
+                    metadata={"method": method, "principal": who, "principal_limit": str(self.principals.limit)}),
+                    self._refusals)
+            held.append(_Slot(functools.partial(self.principals.give, who)))
         if self.calls is not None:
             if n := self.calls.take(""):
+                for slot in held:
+                    slot.release()
+                self.reads.poke()
                 log.debug("refused %s: %d calls in flight", method, n)
                 return refusal(handler, LimitExceeded(
                     f"{method}: {n} calls are in flight, the server limit is {self.calls.limit} "
                     "(2 x --workers); retry later",
                     metadata={"method": method, "call_limit": str(self.calls.limit)}), self._refusals)
-            placed = _Slot(functools.partial(self.calls.give, ""))
-        return self._budgeted(handler, method, placed)
+            held.append(_Slot(functools.partial(self.calls.give, "")))
+        with self._lock:
+            self._queued += 1
+        if self._pressed():
+            self.reads.poke()
+        return self._budgeted(handler, method, held, arrived)
 
-    def _take(self, method: str, budget: _Budget, context: grpc.ServicerContext) -> _Slot:
-        """The call's place in its principal's budget, or the call ended RESOURCE_EXHAUSTED."""
-        who = self._principal_of(context)
-        if n := budget.take(who):
-            exc = LimitExceeded(
-                f"{method}: principal {who!r} has {n} calls in flight, the limit is {budget.limit} "
-                f"({self.flag} of --workers); retry later",
-                metadata={"method": method, "principal": who, "principal_limit": str(budget.limit)})
-            log.debug("refused %s for %s: %d calls in flight", method, who, n)
-            context.abort_with_status(rpc_status.to_status(rich_status(exc)))
-        return _Slot(functools.partial(budget.give, who))
-
-    def _held(self, method: str, placed: _Slot | None, context: grpc.ServicerContext) -> list[_Slot]:
-        """The call's places (server-wide, its principal's), each given back by the RPC's end at the latest."""
-        held = [placed] if placed is not None else []
-        try:
-            if self.principals is not None:
-                held.append(self._take(method, self.principals, context))
-        except BaseException:
-            for slot in held:
-                slot.release()
-            raise
+    def _held(self, places: list[_Slot], context: grpc.ServicerContext) -> list[_Slot]:
+        """The call's places and its worker's count, each given back by the RPC's end at the latest."""
+        self._started()
+        held = [*places, _Slot(self._ended)]
         for slot in held:
             if not context.add_callback(slot.release):  # already over; a cancelled generator is never resumed
                 slot.release()
         return held
 
-    def _budgeted(self, handler: grpc.RpcMethodHandler, method: str, placed: _Slot | None) -> grpc.RpcMethodHandler:
+    def _budgeted(self, handler: grpc.RpcMethodHandler, method: str, places: list[_Slot],
+                  arrived: float) -> grpc.RpcMethodHandler:
         inner = behavior_of(handler)
         streaming_in = handler.request_streaming
 
         def request(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            return requests if streaming_in else first_request(requests, context)
+            if streaming_in:
+                return requests
+            return self.reads.read(lambda: first_request(requests, context), context, arrived)
 
         behavior: Callable[..., Any]
         if not handler.response_streaming:
             def unary_reply(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-                held = self._held(method, placed, context)
+                held = self._held(places, context)
                 try:
                     return inner(request(requests, context), context)
                 finally:
@@ -349,7 +417,7 @@ class PrincipalAdmission(grpc.ServerInterceptor):
             behavior = unary_reply
         else:
             def stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-                held = self._held(method, placed, context)  # here, not in the generator: it may never run
+                held = self._held(places, context)  # here, not in the generator: it may never run
 
                 def responses() -> Iterator[Any]:
                     try:

@@ -18,6 +18,7 @@ and every caller is :data:`ANONYMOUS`, with every scope.
 
 from __future__ import annotations
 
+import contextvars
 import hmac
 import logging
 import secrets
@@ -85,6 +86,11 @@ class Principal:
 
 #: Every caller when auth is off: all scopes, including admin.
 ANONYMOUS = Principal("anonymous", frozenset(SCOPES))
+#: The caller of a call the Authenticator refuses (never anyone's principal).
+_REFUSED = Principal("", frozenset())
+#: The principal of the call whose handler the interceptors are choosing (see :func:`arriving_principal`).
+_ARRIVING: contextvars.ContextVar[Principal] = contextvars.ContextVar("layertap_arriving_principal",
+                                                                      default=ANONYMOUS)
 
 
 def new_token(token_id: str, scopes: Iterable[str]) -> tuple[str, str]:
@@ -196,34 +202,59 @@ class Authenticator(grpc.ServerInterceptor):
         self.failures.labels(reason=reason).inc()
         self._log.warning(reason, f"auth: refused {method} for {principal}: {why}")
 
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
-        method: str = handler_call_details.method
-        service = method.lstrip("/").split("/", 1)[0]
-        handler = continuation(handler_call_details)
-        if service in OPEN_SERVICES or handler is None:
-            return handler
+    def _decide(self, method: str, service: str, metadata: Any) -> tuple[Principal, tuple[str, str, str, LayertapServerError] | None]:
+        """(the caller, None) or (who, (reason, principal id, why, the refusal))."""
         token = None
-        for key, value in handler_call_details.invocation_metadata or ():
+        for key, value in metadata or ():
             if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
                 token = value[7:].strip()
         principal, why = self.authenticate(token)
         if principal is None:
-            self.count("UNAUTHENTICATED", "unknown", method, why)
-            return _refusal(Unauthenticated(f"{method}: {why}; send 'authorization: Bearer <token>'",
-                                                     metadata={"method": method}))
+            return _REFUSED, ("UNAUTHENTICATED", "unknown", why, Unauthenticated(
+                f"{method}: {why}; send 'authorization: Bearer <token>'", metadata={"method": method}))
         if service not in ANY_TOKEN_SERVICES:
             scope = self._scopes.get(method)
             if scope is None:
-                self.count("PERMISSION_DENIED", principal.id, method, "no scope assigned")
-                return _refusal(PermissionDenied(f"{method}: no scope allows this method",
-                                                          metadata={"method": method}))
+                return principal, ("PERMISSION_DENIED", principal.id, "no scope assigned", PermissionDenied(
+                    f"{method}: no scope allows this method", metadata={"method": method}))
             if not principal.has(scope):
-                self.count("PERMISSION_DENIED", principal.id, method, f"missing scope {scope}")
-                return _refusal(PermissionDenied(
+                return principal, ("PERMISSION_DENIED", principal.id, f"missing scope {scope}", PermissionDenied(
                     f"{method} needs scope {scope!r}; {principal.id!r} lacks it",
                     metadata={"method": method, "scope": scope, "principal": principal.id}))
+        return principal, None
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        method: str = handler_call_details.method
+        service = method.lstrip("/").split("/", 1)[0]
+        if service in OPEN_SERVICES:
+            return continuation(handler_call_details)
+        # Decided before the interceptors after this one run, so that they know the caller when the call
+        # arrives (PrincipalAdmission checks its share then) and take no place for a call refused here.
+        principal, refused = self._decide(method, service, handler_call_details.invocation_metadata)
+        arriving = _ARRIVING.set(principal if refused is None else _REFUSED)
+        try:
+            handler = continuation(handler_call_details)
+        finally:
+            _ARRIVING.reset(arriving)
+        if handler is None:
+            return None
+        if refused is not None:
+            reason, who, why, exc = refused
+            self.count(reason, who, method, why)
+            return _refusal(exc)
         log.debug("auth: %s calls %s", principal.id, method)
         return _bound(handler, principal)
+
+
+def arriving_principal() -> Principal | None:
+    """In an interceptor after :class:`Authenticator`: the caller of the call whose handler is being chosen.
+
+    None when the Authenticator refuses the call (it replaces whatever handler comes back, so no place
+    should be taken for it); :data:`ANONYMOUS` when no Authenticator runs (auth off) or for the open
+    services.
+    """
+    p = _ARRIVING.get()
+    return None if p is _REFUSED else p
 
 
 def _wrap(handler: grpc.RpcMethodHandler, behavior: Callable) -> grpc.RpcMethodHandler:  # type: ignore[type-arg]

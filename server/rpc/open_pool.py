@@ -7,19 +7,25 @@ drops: 4 such Health.Checks took the health listener's pool, 8 the main
 port's, and real probes timed out behind them (issue 25).
 
 Here every call of an open service is served as a request stream, so its
-behaviour runs before the request is read, and the read is watched:
+behaviour runs before the request is read, and the read is watched by a
+:class:`~layertap.server.rpc.read_watch.ReadWatch`, every time measured from
+when the call *arrived*, not from when a thread picked it up (a probe queued
+behind a backlog of stalled calls would otherwise wait for them to be cleared
+``workers`` at a time):
 
 - **under pressure** (a call is waiting for a thread and every thread is
-  busy), the call that has waited longest for its request, once it has
-  waited :data:`PATIENCE` seconds, is cancelled and its thread goes to the
-  waiting call. A probe's request comes in the same packet as its headers, so
-  only a stalled (or absurdly slow) sender is ever cancelled;
-- **always**, a call still without its request after :data:`READ_TIMEOUT`
-  seconds is cancelled, so a stalled call never outlives its purpose;
+  busy), a call still without its request :data:`PATIENCE` seconds after it
+  arrived is cancelled, and its thread goes to a waiting call; every such
+  call at once, whichever thread holds it. A call queued longer than that
+  still gets :data:`GRACE` on its thread: a probe's request comes in the same
+  packet as its headers, so it is read at once, and only a stalled (or
+  absurdly slow) sender is ever cancelled;
+- **always**, a call still without its request :data:`READ_TIMEOUT` seconds
+  after it arrived is cancelled, so a stalled call never outlives its purpose;
 - the calls admitted at once are bounded (``limit``); past it a call ends
   RESOURCE_EXHAUSTED at once, on a thread of its own, having read nothing.
 
-One watcher thread does the cancelling; it sleeps until the oldest read is
+One watcher thread does the cancelling; it sleeps until the earliest read is
 due. This keeps the sync design (docs/design.md) for Health on both
 listeners: an asyncio listener would hold no thread at all, but it would
 need a second Health servicer in asyncio and would still leave Health on the
@@ -40,8 +46,9 @@ from grpc_status import rpc_status
 
 from layertap.server.errors import InvalidField, LimitExceeded, rich_status
 from layertap.server.rpc.method_handlers import behavior_of, make_handler
+from layertap.server.rpc.read_watch import ReadWatch
 
-__all__ = ["PATIENCE", "READ_TIMEOUT", "OpenPool", "OpenServices", "first_request", "refusal"]
+__all__ = ["GRACE", "PATIENCE", "READ_TIMEOUT", "OpenPool", "OpenServices", "first_request", "refusal"]
 
 log = logging.getLogger("layertap.server.admission")
 
@@ -52,6 +59,9 @@ log = logging.getLogger("layertap.server.admission")
 PATIENCE = 1.0
 #: Seconds a call may wait for its request in any case.
 READ_TIMEOUT = 10.0
+#: Seconds a call that got its thread past one of the above still has to read its request (already there,
+#: for a probe: read in well under a millisecond).
+GRACE = 0.05
 
 
 def first_request(requests: Iterable[Any], context: grpc.ServicerContext) -> Any:
@@ -90,39 +100,40 @@ class OpenPool:
         name: Thread name prefix; also names the pool in refusals.
         patience: :data:`PATIENCE`.
         read_timeout: :data:`READ_TIMEOUT`.
+        grace: :data:`GRACE`.
     """
 
     def __init__(self, workers: int, *, limit: int, name: str = "layertap-open", patience: float = PATIENCE,
-                 read_timeout: float = READ_TIMEOUT) -> None:
+                 read_timeout: float = READ_TIMEOUT, grace: float = GRACE) -> None:
         self.workers, self.limit, self.name = workers, limit, name
         self.patience, self.read_timeout = patience, read_timeout
         self.executor = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
         self._refusals = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-refuse")
         self._cond = threading.Condition(threading.Lock())
         self._queued = self._running = 0
-        #: Calls reading their request: key -> (since, context), oldest first.
-        self._reading: dict[object, tuple[float, grpc.ServicerContext]] = {}
-        #: Calls refused at the limit, and calls cancelled still waiting for their request.
-        self.refused = self.cancelled = 0
-        self._closed = False
-        self._watcher = threading.Thread(target=self._watch, name=f"{name}-reads", daemon=True)
-        self._watcher.start()
+        #: Calls refused at the limit.
+        self.refused = 0
+        self.reads = ReadWatch(name, pressed=self.pressed, patience=patience, read_timeout=read_timeout, grace=grace)
+
+    @property
+    def cancelled(self) -> int:
+        """Calls cancelled still waiting for their request."""
+        return self.reads.cancelled
 
     def pool(self) -> tuple[int, int]:
         """``(in flight, refused or cancelled)`` for ``layertap_streams_*``."""
         with self._cond:
-            return self._queued + self._running, self.refused + self.cancelled
+            return self._queued + self._running, self.refused + self.reads.cancelled
 
     def close(self) -> None:
         """Stop the watcher and the threads (after the server stopped)."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
+        self.reads.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self._refusals.shutdown(wait=False, cancel_futures=True)
 
     def serve(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         """``handler`` run on this pool, its one request read under watch; or a refusal past the limit."""
+        arrived = time.monotonic()
         with self._cond:
             if self._queued + self._running >= self.limit:
                 self.refused += 1
@@ -130,13 +141,14 @@ class OpenPool:
             else:
                 busy = -1
                 self._queued += 1
-                if self._pressed():
-                    self._cond.notify()
+                pressed = self._pressed()
         if busy >= 0:
             log.debug("refused %s: %d calls in the %s pool", method, busy, self.name)
             return refusal(handler, LimitExceeded(
                 f"{method}: {busy} calls are in flight, the limit is {self.limit}; retry later",
                 metadata={"method": method, "limit": str(self.limit)}), self._refusals)
+        if pressed:
+            self.reads.poke()
         inner = behavior_of(handler)
         streaming_in = handler.request_streaming
 
@@ -144,8 +156,12 @@ class OpenPool:
             with self._cond:
                 self._queued -= 1
                 self._running += 1
+                pressed = self._pressed()
+            if pressed:  # this thread was the last free one
+                self.reads.poke()
             try:
-                request = requests if streaming_in else self._read(requests, context)
+                request = requests if streaming_in else self.reads.read(
+                    lambda: first_request(requests, context), context, arrived)
                 return inner(request, context, *callback)
             finally:
                 with self._cond:
@@ -156,44 +172,14 @@ class OpenPool:
         return make_handler((True, bool(handler.response_streaming)), behavior, handler.request_deserializer,
                             handler.response_serializer)
 
-    def _pressed(self) -> bool:
-        """A call waits for a thread and every thread is busy (under the lock)."""
-        return self._queued > 0 and self._running >= self.workers
-
-    def _read(self, requests: Any, context: grpc.ServicerContext) -> Any:
-        key = object()
+    def pressed(self) -> bool:
+        """A call waits for a thread and every thread is busy."""
         with self._cond:
-            first = not self._reading
-            self._reading[key] = (time.monotonic(), context)
-            if first or self._pressed():
-                self._cond.notify()
-        try:
-            return first_request(requests, context)
-        finally:
-            with self._cond:
-                self._reading.pop(key, None)
+            return self._pressed()
 
-    def _watch(self) -> None:
-        """Cancel the oldest read once it is due: after ``patience`` under pressure, ``read_timeout`` always."""
-        while True:
-            with self._cond:
-                if self._closed:
-                    return
-                if not self._reading:
-                    self._cond.wait()
-                    continue
-                key, (since, context) = next(iter(self._reading.items()))
-                due = since + (self.patience if self._pressed() else self.read_timeout)
-                wait = due - time.monotonic()
-                if wait > 0:
-                    self._cond.wait(wait)
-                    continue
-                del self._reading[key]
-                self.cancelled += 1
-                pressed = self._pressed()
-            log.debug("%s: cancelled a call that sent no request for %.1f s%s", self.name, time.monotonic() - since,
-                      " while others waited for a thread" if pressed else "")
-            context.cancel()  # wakes its reader (the call ends CANCELLED); outside the lock
+    def _pressed(self) -> bool:
+        """:meth:`pressed` under the lock."""
+        return self._queued > 0 and self._running >= self.workers
 
 
 class OpenServices(grpc.ServerInterceptor):
