@@ -115,6 +115,9 @@ def _null_from_dict(d: Any) -> NullModel:
         raise BaselineFormatError(f"null: {mean.size} components for {features} features, {passes} passes, "
                                   f"window {window}, {windows} windows, dispersion {dispersion}, unit {unit}: "
                                   "not a calibrated null")
+    if not reason and "unit" not in d:  # the first v3 files: unweighted passes, spreads as stds
+        reason = ("null statistics saved by an earlier layertap (unweighted passes, per-pass stds): "
+                  "set the baseline again to calibrate")
     if not reason and windows < MIN_WINDOWS:
         reason = f"the file's null statistics hold {windows} window(s), calibration needs {MIN_WINDOWS}"
     if not reason and not np.any(std > 0):
