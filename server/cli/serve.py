@@ -26,8 +26,8 @@ def _positive(text: str) -> int:
 
 def _rate(text: str) -> float:
     value = float(text)
-    if not 0.0 < value <= 0.5:
-        raise argparse.ArgumentTypeError(f"must be in (0, 0.5], got {text}")
+    if not 1e-12 <= value <= 0.5:  # rates.MIN_FALSE_ALARM_RATE, MAX_FALSE_ALARM_RATE (not imported: a light CLI)
+        raise argparse.ArgumentTypeError(f"must be in [1e-12, 0.5], got {text}")
     return value
 
 

@@ -77,7 +77,10 @@ class WindowAlarm:
         self.model = model
         k = model.mean.shape[0]
         self._sum = np.zeros(k, dtype=np.float64)
+        self._wsum = 0.0
         self._n = 0
+        #: Whether a CUSUM (or a moved constant) fired during the last completed window.
+        self._last_fired = False
         self._up = np.zeros(model.tested, dtype=np.float64)
         self._down = np.zeros(model.tested, dtype=np.float64)
         #: Scored pass at which each CUSUM last left zero (the change's estimated start).
@@ -95,25 +98,39 @@ class WindowAlarm:
         self.set_rate(rate)
 
     def set_rate(self, rate: float) -> None:
-        """Set this layer's share of the server's per-window rate; thresholds follow from the saved null."""
+        """Set this layer's share of the server's per-window rate; thresholds follow from the saved null.
+
+        The last completed window is decided again at the new threshold, so that the alarm and its
+        ratio (score / threshold) never disagree.
+        """
         self.rate = float(rate)
         m = self.model
         self.threshold = m.threshold(self.rate) if m.calibrated else math.nan
         self.limit = m.cusum_limit(self.rate) if m.calibrated else math.nan
+        if m.calibrated and self.windows and not math.isnan(self._score):
+            if self._score > self.threshold:
+                self._raise(m.window)
+            elif not (self._last_fired or self._fired_in_window):
+                self._alarm, self._detection, self._alarm_pass = False, 0, 0
 
-    def add(self, x: npt.ArrayLike) -> None:
-        """One scored pass's components."""
+    def add(self, x: npt.ArrayLike, weight: float = 1.0) -> None:
+        """One scored pass's components; ``weight`` its elements (see :meth:`.NullAccumulator.add`)."""
         m = self.model
         v = np.asarray(x, dtype=np.float64).ravel()
+        w = float(weight)
         if not m.calibrated:
             return
-        if v.shape != m.mean.shape or not np.all(np.isfinite(v)):
+        if v.shape != m.mean.shape or not np.all(np.isfinite(v)) or not (math.isfinite(w) and w > 0):
             self.ignored += 1
             return
         self.passes += 1
-        self._sum += v
+        self._sum += w * v
+        self._wsum += w
         self._n += 1
-        z = np.clip(m.pass_z(v), -CUSUM_CLIP, CUSUM_CLIP)
+        if m.moved_constants(v):  # a dead unit came alive: no spread to test it against, and no need
+            self._raise(1)
+            self._fired_in_window = True
+        z = np.clip(m.pass_z(v, w), -CUSUM_CLIP, CUSUM_CLIP)
         self._up = np.maximum(self._up + z - CUSUM_K, 0.0)
         self._down = np.maximum(self._down - z - CUSUM_K, 0.0)
         # A CUSUM at zero restarts its excursion at the next pass.
@@ -137,7 +154,7 @@ class WindowAlarm:
 
     def _complete(self) -> None:
         m = self.model
-        z = m.zscores(self._sum / self._n, self._n)
+        z = m.zscores(self._sum / self._wsum, self._wsum)
         self._score = float(np.max(np.abs(z))) if z.size else math.nan
         fired = bool(self._score > self.threshold)
         if m.features:
@@ -149,8 +166,10 @@ class WindowAlarm:
             self._raise(self._n)
         elif not self._fired_in_window:
             self._alarm, self._detection, self._alarm_pass = False, 0, 0
+        self._last_fired = self._fired_in_window
         self._fired_in_window = False
         self._sum[:] = 0.0
+        self._wsum = 0.0
         self._n = 0
 
     def reading(self) -> AlarmReading:

@@ -181,7 +181,7 @@ class BaselineBuilder:
             return
         self.passes += 1
         if components is not None:
-            self.null.add(components)
+            self.null.add(components, weight=float(count))
         n, m, m2 = chan_merge(self.count, self.mean, self.m2, int(count), float(mean), float(std) ** 2 * count)
         self.count, self.mean, self.m2 = int(n), float(m), float(m2)
         if math.isfinite(min):

@@ -41,7 +41,15 @@ def pass_components(res: dict[str, pb.ReducerResult]) -> np.ndarray | None:
     Per-feature statistics are the ``per_channel`` reducer's, computed on the
     device in the tap's one reducer pass: past ``max_channels`` (4096) only
     the first features are reported and tested; the rest count in the pooled
-    mean and std.
+    mean and std (and are not tested one by one).
+
+    The spread components are each feature's (and the pooled) **mean of
+    squares**, ``std² + mean²`` of the reducers' population moments: a mean
+    over the pass's elements like the mean, so its expectation does not depend
+    on the batch size. The population std does: over the few elements of one
+    image's 2x2 map it misses the spread between images, and a batch-1 pass
+    reads smaller stds than a batch-8 one (a false alarm on batch size alone).
+    The pass's weight for the null model is its element count (``moments.count``).
     """
     if "moments" not in res:
         return None
@@ -49,7 +57,11 @@ def pass_components(res: dict[str, pb.ReducerResult]) -> np.ndarray | None:
     if m.count == 0:
         return np.array([np.nan, np.nan])
     pc = res["per_channel"].per_channel if "per_channel" in res else None
-    return components(m.mean, m.std, pc.mean if pc is not None else None, pc.std if pc is not None else None)
+    square = m.std * m.std + m.mean * m.mean
+    if pc is None or not len(pc.mean) or len(pc.std) != len(pc.mean):
+        return components(m.mean, square)
+    fm, fs = np.asarray(pc.mean, dtype=np.float64), np.asarray(pc.std, dtype=np.float64)
+    return components(m.mean, square, fm, fs * fs + fm * fm)
 
 #: Percentiles reported per pass while a baseline collects.
 COLLECT_PROBABILITIES = tuple(round(i / 100, 2) for i in range(1, 100))
@@ -147,7 +159,15 @@ class LayerEntry:
         """The alarm of a newly frozen (or reloaded) baseline, at this layer's share of the rate."""
         null = baseline.null if baseline.null is not None else NullModel.uncalibrated(OLD_FILE, baseline.window)
         self.fixed = baseline.fixed
-        self.alarm = None if baseline.fixed else WindowAlarm(null, rate)
+        if baseline.fixed:
+            self.alarm = None
+            return
+        try:
+            self.alarm = WindowAlarm(null, rate)
+        except (ArithmeticError, ValueError) as exc:  # never a ready layer without an alarm
+            log.error("baseline %s/%s (%s): cannot calibrate its alarm: %s", self.tap, self.layer, self.phase, exc)
+            self.alarm = WindowAlarm(NullModel.uncalibrated(f"cannot set the alarm's thresholds: {exc}"[:500],
+                                                            null.window), rate)
 
     @property
     def calibrated(self) -> bool:
@@ -209,7 +229,7 @@ class LayerEntry:
             reading = AlarmReading(FIXED, alarm=any(score.flags.values()))
         else:
             x = pass_components(res)
-            self.alarm.add(np.array([np.nan]) if x is None else x)
+            self.alarm.add(np.array([np.nan]) if x is None else x, weight=float(m.count) or 1.0)
             reading = self.alarm.reading()
             if self.alarm.model.calibrated:  # rebuilt on the per-feature test: features past the threshold
                 score = replace(score, channel_drift_fraction=reading.feature_fraction)

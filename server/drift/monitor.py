@@ -48,6 +48,7 @@ from layertap.server.drift.exchange import builder_state_from_proto, frozen_from
 from layertap.server.drift.files import baseline_filename
 from layertap.server.drift.layer import SAVE_RETRY_FIRST_SECONDS, LayerEntry, layer_reducers, pass_components, phases_reducers
 from layertap.server.drift.names import baseline_tap_id, check_derive, check_not_baseline_name
+from layertap.server.drift.null import MAX_PASSES
 from layertap.server.drift.phases import FORWARD, PHASE_NAMES
 from layertap.server.drift.rates import DEFAULT_FALSE_ALARM_RATE, check_rate
 from layertap.server.drift.reload import BaselineReload
@@ -69,7 +70,6 @@ log = logging.getLogger("layertap.server")
 
 #: 10 windows of the default 50: enough to calibrate the alarm (at least 5 windows).
 DEFAULT_PASSES = 500
-MAX_PASSES = 100_000
 
 
 def _results(summary: pb.Summary) -> dict[str, pb.ReducerResult]:
@@ -116,6 +116,8 @@ class DriftMonitor(Sink, BaselineReload):
         self._build_lock = threading.Lock()
         #: Serialises reading a layer's phases and installing the plan made of them.
         self._plan_lock = threading.Lock()
+        #: Serialises splitting the rate over the alarms (RPC threads and the host-transfer thread).
+        self._rate_lock = threading.Lock()
         #: (tap, layer) -> phase -> entry.
         self._layers: dict[tuple[str, str], dict[str, LayerEntry]] = {}
         #: Taps this monitor created (the only ones SetBaseline may replace).
@@ -260,8 +262,10 @@ class DriftMonitor(Sink, BaselineReload):
                 if (b.layer, b.phase) in baselines:
                     raise InvalidField(f"frozen[{i}]", f"a second document for layer {b.layer!r} in phase {b.phase!r}")
                 e = next(iter(entries[b.layer].values()))
+                # The alarm decides on this tap's window: the null's per-pass μ, σ hold at any window.
+                null = b.null.rewindowed(e.window_len) if b.null is not None else None
                 baselines[b.layer, b.phase] = replace(b, tap=req.tap, window=e.window_len, thresholds=e.thresholds,
-                                                      fixed=e.fixed)
+                                                      fixed=e.fixed, null=null)
         with self._build_lock:
             for (layer, phase), b in baselines.items():
                 entry = entries[layer].get(phase) or self._add_phase(req.tap, layer, phase, replan=False)
@@ -428,20 +432,26 @@ class DriftMonitor(Sink, BaselineReload):
 
         Every calibrated alarm's thresholds are recomputed from its saved null statistics: no new passes.
         """
-        self.false_alarm_rate = check_rate(rate)
+        with self._rate_lock:
+            self.false_alarm_rate = check_rate(rate)
         return self._rebalance()
 
     def _rebalance(self) -> int:
-        """Split the rate evenly (Bonferroni) over the calibrated layers; returns how many."""
-        with self._lock:
-            armed = [e for e in self._all() if e.calibrated and e.alarm is not None]
-        for e in armed:
-            assert e.alarm is not None
-            e.alarm.set_rate(self.false_alarm_rate / len(armed))
-            if e.score is not None:  # the exported ratio follows at once, not at the next pass
-                e.score = replace(e.score, alarm=e.alarm.reading())
-                self._export(e)
-        return len(armed)
+        """Split the rate evenly (Bonferroni) over the calibrated layers; returns how many.
+
+        Under ``_rate_lock``: a freeze (host-transfer thread) and a rate change (RPC thread) at once
+        must not leave layers with the shares of two different splits.
+        """
+        with self._rate_lock:
+            with self._lock:
+                armed = [e for e in self._all() if e.calibrated and e.alarm is not None]
+            for e in armed:
+                assert e.alarm is not None
+                e.alarm.set_rate(self.false_alarm_rate / len(armed))
+                if e.score is not None:  # the exported ratio follows at once, not at the next pass
+                    e.score = replace(e.score, alarm=e.alarm.reading())
+                    self._export(e)
+            return len(armed)
 
     def _replan(self, entry: LayerEntry) -> bool:
         """Give ``entry``'s layer the reducers all its phases need now; False when its tap went meanwhile."""

@@ -81,8 +81,18 @@ class BaselineReload:
             for b in group:
                 self._layers[(tap_id, b.layer)][b.phase].handle = tap
             for b in group:
-                if self._install(self._layers[(tap_id, b.layer)][b.phase], b):
-                    loaded += 1
+                try:
+                    if self._install(self._layers[(tap_id, b.layer)][b.phase], b):
+                        loaded += 1
+                except Exception as exc:  # noqa: BLE001 - a bad file is skipped and counted, never stops start-up
+                    msg = f"{tap_id}/{b.layer} ({b.phase}): cannot install its baseline: {exc}"
+                    log.error("baseline refused: %s", msg)
+                    if self._on_load_error is not None:
+                        self._on_load_error(msg)
+                    with self._lock:
+                        self._layers.get((tap_id, b.layer), {}).pop(b.phase, None)
+                        if not self._layers.get((tap_id, b.layer), True):
+                            self._layers.pop((tap_id, b.layer), None)
         if loaded:
             log.info("reloaded %d baseline(s) from %s", loaded, self.baseline_dir)
         return loaded

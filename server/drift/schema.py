@@ -15,6 +15,7 @@ phase is refused: an older server would read it as a forward baseline.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection, Mapping
 from typing import Any, TypeAlias
@@ -23,11 +24,11 @@ import numpy as np
 import numpy.typing as npt
 
 from layertap.server.drift.baseline import Baseline
-from layertap.server.drift.null import NullModel
+from layertap.server.drift.null import MAX_PASSES, MIN_WINDOWS, NullModel
 from layertap.server.drift.phases import FORWARD, PHASE_BY_NAME
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.host.hooks import POINT_BY_NAME
-from layertap.server.reducers.spec import MAX_BINS
+from layertap.server.reducers.spec import MAX_BINS, MAX_CHANNELS
 
 __all__ = [
     "BASELINE_SCHEMA",
@@ -87,6 +88,11 @@ def baseline_to_dict(b: Baseline) -> dict[str, Any]:
 
 
 def _null_from_dict(d: Any) -> NullModel:
+    """The null block of a v3 document; every integer bounded, so arming its alarm cannot overflow.
+
+    A block that is well-formed but cannot be tested (every std zero, no window) loads uncalibrated,
+    with the reason.
+    """
     if not isinstance(d, dict):
         raise BaselineFormatError("field 'null' must be an object")
     reason = d.get("reason", "")
@@ -96,11 +102,43 @@ def _null_from_dict(d: Any) -> NullModel:
     if mean.shape != std.shape or np.any(std < 0):
         raise BaselineFormatError(f"null: mean has {mean.size} entries, std {std.size}, or a std is negative")
     passes, window, windows, features = (_num(d, k, int) for k in ("passes", "window", "windows", "features"))
+    for key, value, most in (("passes", passes, MAX_PASSES), ("window", window, MAX_PASSES),
+                             ("windows", windows, MAX_PASSES), ("features", features, MAX_CHANNELS)):
+        if value > most:
+            raise BaselineFormatError(f"field 'null.{key}' is {str(value)[:20]}, at most {most}")
+    if mean.size > 2 * MAX_CHANNELS + 2:
+        raise BaselineFormatError(f"null: {mean.size} components, at most {2 * MAX_CHANNELS + 2}")
     dispersion = _num(d, "dispersion")
-    if not reason and (mean.size != 2 * features + 2 or passes < 2 or window < 1 or dispersion < 0):
+    unit = _num(d, "unit") if "unit" in d else 1.0
+    if not reason and (mean.size != 2 * features + 2 or passes < 2 or window < 1 or windows > passes
+                       or not 0 <= dispersion <= 1e6 or not unit > 0):
         raise BaselineFormatError(f"null: {mean.size} components for {features} features, {passes} passes, "
-                                  f"window {window}, dispersion {dispersion}: not a calibrated null")
-    return NullModel(mean, std, passes, max(window, 1), windows, dispersion, features, reason[:500])
+                                  f"window {window}, {windows} windows, dispersion {dispersion}, unit {unit}: "
+                                  "not a calibrated null")
+    if not reason and "unit" not in d:  # the first v3 files: unweighted passes, spreads as stds
+        reason = ("null statistics saved by an earlier layertap (unweighted passes, per-pass stds): "
+                  "set the baseline again to calibrate")
+    if not reason and windows < MIN_WINDOWS:
+        reason = f"the file's null statistics hold {windows} window(s), calibration needs {MIN_WINDOWS}"
+    if not reason and not np.any(std > 0):
+        reason = "every feature is constant in the baseline"
+    return NullModel(mean, std, passes, max(window, 1), windows, dispersion, features, reason[:500],
+                     unit=unit if unit > 0 else 1.0)
+
+
+def _check_null_features(null: NullModel, layer: str, channels: int | None) -> NullModel:
+    """``null`` uncalibrated (with the reason) when its features are not the layer's tested features.
+
+    A live pass has ``2 F + 2`` components, ``F`` the layer's channels capped at ``MAX_CHANNELS``; a null
+    of another count would leave every pass out while saying ``calibrated``.
+    """
+    if channels is None or not null.calibrated:
+        return null
+    want = min(channels, MAX_CHANNELS)
+    if null.features in (0, want):
+        return null  # 0: a baseline of a derived tensor, or one read without per-feature statistics
+    return dataclasses.replace(null, reason=(f"the null statistics cover {null.features} features, layer {layer!r} "
+                                             f"has {want} tested: set the baseline again to calibrate"))
 
 
 def _num(d: Mapping[str, Any], key: str, kind: type = float) -> Any:
@@ -210,6 +248,8 @@ def baseline_from_dict(d: Any, known_layers: KnownLayers | None = None) -> Basel
             want = known_layers.get(layer)
             if want is not None and want != cmean.size:
                 raise BaselineFormatError(f"layer {layer!r} has {want} channels but the baseline {cmean.size}")
+    if null is not None and isinstance(known_layers, Mapping):
+        null = _check_null_features(null, layer, known_layers.get(layer))
     th = d.get("thresholds")
     if not isinstance(th, dict):
         raise BaselineFormatError("field 'thresholds' must be an object")
