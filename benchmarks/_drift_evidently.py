@@ -1,6 +1,6 @@
 """Evidently's data-drift metric on the windows ``drift_power.py`` wrote (run under its own venv).
 
-    /work/venv-evidently/bin/python benchmarks/_drift_evidently.py DIR "+0.05σ,+0.1σ,..." [layer1,layer2,...]
+    /work/venv-evidently/bin/python benchmarks/_drift_evidently.py DIR "+0.05σ,+0.1σ,..." [layer1,layer2,...] [ks]
 
 Evidently (0.7.x, from PyPI) is a benchmark-only peer: it needs pandas<3 and no torch, so it
 lives in a venv of its own and imports nothing of layertap. How a layer becomes Evidently
@@ -12,7 +12,10 @@ Evidently's ``DriftedColumnsCount`` (the metric behind ``DataDriftPreset``) runs
 column, and calls the dataset drifted when the share of drifted columns reaches
 ``drift_share`` = 0.5, its default. (The pooled alternative, all of a layer's activations as
 one column, is what ``drift_power.py`` already scores with the same 0.1 on the server's pooled
-histogram of the raw activations, which these files do not hold.) Prints one JSON line.
+histogram of the raw activations, which these files do not hold.) With a fourth argument
+``ks`` the per-column test is Kolmogorov-Smirnov at Evidently's default p < 0.05 instead: the
+test Evidently picks on its own for a numerical column of at most 1000 rows (W1 > 0.1 is its
+default only above that). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ class Scorer:
     def _dataset(self, rows: np.ndarray) -> Dataset:
         return Dataset.from_pandas(pd.DataFrame(rows, columns=self.cols), data_definition=self.definition)
 
-    def share(self, window: np.ndarray) -> float:
-        report = Report([DriftedColumnsCount(method="wasserstein", threshold=THRESHOLD, drift_share=DRIFT_SHARE)])
+    def share(self, window: np.ndarray, method: str) -> float:
+        threshold = THRESHOLD if method == "wasserstein" else None  # None: the test's own default (K-S: p 0.05)
+        report = Report([DriftedColumnsCount(method=method, threshold=threshold, drift_share=DRIFT_SHARE)])
         value = report.run(self._dataset(window), self.reference).dict()["metrics"][0]["value"]
         return float(value["share"])
 
@@ -50,18 +54,19 @@ class Scorer:
 def main() -> None:
     out, shifts = Path(sys.argv[1]), sys.argv[2].split(",")
     layers = sys.argv[3].split(",") if len(sys.argv) > 3 else LAYERS
+    method = sys.argv[4] if len(sys.argv) > 4 else "wasserstein"
     scorers = {n: Scorer(np.load(out / f"base_{n}.npy")) for n in layers}
     shares = []
     calm_false = 0
     for n in layers:
         for window in np.load(out / f"calm_{n}.npy"):
-            shares.append(scorers[n].share(window))
+            shares.append(scorers[n].share(window, method))
             calm_false += int(shares[-1] >= DRIFT_SHARE)
     shifted = {}
     for s in shifts:
-        got = [scorers[n].share(np.load(out / f"shift_{s}_{n}.npy")) for n in layers]
+        got = [scorers[n].share(np.load(out / f"shift_{s}_{n}.npy"), method) for n in layers]
         shifted[s] = {"flagged": [n for n, x in zip(layers, got, strict=True) if x >= DRIFT_SHARE], "share": got}
-    print(json.dumps({"version": evidently.__version__, "drift_share": DRIFT_SHARE, "calm_false": calm_false,
+    print(json.dumps({"version": evidently.__version__, "method": method, "drift_share": DRIFT_SHARE, "calm_false": calm_false,
                       "calm_windows": len(shares), "calm_share_median": statistics.median(shares),
                       "calm_share_max": max(shares), "shift": shifted}))
 
