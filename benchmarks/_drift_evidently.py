@@ -14,8 +14,8 @@ column, and calls the dataset drifted when the share of drifted columns reaches
 one column, is what ``drift_power.py`` already scores with the same 0.1 on the server's pooled
 histogram of the raw activations, which these files do not hold.) With a fourth argument
 ``ks`` the per-column test is Kolmogorov-Smirnov at Evidently's default p < 0.05 instead: the
-test Evidently picks on its own for a numerical column of at most 1000 rows (W1 > 0.1 is its
-default only above that). Prints one JSON line.
+test Evidently picks on its own for a numerical column whose reference has at most 1000 rows
+(W1 > 0.1 is its default only above that). Prints one JSON line.
 """
 
 from __future__ import annotations
