@@ -41,7 +41,8 @@ def test_drift_power_benchmark_prints_every_row(tmp_path: Path) -> None:
     """benchmarks/drift_power.py at its smallest calibrated size (5 windows of 20); alibi-detect is not run."""
     import json
 
-    tiny = ["--passes", "100", "--window", "20", "--calm-windows", "2", "--batch", "2", "--out", str(tmp_path)]
+    tiny = ["--sections", "demo", "--passes", "100", "--window", "20", "--calm-windows", "2", "--batch", "2",
+            "--out", str(tmp_path)]
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "drift_power.py"), *tiny],
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-4000:]
