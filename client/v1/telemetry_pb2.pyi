@@ -1859,7 +1859,7 @@ class SetDriftFalseAlarmRateRequest(_message.Message):
 
     RATE_FIELD_NUMBER: _builtins.int
     rate: _builtins.float
-    """Expected false alarms per window over all calibrated layers, in (0, 0.5]."""
+    """Expected false alarms per window over all calibrated layers, in [1e-12, 0.5]."""
     def __init__(
         self,
         *,

@@ -453,6 +453,12 @@ def _table() -> dict[str, Rpc]:
         # Baseline taps named at random (almost) never exist: refusals, mostly.
         rpc(TELEMETRY, "ExportBaseline", None, (1, hostile(pb.ExportBaselineRequest.DESCRIPTOR))),
         rpc(TELEMETRY, "InstallBaseline", None, (1, hostile(pb.InstallBaselineRequest.DESCRIPTOR))),
+        # Any double, the bounds' neighbours among them: INVALID_ARGUMENT naming `rate` outside [1e-12, 0.5].
+        rpc(TELEMETRY, "SetDriftFalseAlarmRate",
+            st.builds(pb.SetDriftFalseAlarmRateRequest, rate=st.floats(1e-12, 0.5)),
+            (3, st.builds(pb.SetDriftFalseAlarmRateRequest, rate=weighted(
+                (3, DOUBLES), (1, st.sampled_from([0.0, -0.0, 9.99e-13, 0.5000001, 5e-324, 1.0, 1e300]))))),
+            (1, hostile(pb.SetDriftFalseAlarmRateRequest.DESCRIPTOR))),
         rpc(TELEMETRY, "Explain", _explain(True), (3, _explain(False)), (1, hostile(pb.ExplainRequest.DESCRIPTOR))),
         rpc(TELEMETRY, "GetServerStats", st.builds(pb.GetServerStatsRequest), (1, _empty(pb.GetServerStatsRequest))),
         # The hostile suite's server has no --incident-dir: none of these can be OK.
@@ -472,7 +478,7 @@ RPCS: dict[str, Rpc] = _table()
 #: runs exactly these; ``benchmarks/fuzz.py`` scales them.
 SHARES: dict[str, int] = {
     "InferenceService.Infer": 90, "InferenceService.Generate": 20, "InferenceService.GetModelMetadata": 30, "TelemetryService.ListLayers": 30,
-    "TelemetryService.Capture": 150, "TelemetryService.CreateTap": 120, "TelemetryService.DeleteTap": 60,
+    "TelemetryService.Capture": 140, "TelemetryService.SetDriftFalseAlarmRate": 10, "TelemetryService.CreateTap": 120, "TelemetryService.DeleteTap": 60,
     "TelemetryService.ListTaps": 30, "TelemetryService.Subscribe": 110, "TelemetryService.SetBaseline": 90,
     "TelemetryService.GetDrift": 80, "TelemetryService.GetServerStats": 30, "Health.Check": 40, "Health.Watch": 20,
     "Health.List": 20, "TelemetryService.ListIncidents": 10, "TelemetryService.GetIncident": 10,
