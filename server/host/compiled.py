@@ -132,6 +132,8 @@ class _Job:
     slot: _Slot
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    #: Set (under the lock) when a newer tap set superseded this queued first compile.
+    dropped: bool = False
 
 
 class CompiledServing:
@@ -173,6 +175,8 @@ class CompiledServing:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._busy = 0
+        self._first_jobs: list[_Job] = []  # first compiles queued, oldest first (under the lock)
+        self.dropped_compiles = 0
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -301,9 +305,19 @@ class CompiledServing:
         with self._lock:
             if self._closed or key in self._slots:
                 return
+            # A tap set's first compile still queued when another set is wanted serves no one (its
+            # taps changed before it ran): drop it, so the live set never waits behind dead ones.
+            for job in self._first_jobs:
+                if job.slot.state == QUEUED and not job.dropped:
+                    job.dropped = True
+                    self._busy -= 1
+                    self.dropped_compiles += 1
+                    self._slots.pop(job.slot.key, None)
             slot = self._slots[key] = _Slot(key)
             slot.shapes.add(self._shape_of(args, kwargs))
-            self._submit(_Job(slot, *self._example(args, kwargs)))
+            job = _Job(slot, *self._example(args, kwargs))
+            self._first_jobs = [j for j in self._first_jobs if not j.dropped and j.slot.state == QUEUED] + [job]
+            self._submit(job)
 
     def _request_shape(self, slot: _Slot, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         shape = self._shape_of(args, kwargs)
@@ -338,9 +352,15 @@ class CompiledServing:
             job = self._queue.get()
             if job is None:
                 return
+            with self._lock:
+                if job.dropped:
+                    continue  # counted out of _busy when it was dropped
+                job.slot.state = COMPILING if job.slot.variant is None else job.slot.state
             try:
                 if not self._closed:
                     self._run(job)
+            except Exception:
+                log.exception("model compiler: a job failed outside its compile")
             finally:
                 with self._lock:
                     self._busy -= 1
@@ -385,7 +405,11 @@ class CompiledServing:
         with self._lock:
             ready = [s for s in self._slots.values() if s.state == READY]
             while len(ready) > self.max_variants:
-                victim = next(s for s in ready if s is not keep and s is not self._last)
+                # The least recently used, sparing the one serving now while another can go; never the new one.
+                victim = (next((s for s in ready if s is not keep and s is not self._last), None)
+                          or next((s for s in ready if s is not keep), None))
+                if victim is None:
+                    break
                 ready.remove(victim)
                 del self._slots[victim.key]
                 self.evictions += 1

@@ -140,6 +140,8 @@ class PassObserver(Protocol):
 class LayerShapes:
     inputs: list[tuple[int, ...]]
     outputs: list[tuple[int, ...]]
+    #: Calls in the probed pass (a module called twice per pass, e.g. a shared ReLU, is 2).
+    calls: int = 1
 
 
 def _castable(got: torch.dtype, want: torch.dtype) -> bool:
@@ -451,11 +453,14 @@ class ModelHost:
         self._last_probe = time.monotonic()
         names = {id(m): n for n, m in self._modules.items() if n}
         shapes = self.layer_shapes
+        calls: dict[str, int] = {}
 
         def record(module: nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> None:
             name = names.get(id(module))
             if name is not None:
-                shapes[name] = LayerShapes(_shapes(CallArgs(args, kwargs) if kwargs else args), _shapes(out))
+                calls[name] = calls.get(name, 0) + 1
+                shapes[name] = LayerShapes(_shapes(CallArgs(args, kwargs) if kwargs else args), _shapes(out),
+                                           calls[name])
 
         # A global hook lives only for this pass, under the model lock.
         return nn.modules.module.register_module_forward_hook(record, with_kwargs=True)

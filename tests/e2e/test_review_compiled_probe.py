@@ -30,6 +30,9 @@ class _Two(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
+@pytest.mark.xfail(strict=True, reason="not fixed (issue 29 stays open): the shape probe's process-wide hook "
+                   "is still armed on a compiled host, and a compile that traces while it is live bakes the "
+                   "global hook count into its guards")
 @pytest.mark.timeout(240)
 def test_a_probe_hook_live_during_a_compile_does_not_leave_the_tap_set_eager(make_server) -> None:
     srv = make_server(LoadedModel(_Two().eval(), "two", "factory", [InputSpec("x", torch.float32, (-1, 8))]),
