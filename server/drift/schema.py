@@ -95,8 +95,8 @@ def _null_from_dict(d: Any) -> NullModel:
     """
     if not isinstance(d, dict):
         raise BaselineFormatError("field 'null' must be an object")
-    reason = d.get("reason", "")
-    if not isinstance(reason, str):
+    why = d.get("reason", "")
+    if not isinstance(why, str):
         raise BaselineFormatError("field 'null.reason' must be a string")
     mean, std = _floats(d, "mean"), _floats(d, "std")
     if mean.shape != std.shape or np.any(std < 0):
@@ -110,19 +110,19 @@ def _null_from_dict(d: Any) -> NullModel:
         raise BaselineFormatError(f"null: {mean.size} components, at most {2 * MAX_CHANNELS + 2}")
     dispersion = _num(d, "dispersion")
     unit = _num(d, "unit") if "unit" in d else 1.0
-    if not reason and (mean.size != 2 * features + 2 or passes < 2 or window < 1 or windows > passes
-                       or not 0 <= dispersion <= 1e6 or not unit > 0):
+    if not why and (mean.size != 2 * features + 2 or passes < 2 or window < 1 or windows > passes
+                    or not 0 <= dispersion <= 1e6 or not unit > 0):
         raise BaselineFormatError(f"null: {mean.size} components for {features} features, {passes} passes, "
                                   f"window {window}, {windows} windows, dispersion {dispersion}, unit {unit}: "
                                   "not a calibrated null")
-    if not reason and "unit" not in d:  # the first v3 files: unweighted passes, spreads as stds
-        reason = ("null statistics saved by an earlier layertap (unweighted passes, per-pass stds): "
-                  "set the baseline again to calibrate")
-    if not reason and windows < MIN_WINDOWS:
-        reason = f"the file's null statistics hold {windows} window(s), calibration needs {MIN_WINDOWS}"
-    if not reason and not np.any(std > 0):
-        reason = "every feature is constant in the baseline"
-    return NullModel(mean, std, passes, max(window, 1), windows, dispersion, features, reason[:500],
+    if not why and "unit" not in d:  # the first v3 files: unweighted passes, spreads as stds
+        why = ("null statistics saved by an earlier layertap (unweighted passes, per-pass stds): "
+               "set the baseline again to calibrate")
+    if not why and windows < MIN_WINDOWS:
+        why = f"the file's null statistics hold {windows} window(s), calibration needs {MIN_WINDOWS}"
+    if not why and not np.any(std > 0):
+        why = "every feature is constant in the baseline"
+    return NullModel(mean, std, passes, max(window, 1), windows, dispersion, features, why[:500],
                      unit=unit if unit > 0 else 1.0)
 
 
