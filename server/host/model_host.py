@@ -217,6 +217,8 @@ class ModelHost:
         self.hooks = HookRegistry(self.module, lambda: None if self.quiet else self._current,
                                   deferred_param_grads=training, raw_pass=lambda: self._current)
         self._probe: torch.utils.hooks.RemovableHandle | None = None
+        #: The compiler's tracing lock while a probing pass holds it (``CompiledServing.tracing``).
+        self._probe_gate: threading.Lock | None = None
         self._modules = dict(self.module.named_modules()) if loaded.hooks_supported else {"": self.module}
         self.layer_shapes: dict[str, LayerShapes] = {}
         self._probe_armed = loaded.hooks_supported
@@ -387,7 +389,13 @@ class ModelHost:
         now = time.monotonic()
         # Not on a compiled host: a probing pass runs eager (only armed ones: warm-up, ListLayers).
         due = self.loaded.hooks_supported and self.graph is None and now - self._last_probe >= PROBE_SECONDS
-        self._probe = self._start_probe() if (self._probe_armed or due) else None
+        probe = self._probe_armed or due
+        if probe and self.graph is not None:
+            if self.graph.tracing.acquire(blocking=False):
+                self._probe_gate = self.graph.tracing
+            else:
+                probe = False  # the compiler is tracing: its guards would keep the global hook; a later pass probes
+        self._probe = self._start_probe() if probe else None
         return ctx
 
     def end_pass(self, ctx: PassContext) -> None:
@@ -395,6 +403,9 @@ class ModelHost:
         if self._probe is not None:
             self._probe.remove()
             self._probe = None
+        if self._probe_gate is not None:
+            self._probe_gate.release()
+            self._probe_gate = None
         self._current = None
         self.passes += 1
         current = self._observers
