@@ -78,25 +78,37 @@ def process_cpu(pid: int) -> Callable[[], float]:
     return read
 
 
-def start_server(directory: str, extra: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen[str], str, int]:
-    """``layertap serve --model hf:DIR`` on free ports: the process, its gRPC address and metrics port.
+def serve(args: Sequence[str], env: Mapping[str, str] | None = None,
+          launch: Sequence[str] = ("-m", "layertap.cli")) -> tuple[subprocess.Popen[str], str, int | None]:
+    """``layertap serve --port 0 ARGS`` as a subprocess: the process, its gRPC address and its metrics port
+    (None with ``--no-metrics``), read from serve's start-up lines.
 
-    A subprocess, so that the benchmark's client and the server do not share a GIL.
+    A subprocess, so that the benchmark's client and the server do not share a GIL. ``launch`` replaces
+    ``-m layertap.cli`` (a ``-c`` script that patches the server first, then runs the CLI).
     """
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # serve's start-up reader lives there
     from support.serve import read_startup
 
-    proc = subprocess.Popen([sys.executable, "-m", "layertap.cli", "serve", "--model", f"hf:{directory}",
-                             "--port", "0", "--metrics-port", "0", *extra],
+    proc = subprocess.Popen([sys.executable, *launch, "serve", "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=None if env is None else {**os.environ, **env})
     assert proc.stdout is not None
     port, metrics = read_startup(proc.stdout)
-    if port < 0 or metrics is None:
+    if port < 0:
         raise RuntimeError(f"layertap serve did not start ({proc.wait()})")
     threading.Thread(target=proc.stdout.read, daemon=True).start()
     return proc, f"127.0.0.1:{port}", metrics
+
+
+def start_server(directory: str, extra: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen[str], str, int]:
+    """``layertap serve --model hf:DIR`` on free ports (:func:`serve`): the process, its gRPC address and
+    metrics port."""
+    proc, address, metrics = serve(["--model", f"hf:{directory}", "--metrics-port", "0", *extra], env)
+    if metrics is None:
+        proc.kill()
+        raise RuntimeError("layertap serve did not say its metrics port")
+    return proc, address, metrics
 
 
 def metric(metrics_port: int, name: str) -> float:

@@ -29,13 +29,13 @@ import platform
 import re
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
 
 import numpy as np
 import torch
+from _serving import serve  # benchmarks/ is on sys.path when run as a script
 
 import layertap
 
@@ -46,17 +46,8 @@ CHANGES = ["re:^layer[1-4]\\.0\\.conv1$", "re:^layer[1-4]\\.1\\.conv1$"]
 
 
 def start_server(*extra: str) -> tuple[subprocess.Popen[str], str]:
-    args = [sys.executable, "-m", "layertap.cli", "serve", "--port", "0", *extra]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert proc.stdout is not None
-    port = -1
-    for line in proc.stdout:
-        if m := re.search(r"serving on [^\s]+:(\d+)", line):
-            port = int(m.group(1))
-        if line.startswith("layertap: try"):
-            break
-    threading.Thread(target=proc.stdout.read, daemon=True).start()
-    return proc, f"127.0.0.1:{port}"
+    proc, address, _ = serve(extra)
+    return proc, address
 
 
 def timed(client: layertap.Client, x: np.ndarray, n: int) -> list[float]:

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _serving import serve
 from support.h2abuse import HEALTH_CHECK, LIST_LAYERS, H2Client, grpc_frame
-from support.serve import read_startup
 
 BARE = """
 import sys, time
@@ -74,13 +74,8 @@ def start(bare: bool, extra: list[str], trim: bool = True) -> tuple[subprocess.P
     tokens = Path(tempfile.mkdtemp()) / "tokens"
     tokens.write_text(f"bench sha256:{hashlib.sha256(b'churn-token-0123456789').hexdigest()} read\n")
     launch = ["-m", "layertap.cli"] if trim else ["-c", NO_TRIM]
-    proc = subprocess.Popen([sys.executable, *launch, "serve", "--port", "0", "--no-metrics",
-                             "--no-compile", "--auth-tokens", str(tokens), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert proc.stdout is not None
-    port, _ = read_startup(proc.stdout)
-    threading.Thread(target=proc.stdout.read, daemon=True).start()
-    return proc, port
+    proc, address, _ = serve(["--no-metrics", "--no-compile", "--auth-tokens", str(tokens), *extra], launch=launch)
+    return proc, int(address.rsplit(":", 1)[1])
 
 
 def call(client: H2Client, method: str) -> bool:

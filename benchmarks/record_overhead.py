@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import argparse
 import platform
-import re
 import statistics
 import subprocess
-import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import grpc
 import numpy as np
 import torch
-from infer_latency import timed_requests  # benchmarks/ is on sys.path when run as a script
+from _serving import serve  # benchmarks/ is on sys.path when run as a script
+from infer_latency import timed_requests
 
 import layertap
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
@@ -38,18 +36,9 @@ SELECTOR = "re:^(layer[1-4](\\.[01])?|avgpool|fc)$"
 
 
 def start(tmp: Path) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "layertap.cli", "serve", "--port", "0", "--no-compile", "--no-metrics",
-                             "--incident-dir", str(tmp / "incidents"), "--record-inputs", "64"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert proc.stdout is not None
-    port = -1
-    for line in proc.stdout:
-        if m := re.search(r"serving on [^\s]+:(\d+)", line):
-            port = int(m.group(1))
-        if line.startswith("layertap: try"):
-            break
-    threading.Thread(target=proc.stdout.read, daemon=True).start()
-    return proc, f"127.0.0.1:{port}"
+    proc, address, _ = serve(["--no-compile", "--no-metrics", "--incident-dir", str(tmp / "incidents"),
+                              "--record-inputs", "64"])
+    return proc, address
 
 
 def set_tap(stub: telemetry_pb2_grpc.TelemetryServiceStub, recording: bool) -> None:
