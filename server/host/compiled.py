@@ -182,10 +182,6 @@ class CompiledServing:
         self._closed = False
         self._serial = itertools.count()
         self._compiling = threading.local()
-        #: Held by the compiler while dynamo traces, and by a shape-probing pass for its length
-        #: (``ModelHost.begin_pass``, never waiting): dynamo guards on torch's process-wide hook dicts, so
-        #: a variant traced while the probe's global hook is live rejects every later pass for good.
-        self.tracing = threading.Lock()
         self.compiles = self.compile_failures = self.request_thread_compiles = 0
         self.compiled_passes = self.eager_passes = self.shape_misses = self.evictions = 0
         self.compile_seconds = 0.0
@@ -401,7 +397,7 @@ class CompiledServing:
         slot = job.slot
         stats: StatsFunction | None = self.taps.statistics if self.taps is not None else None
         variant = slot.variant or Variant(self._module, slot.key, self.backend, next(self._serial), stats)
-        with self.tracing, torch.inference_mode():  # waits out a probing pass, at most one pass
+        with torch.inference_mode():
             variant.compile(job.args, job.kwargs)
         slot.variant = variant
 

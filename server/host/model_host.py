@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -172,6 +173,17 @@ def _shapes(value: Any) -> list[tuple[int, ...]]:
     return [tuple(t.shape) for _, t in flatten_tensors(value)]
 
 
+class _ProbeHooks:
+    """The shape probe's hooks of one pass, removed together."""
+
+    def __init__(self, handles: list[torch.utils.hooks.RemovableHandle]) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
 class ModelHost:
     """Hosts one model on one device and runs its forward passes one at a time."""
 
@@ -216,9 +228,7 @@ class ModelHost:
         self.quiet = False
         self.hooks = HookRegistry(self.module, lambda: None if self.quiet else self._current,
                                   deferred_param_grads=training, raw_pass=lambda: self._current)
-        self._probe: torch.utils.hooks.RemovableHandle | None = None
-        #: The compiler's tracing lock while a probing pass holds it (``CompiledServing.tracing``).
-        self._probe_gate: threading.Lock | None = None
+        self._probe: _ProbeHooks | None = None
         self._modules = dict(self.module.named_modules()) if loaded.hooks_supported else {"": self.module}
         self.layer_shapes: dict[str, LayerShapes] = {}
         self._probe_armed = loaded.hooks_supported
@@ -389,13 +399,7 @@ class ModelHost:
         now = time.monotonic()
         # Not on a compiled host: a probing pass runs eager (only armed ones: warm-up, ListLayers).
         due = self.loaded.hooks_supported and self.graph is None and now - self._last_probe >= PROBE_SECONDS
-        probe = self._probe_armed or due
-        if probe and self.graph is not None:
-            if self.graph.tracing.acquire(blocking=False):
-                self._probe_gate = self.graph.tracing
-            else:
-                probe = False  # the compiler is tracing: its guards would keep the global hook; a later pass probes
-        self._probe = self._start_probe() if probe else None
+        self._probe = self._start_probe() if (self._probe_armed or due) else None
         return ctx
 
     def end_pass(self, ctx: PassContext) -> None:
@@ -403,9 +407,6 @@ class ModelHost:
         if self._probe is not None:
             self._probe.remove()
             self._probe = None
-        if self._probe_gate is not None:
-            self._probe_gate.release()
-            self._probe_gate = None
         self._current = None
         self.passes += 1
         current = self._observers
@@ -459,22 +460,22 @@ class ModelHost:
                 return out
         return self.forward(inputs)
 
-    def _start_probe(self) -> torch.utils.hooks.RemovableHandle:
+    def _start_probe(self) -> _ProbeHooks:
         self._probe_armed = False
         self._last_probe = time.monotonic()
-        names = {id(m): n for n, m in self._modules.items() if n}
         shapes = self.layer_shapes
         calls: dict[str, int] = {}
 
-        def record(module: nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> None:
-            name = names.get(id(module))
-            if name is not None:
-                calls[name] = calls.get(name, 0) + 1
-                shapes[name] = LayerShapes(_shapes(CallArgs(args, kwargs) if kwargs else args), _shapes(out),
-                                           calls[name])
+        def record(name: str, _module: nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+            calls[name] = calls.get(name, 0) + 1
+            shapes[name] = LayerShapes(_shapes(CallArgs(args, kwargs) if kwargs else args), _shapes(out), calls[name])
 
-        # A global hook lives only for this pass, under the model lock.
-        return nn.modules.module.register_module_forward_hook(record, with_kwargs=True)
+        # The host's own modules, for this pass only (under the model lock). Never a process-wide hook
+        # (``register_module_forward_hook``): dynamo guards on torch's global hook dicts, so a compiled
+        # variant traced meanwhile on any host of the process would reject every later pass. The
+        # variants trace hook-free copies of the modules, which these hooks never reach.
+        return _ProbeHooks([m.register_forward_hook(functools.partial(record, n), with_kwargs=True)
+                            for n, m in self._modules.items() if n])
 
     def warm_up(self) -> None:
         """Run one batch-1 pass on zeros so shapes are known before traffic."""

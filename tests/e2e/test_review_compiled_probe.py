@@ -6,12 +6,14 @@ recompiled) while the tap said ``in_graph``. Seen through the real path (a clien
 + ``infer()`` while a tap set compiled, 24-layer MLP): ``Guard failed on the same frame it was
 created ... len(G['__import_torch_dot_nn_dot_modules_dot_module']._global_forward_hooks) != 1``.
 
-The fix: ``CompiledServing.tracing`` is held by the compiler while it traces and by a probing pass
-for its length (taken without waiting: a pass that finds the compiler tracing leaves the probe armed
-for a later pass). The tests drive ListLayers and Infer while a real compile runs, and hold the lock
-as the compiler does."""
+The fix: the probe hooks the host's own modules for its one pass, never torch's process-wide dict;
+the variants trace hook-free copies of the modules, which those hooks never reach. (A first fix, a
+lock between a host's probe and its compiler, left another host of the same process free to probe
+during the trace: the review's second round made the compile fail outright.) The tests drive
+ListLayers and Infer while a real compile runs, on this host and on another in the same process."""
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -32,6 +34,20 @@ class _Two(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.tanh(self.a(x)))
+
+
+class _Heavy(nn.Module):
+    """Many small layers: a probing pass keeps the global hook live for most of its length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(40))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
 
 
 def _loaded() -> LoadedModel:
@@ -79,36 +95,71 @@ def test_listlayers_during_a_compile_never_leaves_the_tap_set_eager(make_server)
     assert seen_during and not any(seen_during), f"global hooks live during the compile: {seen_during}"
     assert served == 2, f"{served} of 2 passes compiled after the compile; tap state {states}; {graph.counters()}"
     assert states == ["in_graph"]
-    assert _global_hooks() == 0 and not graph.tracing.locked()
+    assert _global_hooks() == 0
 
 
-def test_a_pass_never_probes_while_the_compiler_traces_and_the_probe_waits(make_server) -> None:
-    srv = make_server(_loaded(), compile_model=True)
-    graph, host = srv.state.host.graph, srv.state.host
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("other_compiled", [False, True], ids=["other-eager", "other-compiled"])
+def test_another_host_probing_meanwhile_never_spoils_a_compile(make_server, other_compiled) -> None:
+    """Review, second round: another server of the process (eager: a probe every PROBE_SECONDS; or
+    compiled) probing in a loop while this one compiles. With a process-wide probe hook this compile
+    failed (a dynamo KeyError building guards) and the tap set never compiled."""
+    other = make_server(LoadedModel(_Heavy().eval(), "heavy", "factory", [InputSpec("x", torch.float32, (-1, 256))]),
+                        compile_model=other_compiled)
+    srv = make_server(LoadedModel(_Two().eval(), "two", "factory", [InputSpec("x", torch.float32, (-1, 8))]),
+                      compile_model=True)
+    graph = srv.state.host.graph
     assert graph.wait_idle(120)
-    x = np.ones((2, 8), np.float32)
-    host.layer_shapes.clear()
+    if other.state.host.graph is not None:
+        assert other.state.host.graph.wait_idle(120)
+    seen: list[int] = []
+    backend = graph.backend
+
+    def counting_backend(gm, example_inputs):  # type: ignore[no-untyped-def]
+        seen.append(len(nn.modules.module._global_forward_hooks))
+        return backend(gm, example_inputs)
+
+    graph.backend = counting_backend
+    stop = threading.Event()
+    other_passes = [0]
+
+    def probe_other() -> None:  # ListLayers + Infer on the other server: each of its passes probes
+        xo = np.ones((64, 256), np.float32)
+        with layertap.Client(f"127.0.0.1:{other.port}") as c:
+            while not stop.is_set():
+                c.layers()
+                c.infer(xo)
+                other_passes[0] += 1
+
+    t = threading.Thread(target=probe_other, daemon=True)
+    t.start()
+    time.sleep(1.0)
+    x = np.ones((4, 8), np.float32)
     with layertap.Client(f"127.0.0.1:{srv.port}") as client:
-        assert graph.tracing.acquire(timeout=30)  # as the compiler does for a trace
-        try:
-            client.layers()  # arms the probe
-            client.infer(x)
-            assert host._probe_armed, "a pass probed while the compiler held the tracing lock"
-            assert not host.layer_shapes
-        finally:
-            graph.tracing.release()
+        client.create_tap("a", reducers=["moments"])
+        client.infer(x)  # queues the tap set's compile
+        assert graph.wait_idle(200)
+        stop.set()
+        t.join(30)
+        before = graph.compiled_passes
         client.infer(x)
-    assert not host._probe_armed and "a" in host.layer_shapes
-    assert not graph.tracing.locked() and _global_hooks() == 0
+        client.infer(x)
+        served = graph.compiled_passes - before
+        states = [tap.serving for tap in client.taps()]
+    assert seen and not any(seen), f"another host's probe hook was live during this host's trace: {seen}"
+    assert served == 2, f"{served} of 2 passes compiled after the compile; tap state {states}; {graph.counters()}"
 
 
-def test_the_compiler_waits_out_a_probing_pass(make_server) -> None:
-    """The other side: a probing pass holds the lock for its length, so a trace starts only after it."""
+def test_a_probing_pass_hooks_only_its_own_modules(make_server) -> None:
     srv = make_server(_loaded(), compile_model=True)
-    graph, host = srv.state.host.graph, srv.state.host
-    assert graph.wait_idle(120)
+    host = srv.state.host
+    assert host.graph.wait_idle(120)
+    host.layer_shapes.clear()
     host.arm_shape_probe()
-    with host.pass_context():
-        assert host._probe is not None and graph.tracing.locked()
-        assert not graph.tracing.acquire(blocking=False)
-    assert not graph.tracing.locked() and host._probe is None
+    with host.pass_context(), torch.inference_mode():
+        assert host._probe is not None
+        assert _global_hooks() == 0, "the probe installed a process-wide hook"
+        assert all(m._forward_hooks for n, m in host.module.named_modules() if n)
+        host.forward(host.validate_inputs([torch.ones(2, 8)]))
+    assert host._probe is None and not any(m._forward_hooks for m in host.module.modules())
+    assert host.layer_shapes["a"].outputs == [(2, 8)] and host.layer_shapes["b"].calls == 1
