@@ -22,9 +22,9 @@ from layertap.server.drift.schema import BaselineFormatError, KnownLayers, basel
 __all__ = ["MAX_FILE_BYTES", "baseline_filename", "load_baselines", "save_baseline"]
 
 #: Largest baseline file read. The largest valid document, a layer of
-#: MAX_DRIFT_CHANNELS (65536) features, is 9-11 MB (393,220 floats, one per
-#: line); a bigger file is refused before it is read, so a stray huge file in
-#: ``--baseline-dir`` cannot exhaust memory at start-up.
+#: MAX_DRIFT_CHANNELS (65536) features, is 6-7.5 MB (its null's 262,148
+#: floats, one per line); a bigger file is refused before it is read, so a
+#: stray huge file in ``--baseline-dir`` cannot exhaust memory at start-up.
 MAX_FILE_BYTES = 32 << 20
 
 

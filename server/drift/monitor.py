@@ -59,7 +59,7 @@ from layertap.server.errors import AlreadyExists, InvalidField, NotFound, Unsupp
 from layertap.server.host.hooks import POINT_NAMES
 from layertap.server.host.model_host import PassContext
 from layertap.server.limits import check_name
-from layertap.server.reducers.spec import MAX_DRIFT_CHANNELS, default_feature_axis
+from layertap.server.reducers.spec import MAX_CHANNELS, MAX_DRIFT_CHANNELS, default_feature_axis
 from layertap.server.stream.sinks import Sink, TapView
 from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.selectors import select_layers
@@ -354,9 +354,9 @@ class DriftMonitor(Sink, BaselineReload):
             builder.skip()
         else:
             builder.feed(values, m.count, m.mean, m.std, mm.min if mm else math.nan, mm.max if mm else math.nan,
-                         population=m.count,
-                         channel_mean=np.asarray(pc.mean) if pc and pc.channels == len(pc.mean) else None,
-                         channel_std=np.asarray(pc.std) if pc and pc.channels == len(pc.std) else None,
+                         population=m.count,  # channel means up to MAX_CHANNELS: the window keeps one per pass
+                         channel_mean=np.asarray(pc.mean) if pc and pc.channels == len(pc.mean) <= MAX_CHANNELS else None,
+                         channel_std=np.asarray(pc.std) if pc and pc.channels == len(pc.std) <= MAX_CHANNELS else None,
                          components=pass_components(res))
         # Only this (host-transfer) thread writes the total; readers see an int.
         self._skipped += builder.skipped_passes - before

@@ -28,7 +28,7 @@ from layertap.server.drift.null import MAX_PASSES, MIN_WINDOWS, NullModel
 from layertap.server.drift.phases import FORWARD, PHASE_BY_NAME
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.host.hooks import POINT_BY_NAME
-from layertap.server.reducers.spec import MAX_BINS, MAX_DRIFT_CHANNELS
+from layertap.server.reducers.spec import MAX_BINS, MAX_CHANNELS, MAX_DRIFT_CHANNELS
 
 __all__ = [
     "BASELINE_SCHEMA",
@@ -245,8 +245,8 @@ def baseline_from_dict(d: Any, known_layers: KnownLayers | None = None) -> Basel
         cmean, cstd = _floats(d, "channel_mean"), _floats(d, "channel_std")
         if cmean.shape != cstd.shape or cmean.size == 0:
             raise BaselineFormatError(f"channel_mean has {cmean.size} entries but channel_std {cstd.size}")
-        if cmean.size > MAX_DRIFT_CHANNELS:
-            raise BaselineFormatError(f"channel_mean has {cmean.size} entries, at most {MAX_DRIFT_CHANNELS}")
+        if cmean.size > MAX_CHANNELS:  # kept up to MAX_CHANNELS only: the sliding window holds one vector per pass
+            raise BaselineFormatError(f"channel_mean has {cmean.size} entries, at most {MAX_CHANNELS}")
         if isinstance(known_layers, Mapping):
             want = known_layers.get(layer)
             if want is not None and want != cmean.size:

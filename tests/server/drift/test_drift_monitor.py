@@ -277,7 +277,7 @@ def test_past_max_channels_every_feature_is_tested_and_a_shift_is_seen():
         engine.flush(10)
         b = monitor.baseline_for("wide", "output")
         assert b is not None and b.null is not None and b.null.calibrated and b.null.features == 5000 > MAX_CHANNELS
-        assert b.channel_mean is not None and b.channel_mean.shape == (5000,)
+        assert b.channel_mean is None  # channel means (the window's, one vector per pass) only up to MAX_CHANNELS
         for _ in range(10):
             host.run([torch.randn(16, 4, generator=g)])
         engine.flush(10)

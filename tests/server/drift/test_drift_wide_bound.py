@@ -16,10 +16,12 @@ import torch
 from torch import nn
 
 from layertap.server.drift import files
+from layertap.server.drift.exchange import builder_state_from_proto
 from layertap.server.drift.files import load_baselines
 from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.drift.null import t_quantile
 from layertap.server.drift.schema import BaselineFormatError, baseline_from_dict, baseline_to_dict
+from layertap.server.errors import InvalidField
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import InputSpec, LoadedModel
 from layertap.server.reducers.plan import build_reducers
@@ -124,7 +126,7 @@ def test_a_wide_baseline_file_round_trips_calibrated_and_a_bad_null_is_refused(t
     (path,) = tmp_path.glob("*.json")
     (b,), errors = load_baselines(tmp_path, {"wide": 5000})
     assert errors == [] and b.null is not None and b.null.calibrated and b.null.features == 5000
-    assert b.channel_mean is not None and b.channel_mean.shape == (5000,)
+    assert b.channel_mean is None  # kept up to MAX_CHANNELS only: the sliding window holds one vector per pass
 
     # Reloaded by a fresh server: calibrated, and a shift of feature 4500 is still seen.
     model, host, engine, monitor = _serve(5000, str(tmp_path))
@@ -153,8 +155,8 @@ def test_a_wide_baseline_file_round_trips_calibrated_and_a_bad_null_is_refused(t
     with pytest.raises(BaselineFormatError, match=f"{n} components, at most {n - 1}"):
         baseline_from_dict(bad)
     bad = json.loads(json.dumps(doc))
-    bad["channel_mean"] = bad["channel_std"] = [0.0] * (MAX_DRIFT_CHANNELS + 1)
-    with pytest.raises(BaselineFormatError, match=f"at most {MAX_DRIFT_CHANNELS}"):
+    bad["channel_mean"] = bad["channel_std"] = [0.0] * (MAX_CHANNELS + 1)
+    with pytest.raises(BaselineFormatError, match=f"channel_mean has {MAX_CHANNELS + 1} entries, at most {MAX_CHANNELS}"):
         baseline_from_dict(bad)
     bad = json.loads(json.dumps(doc))
     bad["null"]["features"] = 4999  # components of 5000 features: not a calibrated null
@@ -176,3 +178,12 @@ def test_a_wide_baseline_file_round_trips_calibrated_and_a_bad_null_is_refused(t
     monkeypatch.setattr(files, "MAX_FILE_BYTES", path.stat().st_size - 1)
     loaded, errors = load_baselines(tmp_path, {"wide": 5000})
     assert loaded == [] and len(errors) == 1 and f"over {path.stat().st_size - 1} bytes" in errors[0]
+
+
+def test_a_replica_s_builder_state_may_not_carry_more_channel_means_than_a_builder_keeps() -> None:
+    msg = pb.BaselineBuilderState(layer="wide", channel_count=1.0, channel_mean=[0.0] * (MAX_CHANNELS + 1),
+                                  channel_m2=[0.0] * (MAX_CHANNELS + 1))
+    with pytest.raises(InvalidField, match=f"at most {MAX_CHANNELS} channels, got {MAX_CHANNELS + 1}"):
+        builder_state_from_proto(msg, "builders[0]")
+    del msg.channel_mean[MAX_CHANNELS:], msg.channel_m2[MAX_CHANNELS:]
+    assert builder_state_from_proto(msg, "builders[0]").channel_mean.shape == (MAX_CHANNELS,)  # type: ignore[union-attr]
