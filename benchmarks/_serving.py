@@ -15,12 +15,13 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import nn
@@ -78,24 +79,28 @@ def process_cpu(pid: int) -> Callable[[], float]:
     return read
 
 
-def serve(args: Sequence[str], env: Mapping[str, str] | None = None,
-          launch: Sequence[str] = ("-m", "layertap.cli")) -> tuple[subprocess.Popen[str], str, int | None]:
+def serve(args: Sequence[str], env: Mapping[str, str] | None = None, launch: Sequence[str] = ("-m", "layertap.cli"),
+          stderr: IO[str] | None = None) -> tuple[subprocess.Popen[str], str, int | None]:
     """``layertap serve --port 0 ARGS`` as a subprocess: the process, its gRPC address and its metrics port
     (None with ``--no-metrics``), read from serve's start-up lines.
 
     A subprocess, so that the benchmark's client and the server do not share a GIL. ``launch`` replaces
-    ``-m layertap.cli`` (a ``-c`` script that patches the server first, then runs the CLI).
+    ``-m layertap.cli`` (a ``-c`` script that patches the server first, then runs ``layertap.cli.run``).
+    The server's log goes to ``stderr`` (default: a temporary file, whose end a failed start quotes).
     """
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # serve's start-up reader lives there
     from support.serve import read_startup
 
+    log = stderr if stderr is not None else tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, *launch, "serve", "--port", "0", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            stdout=subprocess.PIPE, stderr=log, text=True,
                             env=None if env is None else {**os.environ, **env})
     assert proc.stdout is not None
     port, metrics = read_startup(proc.stdout)
     if port < 0:
-        raise RuntimeError(f"layertap serve did not start ({proc.wait()})")
+        code = proc.wait()
+        log.seek(0)
+        raise RuntimeError(f"layertap serve did not start (exit {code}): {log.read()[-2000:]}")
     threading.Thread(target=proc.stdout.read, daemon=True).start()
     return proc, f"127.0.0.1:{port}", metrics
 

@@ -46,7 +46,7 @@ CHANGES = ["re:^layer[1-4]\\.0\\.conv1$", "re:^layer[1-4]\\.1\\.conv1$"]
 
 
 def start_server(*extra: str) -> tuple[subprocess.Popen[str], str]:
-    proc, address, _ = serve(extra)
+    proc, address, _ = serve(["--no-metrics", *extra])  # metrics unread here: no fixed port to collide
     return proc, address
 
 

@@ -23,13 +23,13 @@ import platform
 import re
 import statistics
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
 
 import numpy as np
 import torch
+from _serving import serve  # benchmarks/ is on sys.path when run as a script
 
 import layertap
 
@@ -44,25 +44,15 @@ VARIANTS: dict[str, dict] = {
 
 def start_server(no_compile: bool, telemetry_nice: int | None = None,
                  malloc_tuning: bool = False) -> tuple[subprocess.Popen[str], str, int]:
-    args = [sys.executable, "-m", "layertap.cli", "serve", "--port", "0", "--metrics-port", "0"]
+    args = ["--metrics-port", "0"]
     if no_compile:
         args.append("--no-compile")
     if malloc_tuning:
         args.append("--malloc-tuning")
     if telemetry_nice is not None:
         args += ["--telemetry-nice", str(telemetry_nice)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert proc.stdout is not None
-    port = metrics = -1
-    for line in proc.stdout:
-        if m := re.search(r"serving on [^\s]+:(\d+)", line):
-            port = int(m.group(1))
-        if m := re.search(r"metrics on https?://[^:]+:(\d+)/metrics", line):
-            metrics = int(m.group(1))
-        if line.startswith("layertap: try"):
-            break
-    threading.Thread(target=proc.stdout.read, daemon=True).start()
-    return proc, f"127.0.0.1:{port}", metrics
+    proc, address, metrics = serve(args)
+    return proc, address, -1 if metrics is None else metrics
 
 
 def compiles(metrics_port: int) -> float:

@@ -22,7 +22,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -32,27 +31,23 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the raw HTTP/2 client and serve's start-up reader live with the tests
 
-from support.serve import read_startup  # noqa: E402
+from _serving import serve  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 TOKEN = "bench-token-0123456789abcdef"
 
 
 #: ``--without-limits``: the server as before session 9, none of server/rpc/transport.py's options.
-WITHOUT_LIMITS = ("import sys; from layertap.server.rpc import transport; transport.SERVER_OPTIONS.clear(); "
-                  "from layertap.server.cli.serve import main; sys.exit(main(sys.argv[1:]))")
+WITHOUT_LIMITS = ("from layertap.server.rpc import transport; transport.SERVER_OPTIONS.clear(); "
+                  "from layertap.cli import run; run()")
 
 
-def serve(tmp: Path, log: Path, limits: bool) -> tuple[subprocess.Popen, int]:
+def start(tmp: Path, log: Path, limits: bool) -> tuple[subprocess.Popen, int]:
     tokens = tmp / "tokens"
     tokens.write_text(f"root sha256:{hashlib.sha256(TOKEN.encode()).hexdigest()} infer,read,tap,capture,admin\n")
-    entry = ["-m", "layertap.cli", "serve"] if limits else ["-c", WITHOUT_LIMITS]
-    proc = subprocess.Popen([sys.executable, *entry, "--port", "0", "--no-compile",
-                             "--no-metrics", "--grace", "1", "--auth-tokens", str(tokens)],
-                            stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
-    assert proc.stdout is not None
-    port, _ = read_startup(proc.stdout)
-    threading.Thread(target=proc.stdout.read, daemon=True).start()
-    return proc, port
+    launch = ["-m", "layertap.cli"] if limits else ["-c", WITHOUT_LIMITS]
+    proc, address, _ = serve(["--no-compile", "--no-metrics", "--grace", "1", "--auth-tokens", str(tokens)],
+                             launch=launch, stderr=log.open("w+"))
+    return proc, int(address.rsplit(":", 1)[1])
 
 
 def main() -> None:
@@ -66,7 +61,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         log = tmp / "serve.log"
-        proc, port = serve(tmp, log, limits=not args.without_limits)
+        proc, port = start(tmp, log, limits=not args.without_limits)
         try:
             channel = grpc.insecure_channel(f"127.0.0.1:{port}")
             stub = health_pb2_grpc.HealthStub(channel)
