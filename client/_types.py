@@ -339,8 +339,6 @@ class LayerDrift:
     ignored_passes: int = 0
     constant_features: int = 0
     false_alarm_rate: float = 0.0
-    #: Features past the server's per-feature bound (65536): in the pooled mean and spread only.
-    untested_features: int = 0
 
     @property
     def ratio(self) -> float:

@@ -1754,7 +1754,6 @@ class LayerDrift(_message.Message):
     IGNORED_PASSES_FIELD_NUMBER: _builtins.int
     CONSTANT_FEATURES_FIELD_NUMBER: _builtins.int
     FALSE_ALARM_RATE_FIELD_NUMBER: _builtins.int
-    UNTESTED_FEATURES_FIELD_NUMBER: _builtins.int
     tap: _builtins.str
     layer: _builtins.str
     point: Global___Point.ValueType
@@ -1811,11 +1810,6 @@ class LayerDrift(_message.Message):
     """Features (and spreads) constant in the baseline: left out of the test."""
     false_alarm_rate: _builtins.float
     """This layer's share of the server's per-window false-alarm rate."""
-    untested_features: _builtins.int
-    """Features past the drift taps' per-channel bound (65536, MAX_DRIFT_CHANNELS)
-    in the last pass: they count in the pooled mean and spread only, and are
-    not tested one by one (0: every feature is tested, or no feature axis).
-    """
     @_builtins.property
     def thresholds(self) -> Global___DriftThresholds: ...
     def __init__(
@@ -1850,11 +1844,10 @@ class LayerDrift(_message.Message):
         ignored_passes: _builtins.int = ...,
         constant_features: _builtins.int = ...,
         false_alarm_rate: _builtins.float = ...,
-        untested_features: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["thresholds", b"thresholds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alarm", b"alarm", "alarm_pass", b"alarm_pass", "baseline_passes", b"baseline_passes", "calibration", b"calibration", "calibration_reason", b"calibration_reason", "channel_drift_fraction", b"channel_drift_fraction", "constant_features", b"constant_features", "derive", b"derive", "detection_passes", b"detection_passes", "drifted", b"drifted", "false_alarm_rate", b"false_alarm_rate", "ignored_passes", b"ignored_passes", "js", b"js", "layer", b"layer", "mean_shift", b"mean_shift", "p_value", b"p_value", "phase", b"phase", "point", b"point", "psi", b"psi", "save_error", b"save_error", "score", b"score", "scored_passes", b"scored_passes", "state", b"state", "tap", b"tap", "threshold", b"threshold", "thresholds", b"thresholds", "untested_features", b"untested_features", "wasserstein", b"wasserstein", "window_passes", b"window_passes", "windows", b"windows"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alarm", b"alarm", "alarm_pass", b"alarm_pass", "baseline_passes", b"baseline_passes", "calibration", b"calibration", "calibration_reason", b"calibration_reason", "channel_drift_fraction", b"channel_drift_fraction", "constant_features", b"constant_features", "derive", b"derive", "detection_passes", b"detection_passes", "drifted", b"drifted", "false_alarm_rate", b"false_alarm_rate", "ignored_passes", b"ignored_passes", "js", b"js", "layer", b"layer", "mean_shift", b"mean_shift", "p_value", b"p_value", "phase", b"phase", "point", b"point", "psi", b"psi", "save_error", b"save_error", "score", b"score", "scored_passes", b"scored_passes", "state", b"state", "tap", b"tap", "threshold", b"threshold", "thresholds", b"thresholds", "wasserstein", b"wasserstein", "window_passes", b"window_passes", "windows", b"windows"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -28,7 +28,6 @@ from layertap.server.drift.phases import PHASE_BY_NAME, PHASE_NAMES
 from layertap.server.drift.schema import BaselineFormatError, KnownLayers, baseline_from_dict, baseline_to_dict
 from layertap.server.errors import InvalidField
 from layertap.server.host.hooks import POINT_BY_NAME, POINT_NAMES
-from layertap.server.reducers.spec import MAX_CHANNELS
 from layertap.v1 import telemetry_pb2 as pb
 
 __all__ = ["builder_state_from_proto", "builder_state_to_proto", "frozen_from_bytes", "frozen_to_bytes",
@@ -99,8 +98,6 @@ def builder_state_from_proto(msg: pb.BaselineBuilderState, field: str) -> Builde
     if msg.channel_mean or msg.channel_m2:
         if len(msg.channel_mean) != len(msg.channel_m2):
             raise InvalidField(f"{field}.channel_m2", "one M2 per channel mean")
-        if len(msg.channel_mean) > MAX_CHANNELS:  # a builder keeps them up to MAX_CHANNELS (the window's bound)
-            raise InvalidField(f"{field}.channel_mean", f"at most {MAX_CHANNELS} channels, got {len(msg.channel_mean)}")
         if not (math.isfinite(msg.channel_count) and msg.channel_count > 0):
             raise InvalidField(f"{field}.channel_count", f"must be finite and > 0, got {msg.channel_count}")
         c_mean = _array(msg.channel_mean, f"{field}.channel_mean")

@@ -19,13 +19,7 @@ from layertap.server.drift.baseline import Baseline
 from layertap.server.drift.phases import FORWARD
 from layertap.server.drift.schema import BaselineFormatError, KnownLayers, baseline_from_dict, baseline_to_dict
 
-__all__ = ["MAX_FILE_BYTES", "baseline_filename", "load_baselines", "save_baseline"]
-
-#: Largest baseline file read. The largest valid document, a layer of
-#: MAX_DRIFT_CHANNELS (65536) features, is 6-7.5 MB (its null's 262,148
-#: floats, one per line); a bigger file is refused before it is read, so a
-#: stray huge file in ``--baseline-dir`` cannot exhaust memory at start-up.
-MAX_FILE_BYTES = 32 << 20
+__all__ = ["baseline_filename", "load_baselines", "save_baseline"]
 
 
 def baseline_filename(b: Baseline) -> str:
@@ -112,11 +106,7 @@ def load_baselines(
         if p.name.startswith(".tmp-"):
             continue  # a write interrupted before os.replace
         try:
-            with p.open("rb") as f:
-                data = f.read(MAX_FILE_BYTES + 1)
-            if len(data) > MAX_FILE_BYTES:
-                raise BaselineFormatError(f"over {MAX_FILE_BYTES} bytes, the most a baseline file holds")
-            doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+            doc = json.loads(p.read_text(encoding="utf-8"), parse_constant=_reject_constant)
             b = baseline_from_dict(doc, known_layers)
             if b.key in seen:
                 raise BaselineFormatError(f"duplicate baseline for tap {b.tap!r} layer {b.layer!r} point {b.point!r} "

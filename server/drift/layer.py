@@ -20,14 +20,13 @@ from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.drift.window import SlidingWindow
 from layertap.server.host.hooks import POINT_BY_NAME
-from layertap.server.reducers.spec import MAX_DRIFT_CHANNELS
 from layertap.server.taps.tap import Tap
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")
 
 __all__ = ["COLLECT_PROBABILITIES", "SAVE_RETRY_FIRST_SECONDS", "SAVE_RETRY_MAX_SECONDS", "LayerEntry",
-           "layer_reducers", "pass_components", "phases_reducers", "untested_features"]
+           "layer_reducers", "pass_components", "phases_reducers"]
 
 _CALIBRATION = {CALIBRATED: pb.DRIFT_CALIBRATION_CALIBRATED, UNCALIBRATED: pb.DRIFT_CALIBRATION_UNCALIBRATED,
                 FIXED: pb.DRIFT_CALIBRATION_FIXED}
@@ -40,10 +39,9 @@ def pass_components(res: dict[str, pb.ReducerResult]) -> np.ndarray | None:
     """A pass's components for the null model and the alarm (:func:`.null.components`); None without moments.
 
     Per-feature statistics are the ``per_channel`` reducer's, computed on the
-    device in the tap's one reducer pass, up to MAX_DRIFT_CHANNELS (65536)
-    features (:func:`layer_reducers`): every feature of a layer up to that
-    wide is tested; past it the rest count in the pooled mean and std only,
-    and GetDrift counts them (:func:`untested_features`).
+    device in the tap's one reducer pass: past ``max_channels`` (4096) only
+    the first features are reported and tested; the rest count in the pooled
+    mean and std (and are not tested one by one).
 
     The spread components are each feature's (and the pooled) **mean of
     squares**, ``std² + mean²`` of the reducers' population moments: a mean
@@ -74,23 +72,11 @@ SAVE_RETRY_FIRST_SECONDS = 1.0
 SAVE_RETRY_MAX_SECONDS = 60.0
 
 
-def untested_features(res: dict[str, pb.ReducerResult]) -> int:
-    """Features of a pass that its per-channel result does not report (past MAX_DRIFT_CHANNELS): not tested one by one."""
-    if "per_channel" not in res:
-        return 0  # no feature axis (a derived tensor): the pooled pair is the whole test
-    pc = res["per_channel"].per_channel
-    return max(int(pc.channels) - len(pc.mean), 0)
-
-
 def layer_reducers(*, per_channel: bool, edges: Iterable[np.ndarray] = (), collect: bool = True) -> list[pb.ReducerSpec]:
     """The reducers of one layer of a baseline tap.
 
-    The per-channel reducer asks for MAX_DRIFT_CHANNELS features, past the
-    client cap (MAX_CHANNELS): the tap is the server's own (``channel_limit``
-    of the engine), and subscribers get the first MAX_CHANNELS only.
-
     Args:
-        per_channel: Per-feature means and stds (the calibrated test's features).
+        per_channel: Per-channel means (the channel drift fraction).
         edges: One histogram per frozen baseline's edges (equal edges once).
         collect: Dense quantiles, for the builders still collecting.
     """
@@ -107,14 +93,13 @@ def layer_reducers(*, per_channel: bool, edges: Iterable[np.ndarray] = (), colle
             specs.append(pb.ReducerSpec(kind=pb.REDUCER_KIND_HISTOGRAM, histogram=pb.HistogramParams(edges=key)))
     if per_channel:
         # No dim: the model's feature axis (hidden units of a token model, channels of a map).
-        specs.append(pb.ReducerSpec(kind=pb.REDUCER_KIND_PER_CHANNEL,
-                                    per_channel=pb.PerChannelParams(max_channels=MAX_DRIFT_CHANNELS)))
+        specs.append(pb.ReducerSpec(kind=pb.REDUCER_KIND_PER_CHANNEL, per_channel=pb.PerChannelParams()))
     return specs
 
 
 def _features(b: Baseline) -> bool:
     """Whether a frozen baseline reads per-feature statistics: its channel means, or its null's features
-    (a layer past MAX_DRIFT_CHANNELS keeps no channel means but tests its first features)."""
+    (a layer past ``max_channels`` keeps no channel means but tests its first features)."""
     return b.channel_mean is not None or (b.null is not None and b.null.features > 0)
 
 
@@ -169,8 +154,6 @@ class LayerEntry:
     fixed: bool = False
     #: The calibrated alarm, once frozen (uncalibrated ones never fire).
     alarm: WindowAlarm | None = None
-    #: Features of the last pass past MAX_DRIFT_CHANNELS: in the pooled pair only (GetDrift's ``untested_features``).
-    untested_features: int = 0
 
     def arm(self, baseline: Baseline, rate: float) -> None:
         """The alarm of a newly frozen (or reloaded) baseline, at this layer's share of the rate."""
@@ -235,7 +218,6 @@ class LayerEntry:
         m = res["moments"].moments
         mm = res["minmax"].minmax if "minmax" in res else None
         pc = res["per_channel"].per_channel if "per_channel" in res else None
-        self.note_untested(res)
         chan = None
         if pc is not None and baseline.channel_mean is not None and len(pc.mean) == len(baseline.channel_mean):
             chan = np.asarray(pc.mean, dtype=np.float64)
@@ -254,10 +236,6 @@ class LayerEntry:
         self.score = replace(score, alarm=reading)
         return True
 
-    def note_untested(self, res: dict[str, pb.ReducerResult]) -> None:
-        """Count the pass's features past MAX_DRIFT_CHANNELS, for GetDrift (collecting or scoring)."""
-        self.untested_features = untested_features(res)
-
     def drift_message(self) -> pb.LayerDrift:
         """GetDrift's entry: state, thresholds, and the scores (NaN while collecting or with an empty window, never 0.0)."""
         b, s = self.baseline, self.score
@@ -268,7 +246,6 @@ class LayerEntry:
         )
         msg.phase = PHASE_BY_NAME[self.phase]  # type: ignore[assignment]
         msg.derive = self.derive  # type: ignore[assignment]
-        msg.untested_features = self.untested_features
         for metric, value in (dict.fromkeys(DRIFT_METRICS, math.nan) if s is None else s.as_dict()).items():
             setattr(msg, metric, value)
         if s is not None:
@@ -311,7 +288,7 @@ class LayerEntry:
                           builder=BaselineBuilder(self.tap, self.layer, self.point, passes=self.passes, phase=phase,
                                                   window=self.window_len),
                           handle=self.handle, hold=self.hold, phase=phase, per_channel=self.per_channel,
-                          derive=self.derive, fixed=self.fixed, untested_features=self.untested_features)
+                          derive=self.derive, fixed=self.fixed)
 
     @property
     def state(self) -> pb.BaselineState.ValueType:

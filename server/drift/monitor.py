@@ -59,7 +59,7 @@ from layertap.server.errors import AlreadyExists, InvalidField, NotFound, Unsupp
 from layertap.server.host.hooks import POINT_NAMES
 from layertap.server.host.model_host import PassContext
 from layertap.server.limits import check_name
-from layertap.server.reducers.spec import MAX_CHANNELS, MAX_DRIFT_CHANNELS, default_feature_axis
+from layertap.server.reducers.spec import default_feature_axis
 from layertap.server.stream.sinks import Sink, TapView
 from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.selectors import select_layers
@@ -186,7 +186,7 @@ class DriftMonitor(Sink, BaselineReload):
         with self._lock:
             self._layers.update({(tap_id, layer): {FORWARD: e} for layer, e in entries.items()})
         try:
-            tap = self.engine.create(spec, forever=True, channel_limit=MAX_DRIFT_CHANNELS)
+            tap = self.engine.create(spec, forever=True)
         except Exception:
             with self._lock:
                 for layer in layers:
@@ -345,7 +345,6 @@ class DriftMonitor(Sink, BaselineReload):
         pc = res["per_channel"].per_channel if "per_channel" in res else None
         builder = entry.builder
         assert builder is not None
-        entry.note_untested(res)
         if entry.hold and builder.done:
             return  # held at exactly ``passes`` for ExportBaseline
         values = np.asarray(q.values, dtype=np.float64)
@@ -354,9 +353,9 @@ class DriftMonitor(Sink, BaselineReload):
             builder.skip()
         else:
             builder.feed(values, m.count, m.mean, m.std, mm.min if mm else math.nan, mm.max if mm else math.nan,
-                         population=m.count,  # channel means up to MAX_CHANNELS: the window keeps one per pass
-                         channel_mean=np.asarray(pc.mean) if pc and pc.channels == len(pc.mean) <= MAX_CHANNELS else None,
-                         channel_std=np.asarray(pc.std) if pc and pc.channels == len(pc.std) <= MAX_CHANNELS else None,
+                         population=m.count,
+                         channel_mean=np.asarray(pc.mean) if pc and pc.channels == len(pc.mean) else None,
+                         channel_std=np.asarray(pc.std) if pc and pc.channels == len(pc.std) else None,
                          components=pass_components(res))
         # Only this (host-transfer) thread writes the total; readers see an int.
         self._skipped += builder.skipped_passes - before
@@ -460,8 +459,7 @@ class DriftMonitor(Sink, BaselineReload):
             with self._lock:
                 phases = list(self._layers.get((entry.tap, entry.layer), {}).values())
             try:
-                self.engine.set_layer_reducers(entry.tap, entry.layer, phases_reducers(phases), tap=entry.handle,
-                                               channel_limit=MAX_DRIFT_CHANNELS)
+                self.engine.set_layer_reducers(entry.tap, entry.layer, phases_reducers(phases), tap=entry.handle)
             except NotFound:  # deleted or replaced: on_tap_removed forgot the entry and its file
                 return False
         return True

@@ -18,7 +18,6 @@ from layertap.server.drift.baseline import Baseline
 from layertap.server.drift.files import load_baselines
 from layertap.server.drift.layer import LayerEntry, layer_reducers
 from layertap.server.host.hooks import POINT_BY_NAME
-from layertap.server.reducers.spec import MAX_DRIFT_CHANNELS
 from layertap.server.taps.engine import TapEngine
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -68,7 +67,7 @@ class BaselineReload:
                         tap_id, b.layer, point, b.passes, b.window, b.thresholds, phase=b.phase,
                         per_channel=b.channel_mean is not None)
             try:
-                tap = self.engine.create(spec, forever=True, trusted_selector=True, channel_limit=MAX_DRIFT_CHANNELS)
+                tap = self.engine.create(spec, forever=True, trusted_selector=True)
                 self._own.add(tap_id)
             except Exception as exc:  # noqa: BLE001 - one bad group must not stop start-up
                 msg = f"{tap_id}: cannot recreate its tap: {exc}"

@@ -28,7 +28,7 @@ from layertap.server.drift.null import MAX_PASSES, MIN_WINDOWS, NullModel
 from layertap.server.drift.phases import FORWARD, PHASE_BY_NAME
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.host.hooks import POINT_BY_NAME
-from layertap.server.reducers.spec import MAX_BINS, MAX_CHANNELS, MAX_DRIFT_CHANNELS
+from layertap.server.reducers.spec import MAX_BINS, MAX_CHANNELS
 
 __all__ = [
     "BASELINE_SCHEMA",
@@ -103,12 +103,11 @@ def _null_from_dict(d: Any) -> NullModel:
         raise BaselineFormatError(f"null: mean has {mean.size} entries, std {std.size}, or a std is negative")
     passes, window, windows, features = (_num(d, k, int) for k in ("passes", "window", "windows", "features"))
     for key, value, most in (("passes", passes, MAX_PASSES), ("window", window, MAX_PASSES),
-                             ("windows", windows, MAX_PASSES), ("features", features, MAX_DRIFT_CHANNELS)):
+                             ("windows", windows, MAX_PASSES), ("features", features, MAX_CHANNELS)):
         if value > most:
             raise BaselineFormatError(f"field 'null.{key}' is {str(value)[:20]}, at most {most}")
-    if mean.size > 2 * MAX_DRIFT_CHANNELS + 2:  # a live pass has at most this many: the alarm's arrays stay bounded
-        raise BaselineFormatError(f"null: {mean.size} components, at most {2 * MAX_DRIFT_CHANNELS + 2} "
-                                  f"(2 per feature, {MAX_DRIFT_CHANNELS} features at most, and the pooled pair)")
+    if mean.size > 2 * MAX_CHANNELS + 2:
+        raise BaselineFormatError(f"null: {mean.size} components, at most {2 * MAX_CHANNELS + 2}")
     dispersion = _num(d, "dispersion")
     unit = _num(d, "unit") if "unit" in d else 1.0
     if not why and (mean.size != 2 * features + 2 or passes < 2 or window < 1 or windows > passes
@@ -130,12 +129,12 @@ def _null_from_dict(d: Any) -> NullModel:
 def _check_null_features(null: NullModel, layer: str, channels: int | None) -> NullModel:
     """``null`` uncalibrated (with the reason) when its features are not the layer's tested features.
 
-    A live pass has ``2 F + 2`` components, ``F`` the layer's channels capped at ``MAX_DRIFT_CHANNELS``; a null
+    A live pass has ``2 F + 2`` components, ``F`` the layer's channels capped at ``MAX_CHANNELS``; a null
     of another count would leave every pass out while saying ``calibrated``.
     """
     if channels is None or not null.calibrated:
         return null
-    want = min(channels, MAX_DRIFT_CHANNELS)
+    want = min(channels, MAX_CHANNELS)
     if null.features in (0, want):
         return null  # 0: a baseline of a derived tensor, or one read without per-feature statistics
     return dataclasses.replace(null, reason=(f"the null statistics cover {null.features} features, layer {layer!r} "
@@ -245,8 +244,6 @@ def baseline_from_dict(d: Any, known_layers: KnownLayers | None = None) -> Basel
         cmean, cstd = _floats(d, "channel_mean"), _floats(d, "channel_std")
         if cmean.shape != cstd.shape or cmean.size == 0:
             raise BaselineFormatError(f"channel_mean has {cmean.size} entries but channel_std {cstd.size}")
-        if cmean.size > MAX_CHANNELS:  # kept up to MAX_CHANNELS only: the sliding window holds one vector per pass
-            raise BaselineFormatError(f"channel_mean has {cmean.size} entries, at most {MAX_CHANNELS}")
         if isinstance(known_layers, Mapping):
             want = known_layers.get(layer)
             if want is not None and want != cmean.size:

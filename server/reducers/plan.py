@@ -25,7 +25,7 @@ from layertap.server.reducers.distribution import HistogramReducer, PerChannelRe
 from layertap.server.reducers.kernels import BASIC_WIDTH, StatNeeds, fused_basic_stats
 from layertap.server.reducers.latency import LatencyReducer
 from layertap.server.reducers.logits import LogitsReducer
-from layertap.server.reducers.spec import MAX_CHANNELS, SpecError, check_histogram, check_kind, check_per_channel, check_quantiles
+from layertap.server.reducers.spec import SpecError, check_histogram, check_kind, check_per_channel, check_quantiles
 from layertap.server.reducers.workspace import F64, DeviceCache, Workspace, device_constant
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -40,7 +40,7 @@ _SUPPORTED_DTYPES = frozenset(
 )  # fmt: skip  (uint16/32/64 lack min/max kernels in torch)
 
 
-def _build_one(spec: pb.ReducerSpec, field: str, tokens: bool, channel_limit: int) -> Reducer:
+def _build_one(spec: pb.ReducerSpec, field: str, tokens: bool) -> Reducer:
     """Builds one reducer; :mod:`~layertap.server.reducers.spec` validates its kind and parameters."""
     kind = check_kind(spec, field)
     if kind == pb.REDUCER_KIND_HISTOGRAM:
@@ -48,7 +48,7 @@ def _build_one(spec: pb.ReducerSpec, field: str, tokens: bool, channel_limit: in
     if kind == pb.REDUCER_KIND_QUANTILES:
         return QuantilesReducer(field, *check_quantiles(field, spec.quantiles))
     if kind == pb.REDUCER_KIND_PER_CHANNEL:
-        return PerChannelReducer(field, *check_per_channel(field, spec.per_channel, limit=channel_limit), tokens=tokens)
+        return PerChannelReducer(field, *check_per_channel(field, spec.per_channel), tokens=tokens)
     if kind == pb.REDUCER_KIND_LATENCY:
         return LatencyReducer(field)
     if kind == pb.REDUCER_KIND_LOGITS:
@@ -57,7 +57,7 @@ def _build_one(spec: pb.ReducerSpec, field: str, tokens: bool, channel_limit: in
 
 
 def build_reducers(specs: Sequence[pb.ReducerSpec], field_prefix: str = "reducers", *,
-                   tokens: bool = False, channel_limit: int = MAX_CHANNELS) -> list[Reducer]:
+                   tokens: bool = False) -> list[Reducer]:
     """Validates reducer specs and builds the reducers, host-side and once.
 
     Args:
@@ -66,8 +66,6 @@ def build_reducers(specs: Sequence[pb.ReducerSpec], field_prefix: str = "reducer
         tokens: Whether the model is a token model (its 3-d tensors are
             ``(batch, tokens, hidden)``): per-channel reducers without a dim
             then reduce over its last axis (:func:`~.spec.default_feature_axis`).
-        channel_limit: The largest per_channel ``max_channels`` allowed: MAX_CHANNELS
-            for clients' specs, MAX_DRIFT_CHANNELS for the server's drift taps.
 
     Returns:
         One reducer per spec, in order.
@@ -83,7 +81,7 @@ def build_reducers(specs: Sequence[pb.ReducerSpec], field_prefix: str = "reducer
     seen: dict[tuple[object, ...], int] = {}
     for i, spec in enumerate(specs):
         field = f"{field_prefix}[{i}]"
-        reducer = _build_one(spec, field, tokens, channel_limit)
+        reducer = _build_one(spec, field, tokens)
         key = reducer.key()
         if key in seen:
             raise SpecError(field, f"duplicate of {field_prefix}[{seen[key]}] ({reducer.name})")

@@ -24,7 +24,6 @@ __all__ = [
     "KIND_NAMES",
     "MAX_BINS",
     "MAX_CHANNELS",
-    "MAX_DRIFT_CHANNELS",
     "MAX_PROBABILITIES",
     "MAX_SAMPLE_SIZE",
     "PARAM_FIELDS",
@@ -58,16 +57,8 @@ DEFAULT_HISTOGRAM_RANGE = (-8.0, 8.0)
 #: exported ``quantile`` label values use the same set.
 DEFAULT_PROBABILITIES: tuple[float, ...] = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
 MAX_PROBABILITIES = 128
-#: The most channels a client's per_channel reducer reports: it bounds what
-#: subscribers receive (3 float64 per channel per tensor per pass).
 MAX_CHANNELS = 4096
 DEFAULT_MAX_CHANNELS = MAX_CHANNELS
-#: The most features the server's own drift taps ask per_channel for
-#: (``server/drift/layer.py``): calibrated drift tests each one, so a layer up
-#: to this wide (MLP intermediates of 11008-28672, Llama-70B's 8192 hidden) has
-#: every feature tested; past it the rest are counted as untested on GetDrift.
-#: Subscribers still receive the first MAX_CHANNELS (``stream/publisher.py``).
-MAX_DRIFT_CHANNELS = 65536
 #: Failure probability of the DKW rank-error bound reported by quantiles.
 QUANTILE_DELTA = 0.01
 #: Model sources (``LoadedModel.source``) whose 3-d activations are
@@ -248,15 +239,11 @@ def check_quantiles(field: str, params: pb.QuantileParams) -> QuantileSettings:
     return QuantileSettings(probs, size)
 
 
-def check_per_channel(field: str, params: pb.PerChannelParams, *, limit: int = MAX_CHANNELS) -> PerChannelSettings:
-    """Validates per-channel parameters; ``dim`` is checked per tensor, against its shape.
-
-    ``limit``: the largest ``max_channels`` allowed, MAX_CHANNELS for every
-    client's spec; only the server's drift taps pass MAX_DRIFT_CHANNELS.
-    """
+def check_per_channel(field: str, params: pb.PerChannelParams) -> PerChannelSettings:
+    """Validates per-channel parameters; ``dim`` is checked per tensor, against its shape."""
     f = f"{field}.per_channel"
     cap = params.max_channels or DEFAULT_MAX_CHANNELS
-    if cap > limit:
-        raise SpecError(f"{f}.max_channels", f"max_channels must be at most {limit}, got {cap}")
+    if cap > MAX_CHANNELS:
+        raise SpecError(f"{f}.max_channels", f"max_channels must be at most {MAX_CHANNELS}, got {cap}")
     # dim is an `optional` field: unset means the model's feature axis, resolved per tensor.
     return PerChannelSettings(params.dim if params.HasField("dim") else None, cap)

@@ -24,37 +24,12 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from layertap.server.host.model_host import PassContext, RequestRows
 from layertap.server.reducers.latency import Lap, fill_latency
 from layertap.server.reducers.plan import ReducerPlan
-from layertap.server.reducers.spec import MAX_CHANNELS
 from layertap.server.stream.broker import Broker
 from layertap.server.stream.sinks import Sinks, TapView
 from layertap.server.stream.summary_wire import Place, SummaryWire, results_bytes, timestamp
 from layertap.v1 import telemetry_pb2 as pb
 
 __all__ = ["Piece", "PublishedTap", "Publisher"]
-
-
-def _wide(summary: pb.Summary) -> bool:
-    """Whether a per_channel result reports more than MAX_CHANNELS features (only a drift tap's can)."""
-    return any(r.WhichOneof("value") == "per_channel" and len(r.per_channel.mean) > MAX_CHANNELS
-               for r in summary.results)
-
-
-def _capped(summary: pb.Summary) -> pb.Summary:
-    """A copy of ``summary`` whose per_channel results keep their first MAX_CHANNELS features.
-
-    Why: the drift monitor's taps ask per_channel for up to MAX_DRIFT_CHANNELS
-    features (it tests each one), but what a subscriber receives stays within
-    the client cap, as for any tap a client could create: 3 float64 per feature
-    per pass would otherwise fill the stream queues (and their byte budget).
-    ``channels`` still says how many the tensor has.
-    """
-    out = pb.Summary()
-    out.CopyFrom(summary)
-    for r in out.results:
-        if r.WhichOneof("value") == "per_channel":
-            pc = r.per_channel
-            del pc.mean[MAX_CHANNELS:], pc.std[MAX_CHANNELS:], pc.abs_max[MAX_CHANNELS:]
-    return out
 
 
 class PublishedTap(TapView, Protocol):
@@ -119,9 +94,7 @@ class Publisher:
         tail = rank_part if place is None else place.wire() + rank_part
         # A request's place and tail, made once per pass for its inline taps' pieces.
         own: dict[str, tuple[Place, bytes]] = {}
-        summaries: list[pb.Summary] = []
-        #: Indices of summaries whose per_channel is past the client cap (the drift taps' own).
-        wide: list[int] = []
+        summaries = []
         seen: set[str] = set()
         for i, p in enumerate(pieces):
             if p.tap.disabled:
@@ -140,18 +113,11 @@ class Publisher:
                                              not p.sampled, pass_part, results, piece_tail, p.output_key)
             else:
                 summary = self._summary(ctx, p, wall, values[i], rank, piece_place)
-                if _wide(summary):
-                    wide.append(len(summaries))
             summaries.append(summary)
             if p.sampled and p.tap.id not in seen:
                 seen.add(p.tap.id)
                 p.tap.hits += 1
-        streamed = summaries
-        if wide:
-            streamed = list(summaries)
-            for j in wide:
-                streamed[j] = _capped(summaries[j])
-        self.broker.publish(streamed, dict(durable()))
+        self.broker.publish(summaries, dict(durable()))
         self.sinks.on_summaries(ctx, summaries)
 
     @staticmethod

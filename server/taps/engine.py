@@ -43,7 +43,7 @@ from layertap.server.reducers.derive import derivation as derive_fn
 from layertap.server.reducers.derive import derive
 from layertap.server.reducers.latency import LayerTimer
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
-from layertap.server.reducers.spec import MAX_CHANNELS, TOKEN_MODEL_SOURCES, SpecError
+from layertap.server.reducers.spec import TOKEN_MODEL_SOURCES, SpecError
 from layertap.server.reducers.transfer import DEFAULT_TRANSFER_BYTES, HostTransfer, PassBuffer
 from layertap.server.stream.broker import Broker
 from layertap.server.stream.publisher import Piece, Publisher
@@ -133,7 +133,7 @@ class TapEngine:
     # -- registry ------------------------------------------------------------
     def create(self, spec: pb.TapSpec, *, kind: pb.TapKind.ValueType = pb.TAP_KIND_DURABLE, ttl: float | None = None,
                forever: bool = False, field_prefix: str = "spec", trusted_selector: bool = False,
-               owner: str = SERVER_OWNER, request_id: str | None = None, channel_limit: int = MAX_CHANNELS) -> Tap:
+               owner: str = SERVER_OWNER, request_id: str | None = None) -> Tap:
         """Validate ``spec``, install hooks and return the new tap.
 
         ``trusted_selector`` lifts the selector size cap for selectors the
@@ -142,8 +142,6 @@ class TapEngine:
         passes that hold the request and reduces only the request's rows (see
         ``taps.rows`` for what is sliced and what is reduced whole); its
         summaries name that request alone. Such a tap watches a forward point.
-        ``channel_limit`` lifts the per_channel cap for the drift monitor's own
-        taps (MAX_DRIFT_CHANNELS); every client's spec keeps MAX_CHANNELS.
 
         Raises:
             InvalidField: a field is wrong (the message names it).
@@ -170,8 +168,7 @@ class TapEngine:
         if not spec.reducers:
             raise InvalidField(f"{field_prefix}.reducers", "name at least one reducer, e.g. moments")
         try:
-            reducers = build_reducers(list(spec.reducers), f"{field_prefix}.reducers", tokens=self.token_model,
-                                      channel_limit=channel_limit)
+            reducers = build_reducers(list(spec.reducers), f"{field_prefix}.reducers", tokens=self.token_model)
         except SpecError as exc:
             raise InvalidField(exc.field, exc.message) from None
         if ttl is not None:
@@ -241,19 +238,17 @@ class TapEngine:
         return tap
 
     def set_layer_reducers(self, tap_id: str, layer: str, reducers: list[pb.ReducerSpec], *,
-                           tap: Tap | None = None, channel_limit: int = MAX_CHANNELS) -> None:
+                           tap: Tap | None = None) -> None:
         """Give one layer of a tap its own reducers (e.g. frozen histogram edges).
 
         Args:
             tap: The tap the caller means. A tap deleted and re-created under the
                 same id (a replaced baseline) is another tap and must not get
                 the old one's plan: NotFound, as when the id is gone.
-            channel_limit: The per_channel cap (see :meth:`create`).
         """
         current: Tap = tap if tap is not None else self.get(tap_id)
         try:
-            plan = ReducerPlan(build_reducers(reducers, f"{tap_id}.{layer}.reducers", tokens=self.token_model,
-                                              channel_limit=channel_limit))
+            plan = ReducerPlan(build_reducers(reducers, f"{tap_id}.{layer}.reducers", tokens=self.token_model))
         except SpecError as exc:
             raise InvalidField(exc.field, exc.message) from None
         plan = self._foldable(plan, current.spec)
