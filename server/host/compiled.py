@@ -47,6 +47,7 @@ from typing import Any, Protocol
 
 import torch
 
+from layertap.server.host import probe
 from layertap.server.host.compiled_graph import GraphResult, StatsFunction, Variant
 from layertap.server.host.model_thread import in_own_thread
 
@@ -225,7 +226,10 @@ class CompiledServing:
         if thread is not None:
             self._queue.put(None)
             thread.join(timeout)
-        return thread is None or not thread.is_alive()
+        stopped = thread is None or not thread.is_alive()
+        if stopped:  # no trace can start now: the process's probes may go back to one global hook
+            probe.compiled_stopped(self)
+        return stopped
 
     # -- the pass (model thread) -------------------------------------------------
     def serve(self, args: tuple[Any, ...], kwargs: dict[str, Any], ctx: Any) -> tuple[bool, Any]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import logging
 import math
@@ -29,6 +28,7 @@ from torch import nn
 
 from layertap.server.codec import dtype_name
 from layertap.server.errors import InvalidField, LimitExceeded, Unsupported
+from layertap.server.host import probe
 from layertap.server.host.compiled import CompiledServing
 from layertap.server.host.hooks import CallArgs, HookRegistry, ParamGrad
 from layertap.server.host.inputs import ModelInputs, as_positional, bind_inputs
@@ -173,17 +173,6 @@ def _shapes(value: Any) -> list[tuple[int, ...]]:
     return [tuple(t.shape) for _, t in flatten_tensors(value)]
 
 
-class _ProbeHooks:
-    """The shape probe's hooks of one pass, removed together."""
-
-    def __init__(self, handles: list[torch.utils.hooks.RemovableHandle]) -> None:
-        self._handles = handles
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
 class ModelHost:
     """Hosts one model on one device and runs its forward passes one at a time."""
 
@@ -228,7 +217,7 @@ class ModelHost:
         self.quiet = False
         self.hooks = HookRegistry(self.module, lambda: None if self.quiet else self._current,
                                   deferred_param_grads=training, raw_pass=lambda: self._current)
-        self._probe: _ProbeHooks | None = None
+        self._probe: probe.ProbeHooks | None = None
         self._modules = dict(self.module.named_modules()) if loaded.hooks_supported else {"": self.module}
         self.layer_shapes: dict[str, LayerShapes] = {}
         self._probe_armed = loaded.hooks_supported
@@ -243,6 +232,7 @@ class ModelHost:
         for i, spec in enumerate(self.inputs):
             free[i] = free[spec.name] = tuple(d for d, size in enumerate(spec.shape) if size == -1)
         self.graph = CompiledServing(self.module, free, mode=mode, fallback=fallback, max_variants=max_variants)
+        probe.compiled_started(self.graph)  # a process-wide probe hook live during a trace would spoil it
         if any(d < -1 for spec in self.inputs for d in spec.shape):
             return  # no example to compile ahead from: the first pass queues it
         # Free dims as 2: torch specializes sizes 0 and 1, a traced 2 stays dynamic.
@@ -395,7 +385,7 @@ class ModelHost:
         ctx.observers = self._observers
         self._current = ctx
         # Shapes are recorded on one pass per PROBE_SECONDS (or the next
-        # pass after ListLayers): a one-pass global hook, cheap on average.
+        # pass after ListLayers): one pass's hooks (host.probe), cheap on average.
         now = time.monotonic()
         # Not on a compiled host: a probing pass runs eager (only armed ones: warm-up, ListLayers).
         due = self.loaded.hooks_supported and self.graph is None and now - self._last_probe >= PROBE_SECONDS
@@ -460,7 +450,7 @@ class ModelHost:
                 return out
         return self.forward(inputs)
 
-    def _start_probe(self) -> _ProbeHooks:
+    def _start_probe(self) -> probe.ProbeHooks:
         self._probe_armed = False
         self._last_probe = time.monotonic()
         shapes = self.layer_shapes
@@ -470,12 +460,7 @@ class ModelHost:
             calls[name] = calls.get(name, 0) + 1
             shapes[name] = LayerShapes(_shapes(CallArgs(args, kwargs) if kwargs else args), _shapes(out), calls[name])
 
-        # The host's own modules, for this pass only (under the model lock). Never a process-wide hook
-        # (``register_module_forward_hook``): dynamo guards on torch's global hook dicts, so a compiled
-        # variant traced meanwhile on any host of the process would reject every later pass. The
-        # variants trace hook-free copies of the modules, which these hooks never reach.
-        return _ProbeHooks([m.register_forward_hook(functools.partial(record, n), with_kwargs=True)
-                            for n, m in self._modules.items() if n])
+        return probe.install(self._modules, record)  # for this pass only, under the model lock
 
     def warm_up(self) -> None:
         """Run one batch-1 pass on zeros so shapes are known before traffic."""

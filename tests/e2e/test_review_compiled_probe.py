@@ -6,11 +6,13 @@ recompiled) while the tap said ``in_graph``. Seen through the real path (a clien
 + ``infer()`` while a tap set compiled, 24-layer MLP): ``Guard failed on the same frame it was
 created ... len(G['__import_torch_dot_nn_dot_modules_dot_module']._global_forward_hooks) != 1``.
 
-The fix: the probe hooks the host's own modules for its one pass, never torch's process-wide dict;
-the variants trace hook-free copies of the modules, which those hooks never reach. (A first fix, a
-lock between a host's probe and its compiler, left another host of the same process free to probe
-during the trace: the review's second round made the compile fail outright.) The tests drive
-ListLayers and Infer while a real compile runs, on this host and on another in the same process."""
+The fix (``server/host/probe.py``): while a host of the process serves compiled variants, every host's
+probe hooks its own modules for its one pass, never torch's process-wide dict; the variants trace hook-free
+copies of the modules, which those hooks never reach. (A first fix, a lock between a host's probe and its
+compiler, left another host of the same process free to probe during the trace: the review's second round
+made the compile fail outright.) With no compiled host, probes keep the one global hook: it reaches a
+TorchScript child, which refuses a hook of its own (review, third round: module-local hooks everywhere made
+such a model fail its warm-up)."""
 from __future__ import annotations
 
 import threading
@@ -163,3 +165,47 @@ def test_a_probing_pass_hooks_only_its_own_modules(make_server) -> None:
         host.forward(host.validate_inputs([torch.ones(2, 8)]))
     assert host._probe is None and not any(m._forward_hooks for m in host.module.modules())
     assert host.layer_shapes["a"].outputs == [(2, 8)] and host.layer_shapes["b"].calls == 1
+
+
+class _Scripted(nn.Module):
+    """A TorchScript child inside an eager model: it refuses register_forward_hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.inner = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.a(x))
+
+
+def _scripted() -> LoadedModel:
+    return LoadedModel(_Scripted().eval(), "scripted", "factory", [InputSpec("x", torch.float32, (-1, 8))])
+
+
+def test_a_compiled_host_with_a_torchscript_child_probes_the_rest(make_server) -> None:
+    srv = make_server(_scripted(), compile_model=True)
+    host = srv.state.host
+    assert host.graph.wait_idle(120)
+    x = np.ones((3, 8), np.float32)
+    with layertap.Client(f"127.0.0.1:{srv.port}") as client:
+        client.layers()
+        out = client.infer(x)
+    assert np.asarray(out).shape == (3, 8)
+    assert not host._probe_armed and host.layer_shapes["a"].outputs == [(3, 8)]
+    assert _global_hooks() == 0 and not any(m._forward_hooks for m in host.module.modules()
+                                            if not isinstance(m, torch.jit.ScriptModule))
+
+
+def test_an_eager_process_probes_with_one_global_hook(make_server) -> None:
+    """No compiled host alive: the old single hook, which also records the TorchScript child's shapes."""
+    srv = make_server(_scripted())
+    host = srv.state.host
+    host.layer_shapes.clear()
+    host.arm_shape_probe()
+    with host.pass_context(), torch.inference_mode():
+        assert _global_hooks() == 1 and not host.module.a._forward_hooks
+        host.forward(host.validate_inputs([torch.ones(2, 8)]))
+    assert _global_hooks() == 0
+    assert host.layer_shapes["inner"].outputs == [(2, 8)] and host.layer_shapes["a"].outputs == [(2, 8)]
