@@ -40,9 +40,14 @@ def test_calibrated_alarm_is_quiet_in_distribution_and_sees_a_tenth_sigma_within
     rng = np.random.default_rng(0)
 
     def feed(passes: int, shift: float = 0.0) -> None:
-        for _ in range(passes):
+        for i in range(passes):
             client.infer((rng.standard_normal((BATCH, 3, 32, 32)) + shift).astype(np.float32))
+            # Every pass must reach drift (the counts below are exact): on loaded cores the niced
+            # host-transfer thread can fall 64 passes behind the requests and drop the oldest, by design.
+            if i % 25 == 24:
+                assert srv.state.taps.flush(60), "tap pipeline did not drain"
         assert srv.state.taps.flush(20), "tap pipeline did not drain"
+        assert srv.state.taps.transfer.dropped == 0
 
     with layertap.Client(f"127.0.0.1:{srv.port}") as client:
         info = client.set_baseline("layer*", passes=PASSES, window=WINDOW)
