@@ -21,21 +21,11 @@ import time
 import numpy as np
 import pytest
 import torch
+from support.models import two_loaded
 from torch import nn
 
 import layertap
 from layertap.server.host.sources import InputSpec, LoadedModel
-
-
-class _Two(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
 
 
 class _Heavy(nn.Module):
@@ -52,17 +42,13 @@ class _Heavy(nn.Module):
         return x
 
 
-def _loaded() -> LoadedModel:
-    return LoadedModel(_Two().eval(), "two", "factory", [InputSpec("x", torch.float32, (-1, 8))])
-
-
 def _global_hooks() -> int:
     return len(nn.modules.module._global_forward_hooks)
 
 
 @pytest.mark.timeout(240)
 def test_listlayers_during_a_compile_never_leaves_the_tap_set_eager(make_server) -> None:
-    srv = make_server(_loaded(), compile_model=True)
+    srv = make_server(two_loaded(), compile_model=True)
     graph, host = srv.state.host.graph, srv.state.host
     assert graph.wait_idle(120)
     x = np.ones((4, 8), np.float32)
@@ -108,8 +94,7 @@ def test_another_host_probing_meanwhile_never_spoils_a_compile(make_server, othe
     failed (a dynamo KeyError building guards) and the tap set never compiled."""
     other = make_server(LoadedModel(_Heavy().eval(), "heavy", "factory", [InputSpec("x", torch.float32, (-1, 256))]),
                         compile_model=other_compiled)
-    srv = make_server(LoadedModel(_Two().eval(), "two", "factory", [InputSpec("x", torch.float32, (-1, 8))]),
-                      compile_model=True)
+    srv = make_server(two_loaded(), compile_model=True)
     graph = srv.state.host.graph
     assert graph.wait_idle(120)
     if other.state.host.graph is not None:
@@ -153,7 +138,7 @@ def test_another_host_probing_meanwhile_never_spoils_a_compile(make_server, othe
 
 
 def test_a_probing_pass_hooks_only_its_own_modules(make_server) -> None:
-    srv = make_server(_loaded(), compile_model=True)
+    srv = make_server(two_loaded(), compile_model=True)
     host = srv.state.host
     assert host.graph.wait_idle(120)
     host.layer_shapes.clear()

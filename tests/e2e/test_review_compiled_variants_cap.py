@@ -4,29 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from support.e2e import wait_for
-from torch import nn
+from support.models import two_loaded
 
 import layertap
-from layertap.server.host.sources import InputSpec, LoadedModel
-
-
-class _Two(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
 
 
 @pytest.mark.timeout(240)
 def test_one_variant_cap_keeps_compiling_new_tap_sets(make_server) -> None:
-    srv = make_server(LoadedModel(_Two().eval(), "two", "factory", [InputSpec("x", torch.float32, (-1, 8))]),
-                      compile_model=True, compile_variants=1)
+    srv = make_server(two_loaded(), compile_model=True, compile_variants=1)
     graph = srv.state.host.graph
     assert graph.wait_idle(120)
     x = np.ones((4, 8), np.float32)

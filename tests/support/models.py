@@ -147,3 +147,23 @@ def layer_outputs(x: np.ndarray, names: list[str]) -> dict[str, np.ndarray]:
     for h in hs:
         h.remove()
     return got
+
+
+class Two(nn.Module):
+    """Two 8-wide Linears around a tanh: the compiled-serving tests' smallest tapped model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def two_loaded() -> LoadedModel:
+    """A ``LoadedModel`` of a fresh :class:`Two` in eval mode, input ``(-1, 8)``."""
+    from layertap.server.host.sources import InputSpec, LoadedModel
+
+    return LoadedModel(Two().eval(), "two", "factory", [InputSpec("x", torch.float32, (-1, 8))])
