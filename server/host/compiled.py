@@ -186,6 +186,8 @@ class CompiledServing:
         self.compiles = self.compile_failures = self.request_thread_compiles = 0
         self.compiled_passes = self.eager_passes = self.shape_misses = self.evictions = 0
         self.compile_seconds = 0.0
+        # From now until close: every host of the process probes shapes with local hooks (host.probe).
+        probe.compiled_started(self)
 
     # -- control ---------------------------------------------------------------
     def counters(self) -> dict[str, float]:

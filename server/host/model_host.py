@@ -232,7 +232,6 @@ class ModelHost:
         for i, spec in enumerate(self.inputs):
             free[i] = free[spec.name] = tuple(d for d, size in enumerate(spec.shape) if size == -1)
         self.graph = CompiledServing(self.module, free, mode=mode, fallback=fallback, max_variants=max_variants)
-        probe.compiled_started(self.graph)  # a process-wide probe hook live during a trace would spoil it
         if any(d < -1 for spec in self.inputs for d in spec.shape):
             return  # no example to compile ahead from: the first pass queues it
         # Free dims as 2: torch specializes sizes 0 and 1, a traced 2 stays dynamic.

@@ -8,8 +8,8 @@ Two ways to hook, because each has a cost the other avoids:
   empty, so ``nn.TransformerEncoderLayer``'s fast path (off whenever a
   submodule has a local hook) still runs on a probing pass.
 * **Hooks on the host's own modules**, while any host of the process serves
-  compiled variants (:func:`compiled_started`, from ``ModelHost.compile_model``,
-  until :func:`compiled_stopped` or the variants are collected). dynamo guards on torch's global hook dicts, so
+  compiled variants (:func:`compiled_started` and :func:`compiled_stopped`, from
+  ``CompiledServing``'s start and close, or until it is collected). dynamo guards on torch's global hook dicts, so
   a variant traced on the compiler thread while a process-wide probe was live,
   on this host or on any other host of the process, rejected every later pass
   or failed to compile. The variants trace hook-free copies of the modules
