@@ -13,6 +13,8 @@ over rounds of the row's per-step CPU, and its paired difference against ``base`
   hook, no work   the tap's hooks through layertap's registry, its callback a no-op
   tap             the basic tap (moments, minmax, zero_fraction, nonfinite), as served
   tap, no publish the same, the publisher's work skipped (the host-transfer thread idles)
+  tap, per tensor the tap with small tensors reduced one by one in their hooks, as before
+                  ``reducers.batched`` (each hook copies its tensor; the pass's end reduces the copies)
 
 Columns: model-thread CPU (``time.thread_time``), process CPU (every thread), and the hook's own
 time as the engine measures it (``on_hook_time``): inside the forward the same hook code runs ~3x
@@ -133,12 +135,19 @@ def main() -> None:
     def publish_again() -> None:
         engine.publisher.publish = publish  # type: ignore[method-assign]
 
+    def per_tensor() -> None:
+        engine.batch_small = False
+
+    def batched() -> None:
+        engine.batch_small = True
+
     rows: dict[str, Callable[[], tuple[float, float, float]]] = {
         "base": rig.run,
         "raw no-op hooks": rig.raw_hooks,
         "hook, no work": lambda: rig.with_tap(no_work, real_work),
         "tap": rig.with_tap,
         "tap, no publish": lambda: rig.with_tap(no_publish, publish_again),
+        "tap, per tensor": lambda: rig.with_tap(per_tensor, batched),
     }
     for row in rows.values():  # warm-up, and the reducers' kernel compiled before timing
         row()

@@ -372,15 +372,17 @@ class Generator:
         logits = logits.float()
         chosen = torch.empty(len(batch.rows), dtype=torch.long, device=logits.device)
         # NaN or +inf anywhere, or nothing finite, leaves no token to choose; -inf alone is a banned token.
-        finite = ~(torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1) & torch.isfinite(logits).any(dim=-1)
+        # One reduction says all three: the log-sum-exp is NaN, +inf or -inf exactly then.
+        lse = torch.logsumexp(logits, dim=-1)
+        finite = torch.isfinite(lse)
         start = 0
         for request, group in _groups(batch.rows):
             part = slice(start, start + len(group))
             chosen[part], ok = request.sampling.pick(logits[part], request.generator)
             finite[part] &= ok
             start += len(group)
-        logprob = torch.log_softmax(logits, dim=-1).gather(1, chosen[:, None])[:, 0]
-        host = torch.stack([chosen.double(), logprob.double(), finite.double()], dim=1).cpu().tolist()
+        logprob = logits.gather(1, chosen[:, None])[:, 0] - lse  # log_softmax at the chosen token
+        host = torch.stack([chosen.double(), logprob.double(), finite.double()], dim=1).tolist()
         now = time.monotonic()
         batch.last = chosen[:, None]
         captures = self._step_captures

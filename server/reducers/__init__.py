@@ -5,7 +5,8 @@ validation; host-only), :mod:`.samplesort` (sorting a bounded sample),
 :mod:`.workspace` (per-tensor shared state),
 :mod:`.kernels` (the shared basic statistics and the no-sync rules),
 :mod:`.base`, :mod:`.basic`, :mod:`.distribution` and :mod:`.latency` (the reducers),
-:mod:`.plan` (``build_reducers`` and the fused ``ReducerPlan``) and
+:mod:`.plan` (``build_reducers`` and the fused ``ReducerPlan``), :mod:`.batched`
+(a pass's small tensors reduced together at its end) and
 :mod:`.transfer` (the device-to-host copy and its thread).
 
 Semantics (also the contract for decoders and exporters):

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from layertap.server.reducers import compiled_aoti
-from layertap.server.reducers.compiled_kernel import DENSE, SHIFT_SAMPLE, Signature, alias, canonical_form, signature_of
+from layertap.server.reducers.compiled_kernel import BATCH, DENSE, SHIFT_SAMPLE, Signature, alias, canonical_form, signature_of
 from layertap.server.reducers.compiled_worker import Compiler, Entry
 from layertap.server.reducers.kernels import StatNeeds
 from layertap.server.reducers.workspace import F64, Workspace
@@ -196,7 +196,8 @@ class CompiledStats:
         canon = canonical_form(x)
         entry: Entry | None = None
         # A ready AOTInductor kernel serves dense tensors in any mode: no signature to work out (~1.5 us a call).
-        aot = self._compiler.aoti_kernels.get((x.device, x.dtype)) if canon is not None and canon[0] == DENSE else None
+        aot = self._compiler.aoti_kernels.get((x.device, x.dtype, DENSE)) if canon is not None and canon[0] == DENSE \
+            else None
         if aot is None:
             sig = signature_of(x, canon) if canon is not None else None
             if not (needs.sums or needs.minmax) and not (sig is not None and self._compiler.aoti
@@ -222,6 +223,36 @@ class CompiledStats:
             return aot(x.view(-1) if x.is_contiguous() else alias(x, canon[1], canon[2]), rnd, shift)
         assert entry is not None
         out = entry.run(alias(x, canon[1], canon[2]), rnd, shift)
+        if out is None:
+            self.guard_misses += 1
+            self.eager_calls += 1
+            self._compiler.missed(entry, MAX_GUARD_MISSES)
+            return None
+        self.compiled_calls += 1
+        return out
+
+    def batch_stats(self, x: torch.Tensor, rnd: torch.Tensor) -> torch.Tensor | None:
+        """Each row's statistics of a stacked ``(rows, n)`` tensor (:mod:`.batched`) from a ready kernel, or None.
+
+        As :meth:`stats`: never compiles (a first sighting queues the
+        signature's compile), never syncs; None means the caller runs
+        :func:`~.compiled_kernel.batched_stats_body` eagerly.
+        """
+        if not self._enabled or torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+            return None
+        on = self._constants(x.device, torch.is_inference_mode_enabled())[2]
+        aot = self._compiler.aoti_kernels.get((x.device, x.dtype, BATCH))
+        if aot is not None:
+            self.compiled_calls += 1
+            return aot(x, rnd, on)
+        sig = signature_of(x, (BATCH, tuple(x.shape), tuple(x.stride())))
+        entry = self._compiler.ready(sig) if sig is not None else None
+        if entry is None:
+            self.eager_calls += 1
+            if sig is not None and self.background:
+                self._compiler.request(sig)
+            return None
+        out = entry.run(x, rnd, on)
         if out is None:
             self.guard_misses += 1
             self.eager_calls += 1

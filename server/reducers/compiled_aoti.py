@@ -10,9 +10,11 @@ shared library whose C++ wrapper is called once: measured in the demo model's
 hooks, 18.6 us per call against 39.7 us (benchmarks/overhead.py and
 docs/benchmarks.md).
 
-Scope: CPU tensors in the ``dense`` form. The exported program has one
-dynamic dimension (the element count); ``rows`` tensors need a dynamic
-stride, and CUDA is unmeasured here, so both keep the dynamo kernel. There
+Scope: CPU tensors in the ``dense`` form, and the ``batch`` form's stacked
+small tensors (:mod:`.batched`). The exported program has one dynamic
+dimension, the element count (two for ``batch``: rows and row length);
+``rows`` tensors need a dynamic stride, and CUDA is unmeasured here, so
+both keep the dynamo kernel. There
 are no guards: the caller's signature (dtype, device, form) and
 :func:`~layertap.server.reducers.compiled_kernel.canonical_form` (more than
 ``SHIFT_SAMPLE`` elements) are the whole contract, and grad, inference and
@@ -50,7 +52,7 @@ from typing import Any
 
 import torch
 
-from layertap.server.reducers.compiled_kernel import DENSE, SHIFT_SAMPLE, Signature, basic_stats_body
+from layertap.server.reducers.compiled_kernel import BATCH, DENSE, SHIFT_SAMPLE, Signature, body_of
 
 __all__ = ["STALE_DAYS", "AotiKernel", "applies", "cache_dir", "load_or_compile", "package_path", "prune"]
 
@@ -73,7 +75,7 @@ def applies(sig: Signature) -> bool:
     inductor, ~70 MiB of resident memory a server that only loads packages
     never needs.
     """
-    return sig.device.type == "cpu" and sig.form == DENSE and _native_loader() is not None
+    return sig.device.type == "cpu" and sig.form in (DENSE, BATCH) and _native_loader() is not None
 
 
 def cache_dir() -> Path:
@@ -114,7 +116,7 @@ def _host_build() -> str:
 
 def package_path(sig: Signature) -> Path:
     """The package file of a signature; modes are left out (they do not reach the library)."""
-    key = "\n".join([torch.__version__, sys.version, inspect.getsource(basic_stats_body),
+    key = "\n".join([torch.__version__, sys.version, inspect.getsource(body_of(sig.form)),
                      inspect.getsource(_Body), str(SHIFT_SAMPLE), _host_build(),
                      sig.device.type, str(sig.dtype), sig.form])
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
@@ -122,15 +124,28 @@ def package_path(sig: Signature) -> Path:
 
 
 class _Body(torch.nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.body = body_of(form)
+
     def forward(self, x: torch.Tensor, rnd: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
-        return basic_stats_body(x, rnd, on)
+        out: torch.Tensor = self.body(x, rnd, on)
+        return out
 
 
-def _compile(path: Path, example: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-    """Exports the body and writes its package to ``path`` atomically (a rename)."""
+def _compile(path: Path, example: tuple[torch.Tensor, torch.Tensor, torch.Tensor], form: str = DENSE) -> None:
+    """Exports the form's body and writes its package to ``path`` atomically (a rename).
+
+    Dynamic: the element count (dense), or the rows and the row length (batch).
+    """
     count = torch.export.Dim("n", min=SHIFT_SAMPLE + 1)
+    if form == BATCH:
+        rows = torch.export.Dim("rows", min=1)
+        dynamic: tuple[Any, ...] = ({0: rows, 1: count}, {0: rows}, None)
+    else:
+        dynamic = ({0: count}, None, None)
     with torch.no_grad():
-        program = torch.export.export(_Body(), example, dynamic_shapes=({0: count}, None, None), strict=False)
+        program = torch.export.export(_Body(form), example, dynamic_shapes=dynamic, strict=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f"{path.stem}-", suffix=".tmp.pt2", dir=path.parent)
     os.close(fd)
@@ -263,7 +278,7 @@ def load_or_compile(sig: Signature, example: tuple[torch.Tensor, torch.Tensor, t
     # nothing is unlinked first, so a replica sharing the volume that has just
     # written a good package never finds the path missing or loses its file.
     try:
-        _compile(path, example)
+        _compile(path, example, sig.form)
     except BaseException:
         if bad and _identity(path) == seen:
             path.unlink(missing_ok=True)  # still the very file that failed: do not leave it for the next start

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import threading
 import types
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -27,11 +27,13 @@ from layertap.server.reducers.kernels import _SHIFT_SAMPLE as SHIFT_SAMPLE
 from layertap.server.reducers.workspace import F64
 
 __all__ = [
-    "DENSE", "ROWS", "SHIFT_SAMPLE", "UNCOMPILED", "Canonical", "Signature", "alias", "basic_stats_body",
-    "canonical_form", "kernel_function", "signature_of",
+    "BATCH", "DENSE", "ROWS", "SHIFT_SAMPLE", "UNCOMPILED", "Canonical", "Signature", "alias", "basic_stats_body",
+    "batched_stats_body", "body_of", "canonical_form", "kernel_function", "signature_of",
 ]
 
 DENSE, ROWS = "dense", "rows"
+#: A pass's small tensors stacked ``(rows, n)``, reduced row by row (:mod:`.batched`).
+BATCH = "batch"
 
 #: ``UNCOMPILED.flag`` is set when :func:`basic_stats_body` runs uncompiled
 #: (a guard miss in run-only mode); callers clear it before a call and read
@@ -95,6 +97,40 @@ def basic_stats_body(x: torch.Tensor, rnd: torch.Tensor, on: torch.Tensor) -> to
     return torch.stack([zeros, nan, count, y.sum(), (y * y).sum(), k.reshape(()), lo, hi])
 
 
+def batched_stats_body(x: torch.Tensor, rnd: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+    """Each row's basic statistics of a ``(rows, n)`` float tensor (``n > SHIFT_SAMPLE``), in one read.
+
+    Row ``i`` of the ``(rows, 8)`` result is :func:`basic_stats_body` of
+    ``x[i]`` with ``rnd[i]`` as its random positions: the same shift K (the
+    rank median of the row's finite sampled values) and the same slots.
+    Float32, float16 and bfloat16 only: their float64 upcast minus K cannot
+    overflow, so every non-finite value of ``x - K`` is x's own.
+    """
+    if not torch.compiler.is_compiling():
+        UNCOMPILED.flag = True
+    pos = torch.arange(SHIFT_SAMPLE, device=x.device) * (x.shape[1] // SHIFT_SAMPLE)
+    s = torch.cat([x[:, pos], x.gather(1, rnd)], dim=1)
+    ok = torch.abs(s) < math.inf
+    cnt = ok.sum(1, keepdim=True)
+    v = torch.where(ok, s, math.inf)
+    mid = (cnt - 1).clamp_min(0) // 2
+    below = (v.unsqueeze(1) < v.unsqueeze(2)).sum(2)
+    at_or_below = (v.unsqueeze(1) <= v.unsqueeze(2)).sum(2)
+    median = torch.where((below <= mid) & (at_or_below > mid), v, -math.inf).amax(1, keepdim=True)
+    k = torch.where(cnt > 0, median, 0.0).to(F64) * on
+    fin = torch.abs(x) < math.inf
+    y = torch.where(fin, x.to(F64) - k, 0.0)
+    lo = torch.where(fin, x, math.inf).amin(1).to(F64)
+    hi = torch.where(fin, x, -math.inf).amax(1).to(F64)
+    return torch.stack([(x == 0).sum(1, dtype=F64), (x != x).sum(1, dtype=F64), fin.sum(1, dtype=F64),
+                        y.sum(1), (y * y).sum(1), k[:, 0], lo, hi], dim=1)
+
+
+def body_of(form: str) -> types.FunctionType:
+    """The kernel body a form compiles: :func:`batched_stats_body` for BATCH, else :func:`basic_stats_body`."""
+    return cast(types.FunctionType, batched_stats_body if form == BATCH else basic_stats_body)
+
+
 class Signature(NamedTuple):
     """What decides whether a compiled kernel applies: one compile each.
 
@@ -105,7 +141,7 @@ class Signature(NamedTuple):
 
     device: torch.device
     dtype: torch.dtype
-    form: str  # DENSE or ROWS
+    form: str  # DENSE, ROWS or BATCH
     grad: bool  # torch.is_grad_enabled()
     inference: bool  # torch.is_inference_mode_enabled()
     autocast: torch.dtype | None  # the autocast dtype when enabled for the device type
@@ -187,5 +223,6 @@ def kernel_function(sig: Signature) -> types.FunctionType:
     recompile limit, and a failed compile cannot touch the others.
     """
     name = f"basic_stats_{sig.device.type}_{str(sig.dtype).removeprefix('torch.')}_{sig.form}"
-    code = basic_stats_body.__code__.replace(co_name=name)
-    return types.FunctionType(code, basic_stats_body.__globals__, name)
+    body = body_of(sig.form)
+    code = body.__code__.replace(co_name=name)
+    return types.FunctionType(code, body.__globals__, name)

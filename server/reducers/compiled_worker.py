@@ -41,12 +41,13 @@ import torch
 from layertap.server.host.model_thread import in_own_thread
 from layertap.server.reducers import compiled_aoti
 from layertap.server.reducers.compiled_kernel import (
+    BATCH,
     DENSE,
     SHIFT_SAMPLE,
     UNCOMPILED,
     Signature,
     alias,
-    basic_stats_body,
+    body_of,
     kernel_function,
 )
 from layertap.server.reducers.workspace import F64
@@ -65,6 +66,7 @@ AOTI, DIRECT, RUN_ONLY = "aoti", "direct", "run-only"
 #: equality guard for sizes equal in the example ("duck sizing"), and rows are
 #: strictly shorter than their stride.
 _DENSE_N, _ROWS, _COLS, _ROW_STRIDE = 65539, 257, 251, 263
+_BATCH_ROWS, _BATCH_N = 7, 4099
 
 #: A ready kernel: ``(x, rnd, on)`` -> the statistics, or None when its guards
 #: do not hold for these inputs (then nothing was computed).
@@ -111,6 +113,9 @@ def example_of(sig: Signature) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     on = torch.ones((1,), dtype=F64, device=sig.device)
     if sig.form == DENSE:
         return torch.zeros(_DENSE_N, dtype=sig.dtype, device=sig.device), rnd, on
+    if sig.form == BATCH:
+        rnd = torch.zeros((_BATCH_ROWS, SHIFT_SAMPLE), dtype=torch.int64, device=sig.device)
+        return torch.zeros((_BATCH_ROWS, _BATCH_N), dtype=sig.dtype, device=sig.device), rnd, on
     base = torch.zeros(_ROWS * _ROW_STRIDE, dtype=sig.dtype, device=sig.device)
     return alias(base, (_ROWS, _COLS), (_ROW_STRIDE, 1)), rnd, on
 
@@ -189,9 +194,9 @@ class Compiler:
         self.failures = 0
         #: Cached AOTInductor packages that did not load (deleted and rebuilt).
         self.bad_packages = 0
-        #: Ready AOTInductor kernels of dense tensors by (device, dtype): modes
-        #: do not reach them, so one serves every signature of that pair.
-        self.aoti_kernels: dict[tuple[torch.device, torch.dtype], Kernel] = {}
+        #: Ready AOTInductor kernels by (device, dtype, form): modes do not
+        #: reach them, so one serves every signature of that triple.
+        self.aoti_kernels: dict[tuple[torch.device, torch.dtype, str], Kernel] = {}
 
     def ready(self, sig: Signature) -> Entry | None:
         """The signature's entry when its kernel is ready (lock-free: one dict read)."""
@@ -304,7 +309,7 @@ class Compiler:
                 self.bad_packages += bad
                 entry.run, entry.backend, entry.state = run, backend, READY
                 if backend == AOTI:
-                    self.aoti_kernels.setdefault((entry.sig.device, entry.sig.dtype), run)
+                    self.aoti_kernels.setdefault((entry.sig.device, entry.sig.dtype, entry.sig.form), run)
                 self._done()
 
     @staticmethod
@@ -323,7 +328,7 @@ class Compiler:
             with _modes(sig):
                 x, rnd, on = example_of(sig)
                 got = aot_kernel(x, rnd, on)
-                expected = basic_stats_body(x, rnd, on)  # eager: zeros make every slot exact
+                expected = body_of(sig.form)(x, rnd, on)  # eager: zeros make every slot exact
             if got is None or not torch.equal(got, expected):
                 raise RuntimeError("the AOTInductor kernel miscomputes its own example")
             return aot_kernel, AOTI, bad

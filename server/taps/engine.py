@@ -37,8 +37,9 @@ from layertap.server.host.model_host import ModelHost, PassContext, flatten_tens
 from layertap.server.host.padding import PaddingCut, PassPadding
 from layertap.server.host.rows import RequestCut, find_request
 from layertap.server.limits import check_name, check_ttl
+from layertap.server.reducers.batched import BATCH_DTYPES, PassBatch, Row
 from layertap.server.reducers.compiled import COMPILED_STATS
-from layertap.server.reducers.compiled_kernel import DENSE, Signature
+from layertap.server.reducers.compiled_kernel import BATCH, DENSE, Signature
 from layertap.server.reducers.derive import derivation as derive_fn
 from layertap.server.reducers.derive import derive
 from layertap.server.reducers.latency import LayerTimer
@@ -109,6 +110,10 @@ class TapEngine:
         self._pieces: list[Piece[Tap]] = []
         self._hook_seconds = 0.0
         self.reducer_errors = 0
+        #: Model thread only: the pass's small tensors, reduced together when it ends (``reducers.batched``).
+        self._batch = PassBatch()
+        #: Whether small tensors are batched (benchmarks turn it off to compare).
+        self.batch_small = True
         # Bounded in bytes too: one pass of wide taps holds megabytes of values.
         self.transfer = HostTransfer(maxsize=transfer_queue, max_bytes=transfer_bytes)
         #: Model thread only: reductions of this pass a later firing may reuse.
@@ -222,8 +227,9 @@ class TapEngine:
             # Compile ahead for what the hooked layers produce in a server pass
             # (the model's dtype, dense, inference mode), so the first passes
             # already run compiled; other signatures are queued when first seen.
-            COMPILED_STATS.compile_ahead(Signature(self.host.device, self.host.dtype, DENSE,
-                                                   grad=False, inference=True, autocast=None))
+            for form in (DENSE, BATCH) if self.host.dtype in BATCH_DTYPES else (DENSE,):
+                COMPILED_STATS.compile_ahead(Signature(self.host.device, self.host.dtype, form,
+                                                       grad=False, inference=True, autocast=None))
         log.info("tap %s created: kind=%s layers=%d point=%s", tap_id, pb.TapKind.Name(kind), len(layers), POINT_NAMES[point])
         return tap
 
@@ -370,11 +376,18 @@ class TapEngine:
                     run, k, fold = plan.folded(), (None if key is None else (key, padding.key)), padding
                 vec = self._reuse.get(k, tensor) if k is not None else None
                 if vec is None:
-                    vec = run.run(part if fold is None else fold(part))
+                    read = part if fold is None else fold(part)
+                    # Small tensors of basic-only plans: a copy now, their statistics with the pass's others at its end.
+                    vec = self._batch.defer(read) if run.basic_layout is not None and self.batch_small else None
+                    if vec is None:
+                        vec = run.run(read)
                     if k is not None:
                         self._reuse.put(k, tensor, vec)
                 shape = tuple(part.shape) if fold is None else fold.shape(part)
-                buffer.add(len(pieces), vec)
+                if isinstance(vec, Row):
+                    vec.keys.append(len(pieces))
+                else:
+                    buffer.add(len(pieces), vec)
                 pieces.append(Piece(tap, layer, offset + i, call, shape, run, tap._sampled,
                                     lap if plan.timed else None,
                                     name if keyword_from is not None and i >= keyword_from else "",
@@ -432,6 +445,18 @@ class TapEngine:
         self._buffer, self._pieces = None, []
         self._reuse.clear()
         self._padding = (-1, None)
+        if buffer is None or not pieces or ctx.failed:
+            self._batch.discard()
+        elif len(self._batch):
+            t0 = time.perf_counter()
+
+            def failed(keys: list[int], exc: Exception) -> None:
+                for tap, layer in {id(pieces[k].tap): (pieces[k].tap, pieces[k].layer) for k in keys}.values():
+                    if not tap.disabled:
+                        self._fail(tap, layer, exc)
+
+            self._batch.finish(buffer.add, failed)
+            self._hook_seconds += time.perf_counter() - t0
         hook_seconds, self._hook_seconds = self._hook_seconds, 0.0
         if hook_seconds:
             self.sinks.on_hook_time(hook_seconds)

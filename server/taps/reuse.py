@@ -30,6 +30,7 @@ from collections.abc import Hashable, Mapping
 import torch
 from torch import nn
 
+from layertap.server.reducers.batched import Row
 from layertap.v1 import telemetry_pb2 as pb
 
 __all__ = ["PassReuse", "passthrough_parents"]
@@ -61,7 +62,7 @@ class PassReuse:
     def __init__(self, parents: Mapping[str, str]) -> None:
         self._parents = dict(parents)
         self._at: tuple[str, int, int] | None = None
-        self._held: dict[tuple[Hashable, int], tuple[torch.Tensor, int | None, torch.Tensor]] = {}
+        self._held: dict[tuple[Hashable, int], tuple[torch.Tensor, int | None, torch.Tensor | Row]] = {}
         #: Reductions skipped because an equal one had run on the same tensor.
         self.reused = 0
 
@@ -76,7 +77,7 @@ class PassReuse:
             self._held.clear()
         self._at = here
 
-    def get(self, key: Hashable, tensor: torch.Tensor) -> torch.Tensor | None:
+    def get(self, key: Hashable, tensor: torch.Tensor) -> torch.Tensor | Row | None:
         """The result of an equal plan (``key``) on this very tensor, unchanged since; else None."""
         hit = self._held.get((key, id(tensor)))
         if hit is None or hit[0] is not tensor or hit[1] != _version(tensor):
@@ -84,7 +85,7 @@ class PassReuse:
         self.reused += 1
         return hit[2]
 
-    def put(self, key: Hashable, tensor: torch.Tensor, result: torch.Tensor) -> None:
+    def put(self, key: Hashable, tensor: torch.Tensor, result: torch.Tensor | Row) -> None:
         self._held[(key, id(tensor))] = (tensor, _version(tensor), result)
 
     def clear(self) -> None:

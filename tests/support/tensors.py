@@ -34,3 +34,4 @@ def drawn_sample(x: torch.Tensor, size: int, seed: int = 0) -> torch.Tensor:
         flat = flat[torch.randint(0, flat.numel(), (size,), generator=gen(seed))]
     values = flat.to(torch.float64)
     return values[~values.isnan()]
+

@@ -514,7 +514,7 @@ class _Replicas:
                 raise RuntimeError("not a package")
             return "kernel"
 
-        def compile_(path: Path, _example: object) -> None:
+        def compile_(path: Path, _example: object, _form: str = DENSE) -> None:
             self.compiles += 1
             self.during_compile()
             if not compile_ok:
@@ -544,9 +544,9 @@ def test_a_bad_package_is_rebuilt_over_atomically_never_unlinked_first(tmp_path:
     missing: list[bool] = []
     real_compile = compiled_aoti._compile
 
-    def watching(path: Path, example: object) -> None:
+    def watching(path: Path, example: object, form: str = DENSE) -> None:
         missing.append(not path.exists())  # what a replica starting now would find
-        real_compile(path, example)
+        real_compile(path, example, form)
 
     monkeypatch.setattr(compiled_aoti, "_compile", watching)
     assert fs.load_or_compile() == ("kernel", True)

@@ -19,11 +19,11 @@ from torch import nn
 from layertap.server.errors import InvalidField
 from layertap.server.host.model_host import PHASE_DECODE, PHASE_NONE, PHASE_PREFILL, ModelHost, RequestRows
 from layertap.server.host.sources import InputSpec, LoadedModel
-from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.stream.broker import Broker
 from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
+from tests.support.reductions import count_reductions
 
 BASIC = ("moments", "minmax", "nonfinite", "zero_fraction")
 HIDDEN = 8
@@ -202,8 +202,7 @@ def test_request_taps_never_reuse_the_whole_tensors_or_another_requests_result(r
             engine.create(spec("block", *BASIC))]
     sub = broker.subscribe([t.id for t in taps])
     runs: list[tuple[int, ...]] = []
-    real_run = ReducerPlan.run
-    monkeypatch.setattr(ReducerPlan, "run", lambda plan, t: runs.append(tuple(t.shape)) or real_run(plan, t))
+    count_reductions(monkeypatch, lambda _plan, t: runs.append(tuple(t.shape)))
     requests = (RequestRows("a", slice(0, 2), (5, 5), 1), RequestRows("b", slice(2, 4), (5, 5), 3))
     ref = step(host, x_of(4, 5, 5), PHASE_PREFILL, requests, ("block",))["block"]
     got = {s.tap: s for s in drain(engine, sub)}

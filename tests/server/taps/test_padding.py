@@ -30,6 +30,7 @@ from layertap.server.stream.broker import Broker
 from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.tap_files import reducer_spec, tap_spec_from_dict
 from layertap.v1 import telemetry_pb2 as pb
+from tests.support.reductions import count_reductions
 
 VOCAB, HIDDEN, CLASSES = 32, 8, 5
 BASIC = ("moments", "minmax", "zero_fraction")
@@ -223,8 +224,7 @@ def test_equal_taps_share_one_selection_and_never_the_whole_tensors_result(rig, 
             engine.create(spec("block", *BASIC)), engine.create(spec("block", *BASIC, keep_padding=True))]
     sub = broker.subscribe([t.id for t in taps])
     runs: list[tuple[int, ...]] = []
-    real_run = type(taps[0].plan).run
-    monkeypatch.setattr(type(taps[0].plan), "run", lambda plan, t: runs.append(tuple(t.shape)) or real_run(plan, t))
+    count_reductions(monkeypatch, lambda _plan, t: runs.append(tuple(t.shape)))
     ids, mask = batch("right")
     host.run([("input_ids", ids), ("attention_mask", mask)])
     got = {s.tap: s for s in drain(engine, sub)}

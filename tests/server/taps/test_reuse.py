@@ -15,12 +15,12 @@ from torch import nn
 
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import InputSpec, LoadedModel, load_model
-from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.stream.broker import Broker
 from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.reuse import passthrough_parents
 from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
+from tests.support.reductions import count_reductions
 
 BASIC = ("moments", "minmax", "nonfinite")
 
@@ -88,8 +88,7 @@ def test_a_stage_and_its_last_block_and_two_equal_taps_share_reductions(monkeypa
     other = engine.create(spec("layer2", "moments", "minmax", "nonfinite", "zero_fraction"))  # another plan
     sub = broker.subscribe([t.id for t in [*taps, other]])
     runs: list[str] = []
-    real_run = ReducerPlan.run
-    monkeypatch.setattr(ReducerPlan, "run", lambda plan, t: runs.append(repr(plan)) or real_run(plan, t))
+    count_reductions(monkeypatch, lambda plan, _t: runs.append(repr(plan)))
     seen, handles = outputs_of(host, ["layer1.1", "layer1", "layer2"])
     x = torch.from_numpy(np.random.default_rng(0).standard_normal((4, 3, 32, 32)).astype(np.float32))
     host.run([x])

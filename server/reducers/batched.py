@@ -1,0 +1,152 @@
+"""The basic statistics of a pass's small tensors, computed together when the pass ends.
+
+Why: at batch-1 decode every hooked tensor is a few KiB (a Llama layer's
+``(1, 1, 512)`` output), and a per-tensor reduction is almost all fixed cost:
+the compiled kernel's call, the workspace, the shift's random draw. Paid
+between the model's layers, that code also runs ~3x slower than outside
+(benchmarks/decode_hook_cost.py: 1.05-1.1 ms per decode step for 8 hooks).
+So a hook on a small floating tensor only copies it (one small device copy,
+no sync), and at the pass's end the copies of one size and dtype are stacked
+into ``(rows, n)`` and reduced row-wise in one set of ops.
+
+Each row's statistics are the basic-statistics vector of
+:func:`~layertap.server.reducers.kernels.fused_basic_stats` with every need
+set (the layout every basic reducer reads), including the moments shift: K is
+the median of the finite values among 16 strided and 16 random elements of the
+row, as :func:`~layertap.server.reducers.kernels.shift_of` picks it. Rows never
+mix: a row's values depend on its own elements and its random positions only.
+
+Float64 and integer tensors, large tensors and the rest keep the per-tensor
+path: the single-read compiled kernel is cheaper once a tensor is big enough
+that reading it dominates, and float64's overflow handling differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from layertap.server.reducers.compiled import COMPILED_STATS
+from layertap.server.reducers.compiled_kernel import SHIFT_SAMPLE, batched_stats_body
+from layertap.server.reducers.workspace import F64
+
+__all__ = ["BATCH_DTYPES", "MAX_BATCH_BYTES", "MAX_BATCH_NUMEL", "PassBatch", "Row", "batched_basic_stats"]
+
+#: Tensors of at most this many elements are batched (see docs/benchmarks.md, "decode hook cost").
+MAX_BATCH_NUMEL = 8192
+#: Copies held per pass at most; past it, tensors take the per-tensor path.
+MAX_BATCH_BYTES = 16 << 20
+#: Dtypes whose float64 upcast cannot overflow ``x - K``: every non-finite value of it is x's own.
+BATCH_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+
+def batched_basic_stats(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Row-wise basic statistics of a ``(rows, n)`` tensor of a :data:`BATCH_DTYPES` dtype, ``n > SHIFT_SAMPLE``.
+
+    The compiled kernel once its signature is ready (:mod:`.compiled`), else
+    the same body eagerly. Each row draws its own random shift positions.
+
+    Returns:
+        ``(rows, BASIC_WIDTH)`` float64, each row laid out as
+        ``[zeros, nan, count_finite, sum(x-K), sum((x-K)**2), K, min, max]``
+        over the row's finite elements (zeros and nan over all).
+    """
+    rnd = torch.randint(0, x.shape[1], (x.shape[0], SHIFT_SAMPLE), generator=generator, device=x.device)
+    out = COMPILED_STATS.batch_stats(x, rnd)
+    if out is None:
+        on = _ON.get(x.device)
+        if on is None:
+            on = _ON[x.device] = torch.ones((1,), dtype=F64, device=x.device)
+        out = batched_stats_body(x, rnd, on)
+    return out
+
+
+#: The shift switch, on, per device (see ``compiled_kernel``).
+_ON: dict[torch.device, torch.Tensor] = {}
+
+
+class Row:
+    """A deferred tensor's place: its group and row; every piece (buffer key) that reads its statistics."""
+
+    __slots__ = ("group", "index", "keys")
+
+    def __init__(self, group: tuple[torch.device, torch.dtype, int], index: int) -> None:
+        self.group, self.index = group, index
+        self.keys: list[int] = []
+
+
+class PassBatch:
+    """One pass's deferred small tensors: copies taken in hooks, reduced together by :meth:`finish`.
+
+    Model thread only. A copy, not the tensor itself: the model may write the
+    tensor in place later in the same pass.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._groups: dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]] = {}
+        self._rows: list[Row] = []
+        self._bytes = 0
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def defer(self, x: torch.Tensor) -> Row | None:
+        """Copies ``x`` for the pass's end and returns its row, or None when it takes the per-tensor path."""
+        n = x.numel()
+        if x.dtype not in BATCH_DTYPES or not SHIFT_SAMPLE < n <= MAX_BATCH_NUMEL or x.layout != torch.strided \
+                or type(x) is not torch.Tensor:
+            return None
+        size = n * x.element_size()
+        if self._bytes + size > MAX_BATCH_BYTES:
+            return None
+        self._bytes += size
+        key = (x.device, x.dtype, n)
+        group = self._groups.setdefault(key, [])
+        group.append(x.detach().clone(memory_format=torch.contiguous_format).view(-1))
+        row = Row(key, len(group) - 1)
+        self._rows.append(row)
+        return row
+
+    def finish(self, add: Callable[[int, torch.Tensor], None], failed: Callable[[list[int], Exception], None]) -> None:
+        """Reduces every group and gives each key of each row its statistics (``add(key, values)``).
+
+        A group whose reduction raises gives ``failed`` its keys and the error;
+        the other groups are unaffected. The batch is emptied first.
+        """
+        groups, rows = self._groups, self._rows
+        self._groups, self._rows, self._bytes = {}, [], 0
+        results: dict[tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, ...] | Exception] = {}
+        for key, tensors in groups.items():
+            try:
+                # Under inference mode whatever the pass's modes: one kernel signature serves every pass.
+                with torch.inference_mode():
+                    stacked = torch.stack(tensors) if len(tensors) > 1 else tensors[0][None]
+                    results[key] = batched_basic_stats(stacked, self._generator(key[0])).unbind(0)
+            except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
+                results[key] = exc
+        lost: dict[tuple[torch.device, torch.dtype, int], list[int]] = {}
+        for row in rows:
+            values = results[row.group]
+            if isinstance(values, Exception):
+                lost.setdefault(row.group, []).extend(row.keys)
+                continue
+            for k in row.keys:
+                add(k, values[row.index])
+        for key, keys in lost.items():
+            error = results[key]
+            assert isinstance(error, Exception)
+            failed(keys, error)
+
+    def discard(self) -> None:
+        self._groups, self._rows, self._bytes = {}, [], 0
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+        return gen
+

@@ -1,0 +1,183 @@
+"""A pass's small tensors reduced together at its end (``reducers.batched``).
+
+Each row of the batched kernel must be the per-tensor kernel's vector of that
+row (same shift, same slots), eagerly and compiled; a tap whose tensors take
+the batched path must publish what a float64 numpy reference of the tensor,
+as the layer produced it, says; and a failure or a full batch must never
+fail inference.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from layertap.server.host.model_host import ModelHost
+from layertap.server.host.sources import InputSpec, LoadedModel
+from layertap.server.reducers import batched
+from layertap.server.reducers.batched import MAX_BATCH_NUMEL, PassBatch, batched_basic_stats
+from layertap.server.reducers.compiled import CompiledStats
+from layertap.server.reducers.compiled_kernel import BATCH, SHIFT_SAMPLE, Signature, basic_stats_body, batched_stats_body
+from layertap.server.reducers.workspace import F64
+from layertap.server.stream.broker import Broker
+from layertap.server.taps.engine import TapEngine
+from layertap.server.taps.tap_files import reducer_spec
+from layertap.v1 import telemetry_pb2 as pb
+from tests.support.reductions import count_reductions
+from tests.support.tensors import gen, plant_nonfinite
+
+BASIC = ("moments", "minmax", "zero_fraction", "nonfinite")
+ON = torch.ones((1,), dtype=F64)
+
+
+def rows_of(dtype: torch.dtype, rows: int = 6, n: int = 700) -> torch.Tensor:
+    """Rows with an offset mean, planted non-finite values, an all-NaN row, an all-inf row and zeros."""
+    x = torch.randn((rows, n), generator=gen(1)) * 3 + 1e3
+    plant_nonfinite(x[1])
+    x[2] = math.nan
+    x[3] = math.inf
+    x[4, :50] = 0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_each_row_is_the_per_tensor_kernels_vector(dtype: torch.dtype) -> None:
+    x = rows_of(dtype)
+    rnd = torch.randint(0, x.shape[1], (x.shape[0], SHIFT_SAMPLE), generator=gen(2))
+    got = batched_stats_body(x, rnd, ON)
+    for i in range(x.shape[0]):
+        want = basic_stats_body(x[i].contiguous(), rnd[i], ON)
+        torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-9, equal_nan=True)
+
+
+def test_rows_against_numpy_float64() -> None:
+    x = rows_of(torch.float32)
+    got = batched_basic_stats(x, gen(3)).numpy()
+    for i, row in enumerate(x.double().numpy()):
+        fin = row[np.isfinite(row)]
+        zeros, nan, count, s1, s2, k, lo, hi = got[i]
+        assert (zeros, nan, count) == ((row == 0).sum(), np.isnan(row).sum(), fin.size)
+        if fin.size:
+            np.testing.assert_allclose(k + s1 / count, fin.mean(), rtol=1e-12)
+            np.testing.assert_allclose(math.sqrt(max(s2 / count - (s1 / count) ** 2, 0)), fin.std(), rtol=1e-9)
+            assert (lo, hi) == (fin.min(), fin.max())
+        else:
+            assert (s1, s2, k, lo > hi) == (0, 0, 0, True)  # min > max: no finite element
+
+
+def test_the_compiled_batch_kernel_equals_the_eager_body() -> None:
+    stats = CompiledStats(enabled=True)
+    try:
+        sig = Signature(torch.device("cpu"), torch.float32, BATCH, grad=False, inference=True, autocast=None)
+        assert stats.compile_now(sig, timeout=600)
+        x = rows_of(torch.float32, rows=5, n=517)
+        rnd = torch.randint(0, 517, (5, SHIFT_SAMPLE), generator=gen(4))
+        with torch.inference_mode():
+            got = stats.batch_stats(x, rnd)
+        assert got is not None and stats.compiled_calls == 1
+        torch.testing.assert_close(got, batched_stats_body(x, rnd, ON), rtol=1e-12, atol=1e-9, equal_nan=True)
+    finally:
+        stats.close()
+
+
+# -- through the engine -----------------------------------------------------------------------------------
+class Chain(nn.Module):
+    """Two small layers; the second writes the first's output in place after its hook ran."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.ReLU(inplace=True)
+        self.c = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x)))
+
+
+def rig(width: int = 64) -> tuple[ModelHost, Broker, TapEngine]:
+    torch.manual_seed(0)
+    module = Chain(width).eval()
+    host = ModelHost(LoadedModel(module, "chain", "test", [InputSpec("input", torch.float32, (-1, width))]))
+    broker = Broker(default_queue_size=10_000)
+    return host, broker, TapEngine(host, broker, rng=random.Random(0))
+
+
+def drain(engine: TapEngine, sub) -> list[pb.Summary]:
+    assert engine.flush(10)
+    out = []
+    while (b := sub.get(timeout=0)) is not None:
+        out.extend(b.summaries)
+    return out
+
+
+def results(s: pb.Summary) -> dict[str, pb.ReducerResult]:
+    return {r.WhichOneof("value"): r for r in s.results}
+
+
+def test_a_tensor_written_in_place_later_is_summarized_as_the_layer_returned_it(monkeypatch) -> None:
+    host, broker, engine = rig()
+    tap = engine.create(pb.TapSpec(selector="a", reducers=[reducer_spec(r, "r") for r in BASIC]))
+    sub = broker.subscribe([tap.id])
+    deferred: list[tuple[int, ...]] = []
+    count_reductions(monkeypatch, lambda plan, t: plan is None and deferred.append(tuple(t.shape)))
+    seen: list[np.ndarray] = []
+    host.modules["a"].register_forward_hook(lambda _m, _a, o: seen.append(o.detach().double().numpy().copy()))
+    x = torch.randn((3, 64), generator=gen(5))
+    host.run([x])
+    assert deferred == [(3, 64)]  # the batched path, not the per-tensor one
+    (s,) = drain(engine, sub)
+    ref = seen[0]
+    assert ref.min() < 0  # the ReLU after it zeroes these in place: a summary read late would say min 0
+    r = results(s)
+    np.testing.assert_allclose(r["moments"].moments.mean, ref.mean(), rtol=1e-9)
+    np.testing.assert_allclose(r["moments"].moments.std, ref.std(), rtol=1e-9)
+    assert (r["minmax"].minmax.min, r["minmax"].minmax.max) == (ref.min(), ref.max())
+    assert r["zero_fraction"].zero_fraction.fraction == (ref == 0).mean()
+
+
+def test_a_failing_batch_disables_its_taps_and_inference_goes_on(monkeypatch) -> None:
+    host, broker, engine = rig()
+    small = engine.create(pb.TapSpec(selector="a", reducers=[reducer_spec(r, "r") for r in BASIC]))
+    other = engine.create(pb.TapSpec(selector="c", reducers=[reducer_spec("histogram", "r")]))  # per tensor
+    sub = broker.subscribe([small.id, other.id])
+
+    def boom(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(batched, "batched_basic_stats", boom)
+    out, _ctx = host.run([torch.randn((2, 64), generator=gen(6))])
+    assert out.shape == (2, 64)
+    got = drain(engine, sub)
+    assert small.disabled and "kernel exploded" in (small.last_error or "") and engine.reducer_errors == 1
+    assert not small.handles  # unhooked: the next pass does not copy for it
+    assert [s.tap for s in got] == [other.id]
+    host.run([torch.randn((2, 64), generator=gen(7))])
+    assert [s.tap for s in drain(engine, sub)] == [other.id]
+
+
+def test_past_the_byte_bound_tensors_take_the_per_tensor_path(monkeypatch) -> None:
+    monkeypatch.setattr(batched, "MAX_BATCH_BYTES", 3 * 64 * 4)  # room for one (3, 64) float32 copy
+    host, broker, engine = rig()
+    tap = engine.create(pb.TapSpec(selector="[ac]", reducers=[reducer_spec(r, "r") for r in BASIC]))
+    sub = broker.subscribe([tap.id])
+    paths: list[str] = []
+    count_reductions(monkeypatch, lambda plan, _t: paths.append("per tensor" if plan is not None else "batched"))
+    host.run([torch.randn((3, 64), generator=gen(8))])
+    assert paths == ["batched", "per tensor"]
+    assert sorted(s.layer for s in drain(engine, sub)) == ["a", "c"]
+
+
+def test_what_is_never_batched() -> None:
+    batch = PassBatch()
+    assert batch.defer(torch.zeros(SHIFT_SAMPLE)) is None  # the shift samples all of it: per tensor
+    assert batch.defer(torch.zeros(MAX_BATCH_NUMEL + 1)) is None  # big: the single-read kernel
+    assert batch.defer(torch.zeros(100, dtype=torch.float64)) is None  # x - K may overflow
+    assert batch.defer(torch.zeros(100, dtype=torch.int32)) is None
+    assert batch.defer(torch.zeros(MAX_BATCH_NUMEL)) is not None and len(batch) == 1
+    batch.discard()
+    assert len(batch) == 0
