@@ -44,6 +44,7 @@ from layertap.server.host.generation_request import (
     NoListener,
     StepEvent,
     TokenEvent,
+    log_normalizer,
 )
 from layertap.server.host.model_host import (
     PHASE_DECODE,
@@ -371,17 +372,14 @@ class Generator:
         """Pick each row's next token, read them back (the step's one sync) and send each request its step."""
         logits = logits.float()
         chosen = torch.empty(len(batch.rows), dtype=torch.long, device=logits.device)
-        # NaN or +inf anywhere, or nothing finite, leaves no token to choose; -inf alone is a banned token.
-        # One reduction says all three: the log-sum-exp is NaN, +inf or -inf exactly then.
-        lse = torch.logsumexp(logits, dim=-1)
-        finite = torch.isfinite(lse)
+        shifted, lse, finite = log_normalizer(logits)
         start = 0
         for request, group in _groups(batch.rows):
             part = slice(start, start + len(group))
             chosen[part], ok = request.sampling.pick(logits[part], request.generator)
             finite[part] &= ok
             start += len(group)
-        logprob = logits.gather(1, chosen[:, None])[:, 0] - lse  # log_softmax at the chosen token
+        logprob = shifted.gather(1, chosen[:, None])[:, 0] - lse  # log_softmax at the chosen token
         host = torch.stack([chosen.double(), logprob.double(), finite.double()], dim=1).tolist()
         now = time.monotonic()
         batch.last = chosen[:, None]

@@ -20,7 +20,7 @@ from layertap.server.errors import InvalidField
 
 __all__ = [
     "FINISH_LENGTH", "FINISH_STOP", "Finished", "GenerationListener", "GenerationRequest", "NoListener",
-    "Sampling", "StepEvent", "TokenEvent",
+    "Sampling", "StepEvent", "TokenEvent", "log_normalizer",
 ]
 
 FINISH_LENGTH, FINISH_STOP = "length", "stop"
@@ -251,3 +251,17 @@ class GenerationRequest:
             time_to_first_token=first,
             time_per_output_token=self._gaps / self._gap_count if self._gap_count else 0.0,
         ))
+
+
+def log_normalizer(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logits - max, logsumexp of that, whether the row can choose)`` per row: log_softmax in parts.
+
+    NaN or +inf anywhere, or nothing finite, leaves no token to choose (-inf
+    alone is a banned token): exactly the rows whose max plus log-sum-exp is
+    not finite. The max comes off first, so a logprob's error does not grow
+    with the logits' magnitude.
+    """
+    top = logits.amax(dim=-1, keepdim=True)
+    shifted = logits - top
+    lse = torch.logsumexp(shifted, dim=-1)
+    return shifted, lse, torch.isfinite(top[:, 0] + lse)

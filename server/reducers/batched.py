@@ -29,7 +29,8 @@ import torch
 
 from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.compiled_kernel import SHIFT_SAMPLE, batched_stats_body
-from layertap.server.reducers.workspace import F64
+from layertap.server.reducers.kernels import StatNeeds, fused_basic_stats
+from layertap.server.reducers.workspace import F64, Workspace
 
 __all__ = ["BATCH_DTYPES", "MAX_BATCH_BYTES", "MAX_BATCH_NUMEL", "PassBatch", "Row", "batched_basic_stats"]
 
@@ -52,18 +53,34 @@ def batched_basic_stats(x: torch.Tensor, generator: torch.Generator) -> torch.Te
         ``[zeros, nan, count_finite, sum(x-K), sum((x-K)**2), K, min, max]``
         over the row's finite elements (zeros and nan over all).
     """
-    rnd = torch.randint(0, x.shape[1], (x.shape[0], SHIFT_SAMPLE), generator=generator, device=x.device)
+    rows, n = x.shape
+    if rows == 1:
+        # Alone in its group: the per-tensor kernel, the same vector (a batch kernel compiled for
+        # several rows would take one row as a guard miss, and costs more for one).
+        ws = Workspace(x[0], generator)
+        out = COMPILED_STATS.stats(ws, _ALL)
+        return (out if out is not None else fused_basic_stats(ws, _ALL))[None]
+    rnd = torch.randint(0, n, (rows, SHIFT_SAMPLE), generator=generator, device=x.device)
     out = COMPILED_STATS.batch_stats(x, rnd)
-    if out is None:
-        on = _ON.get(x.device)
-        if on is None:
-            on = _ON[x.device] = torch.ones((1,), dtype=F64, device=x.device)
-        out = batched_stats_body(x, rnd, on)
-    return out
+    if out is not None:
+        return out
+    on = _ON.get(x.device)
+    if on is None:
+        on = _ON[x.device] = torch.ones((1,), dtype=F64, device=x.device)
+    # Eagerly, every op writes a (rows, n) temporary, several in float64: in chunks of rows, so a full
+    # batch never needs more than a few MiB at once (the compiled kernel fuses them away).
+    step = max(1, _EAGER_ELEMENTS // n)
+    if rows <= step:
+        return batched_stats_body(x, rnd, on)
+    return torch.cat([batched_stats_body(x[i:i + step], rnd[i:i + step], on) for i in range(0, rows, step)])
 
 
 #: The shift switch, on, per device (see ``compiled_kernel``).
 _ON: dict[torch.device, torch.Tensor] = {}
+#: Every basic statistic: a batch fills every slot, whatever its plans read.
+_ALL = StatNeeds(zeros=True, nan=True, count=True, sums=True, shifted=True, minmax=True)
+#: Elements per eager chunk: float64 temporaries of 1 MiB each.
+_EAGER_ELEMENTS = 1 << 17
 
 
 class Row:
@@ -113,8 +130,8 @@ class PassBatch:
     def finish(self, add: Callable[[int, torch.Tensor], None], failed: Callable[[list[int], Exception], None]) -> None:
         """Reduces every group and gives each key of each row its statistics (``add(key, values)``).
 
-        A group whose reduction raises gives ``failed`` its keys and the error;
-        the other groups are unaffected. The batch is emptied first.
+        A row whose group's reduction raises gives ``failed`` its keys and the
+        error; the other groups are unaffected. The batch is emptied first.
         """
         groups, rows = self._groups, self._rows
         self._groups, self._rows, self._bytes = {}, [], 0
@@ -127,18 +144,16 @@ class PassBatch:
                     results[key] = batched_basic_stats(stacked, self._generator(key[0])).unbind(0)
             except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
                 results[key] = exc
-        lost: dict[tuple[torch.device, torch.dtype, int], list[int]] = {}
         for row in rows:
             values = results[row.group]
-            if isinstance(values, Exception):
-                lost.setdefault(row.group, []).extend(row.keys)
-                continue
-            for k in row.keys:
-                add(k, values[row.index])
-        for key, keys in lost.items():
-            error = results[key]
-            assert isinstance(error, Exception)
-            failed(keys, error)
+            if not isinstance(values, Exception):
+                try:
+                    for k in row.keys:
+                        add(k, values[row.index])
+                    continue
+                except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
+                    values = exc
+            failed(row.keys, values)
 
     def discard(self) -> None:
         self._groups, self._rows, self._bytes = {}, [], 0

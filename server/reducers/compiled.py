@@ -238,8 +238,9 @@ class CompiledStats:
         signature's compile), never syncs; None means the caller runs
         :func:`~.compiled_kernel.batched_stats_body` eagerly.
         """
-        if not self._enabled or torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
-            return None
+        if not self._enabled or x.shape[0] < 2 or torch._C._len_torch_dispatch_stack() \
+                or torch._C._len_torch_function_stack():
+            return None  # one row: the per-tensor kernel's (a dynamic-shape compile guards on rows >= 2)
         on = self._constants(x.device, torch.is_inference_mode_enabled())[2]
         aot = self._compiler.aoti_kernels.get((x.device, x.dtype, BATCH))
         if aot is not None:

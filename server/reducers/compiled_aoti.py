@@ -184,15 +184,17 @@ class AotiKernel:
 STALE_DAYS = 30.0
 
 
-def prune(directory: Path, now: float | None = None, keep: Path | None = None) -> int:
+def prune(directory: Path, now: float | None = None, keep: Path | set[Path] | None = None) -> int:
     """Deletes packages and temporary files in ``directory`` unused for ``STALE_DAYS``; returns how many.
 
     "Unused" is the modification time, which every load refreshes. ``keep``
     (the package this process is about to load) is never deleted, however
-    old: a server restarted after a long run or downtime reuses it. A file
+    old: a server restarted after a long run or downtime reuses it (a set
+    keeps each of its paths). A file
     that vanishes or cannot be deleted meanwhile (another replica pruning the
     same volume) is skipped.
     """
+    kept = keep if isinstance(keep, set) else {keep} if keep is not None else set()
     cutoff = (time.time() if now is None else now) - STALE_DAYS * 86400
     removed = 0
     try:
@@ -200,7 +202,7 @@ def prune(directory: Path, now: float | None = None, keep: Path | None = None) -
     except OSError:
         return 0
     for path in entries:
-        if path == keep:
+        if path in kept:
             continue
         try:
             if path.stat().st_mtime < cutoff:
@@ -217,7 +219,7 @@ def prune(directory: Path, now: float | None = None, keep: Path | None = None) -
 _pruned: set[Path] = set()
 
 
-def _prune_once(directory: Path, keep: Path) -> None:
+def _prune_once(directory: Path, keep: set[Path]) -> None:
     if directory not in _pruned:
         _pruned.add(directory)
         prune(directory, keep=keep)
@@ -254,7 +256,8 @@ def load_or_compile(sig: Signature, example: tuple[torch.Tensor, torch.Tensor, t
         replaced meanwhile by another process sharing the cache).
     """
     path = package_path(sig)
-    _prune_once(path.parent, keep=path)
+    # Every form of this dtype is kept: a tap compiles both ahead, and prune runs at the first load only.
+    _prune_once(path.parent, keep={package_path(sig._replace(form=f)) for f in (DENSE, BATCH)})
     bad = False
     seen = _identity(path)
     if seen is not None:

@@ -22,8 +22,9 @@ from layertap.server.app import LayertapServer, start_server
 from layertap.server.config import ServerConfig, check_exposure
 from layertap.server.host.model_host import ModelHost, PassContext
 from layertap.server.host.sources import LoadedModel
+from layertap.server.reducers.batched import BATCH_DTYPES
 from layertap.server.reducers.compiled import COMPILED_STATS
-from layertap.server.reducers.compiled_kernel import DENSE, Signature
+from layertap.server.reducers.compiled_kernel import BATCH, DENSE, Signature
 from layertap.server.train.labels import LabelledRegistry
 from layertap.server.train.names import is_compiled, unwrap
 from layertap.server.train.ranks import Rank
@@ -98,11 +99,14 @@ class Agent:
 
 
 def _compile_before_training(device: torch.device, dtype: torch.dtype) -> None:
-    """The statistics kernel for the parameters' dtype, now, while no step draws
-    random numbers; on CPU it serves gradients in every mode (compiled_aoti)."""
+    """The statistics kernels for the parameters' dtype, now, while no step draws
+    random numbers; on CPU they serve gradients in every mode (compiled_aoti)."""
     started = time.monotonic()
     sig = Signature(device, dtype, DENSE, grad=True, inference=False, autocast=None)
     ready = COMPILED_STATS.compile_now(sig, timeout=COMPILE_TIMEOUT)
+    if dtype in BATCH_DTYPES:  # the small tensors' kernel too, run at each pass's end (reducers.batched)
+        batch = Signature(device, dtype, BATCH, grad=False, inference=True, autocast=None)
+        ready = COMPILED_STATS.compile_now(batch, timeout=COMPILE_TIMEOUT) and ready
     log.info("layertap.attach: statistics kernel for %s %s %s in %.1f s; the training process never compiles "
              "in the background", device, dtype, "ready" if ready else "NOT ready (eager)", time.monotonic() - started)
 

@@ -10,6 +10,7 @@ fail inference.
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import numpy as np
@@ -181,3 +182,67 @@ def test_what_is_never_batched() -> None:
     assert batch.defer(torch.zeros(MAX_BATCH_NUMEL)) is not None and len(batch) == 1
     batch.discard()
     assert len(batch) == 0
+
+
+# -- the review's cases (session 14) ------------------------------------------------------------------------
+def test_one_row_groups_take_the_per_tensor_kernel_and_never_stale_the_dynamo_one() -> None:
+    """Dynamo's batch kernel (CUDA's path) guards on rows >= 2: lone tensors must not count as misses."""
+    cs = CompiledStats(enabled=True, aoti=False)
+    try:
+        sig = Signature(torch.device("cpu"), torch.float32, BATCH, grad=False, inference=True, autocast=None)
+        assert cs.compile_now(sig, timeout=600), cs.states()
+        g = gen(9)
+        with torch.inference_mode():
+            for rows in (5, 1, 1, 1, 1, 5):
+                x = torch.randn(rows, 300, generator=g)
+                got = cs.batch_stats(x, torch.randint(0, 300, (rows, SHIFT_SAMPLE), generator=g))
+                assert (got is None) == (rows == 1)
+        assert cs.guard_misses == 0 and cs.states()[sig] == "ready", (cs.counters(), cs.states())
+    finally:
+        cs.close()
+    x = rows_of(torch.float32)[:1]
+    got = batched_basic_stats(x, gen(10))[0]
+    mean, count = got[5] + got[3] / got[2], got[2]
+    assert got.shape == (8,)
+    np.testing.assert_allclose(float(mean), x.double().mean().item(), rtol=1e-12)
+    assert float(count) == x.numel()
+
+
+def test_the_eager_path_bounds_its_temporaries_by_chunks_and_agrees(monkeypatch) -> None:
+    monkeypatch.setattr(batched, "_EAGER_ELEMENTS", 2 * 700)  # two rows per chunk
+    x = rows_of(torch.float32, rows=5)
+    rnd_gen, ref_gen = gen(11), gen(11)
+    chunked = batched_basic_stats(x, rnd_gen)  # COMPILED_STATS is off in tests: eager
+    rnd = torch.randint(0, 700, (5, SHIFT_SAMPLE), generator=ref_gen)
+    torch.testing.assert_close(chunked, batched_stats_body(x, rnd, ON), rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_training_agents_warm_up_compiles_the_batch_kernel_too(monkeypatch) -> None:
+    from layertap.server.train import agent
+
+    asked: list[Signature] = []
+    monkeypatch.setattr(agent.COMPILED_STATS, "compile_now", lambda sig, timeout=None: asked.append(sig) or True)
+    agent._compile_before_training(torch.device("cpu"), torch.bfloat16)
+    assert sorted(s.form for s in asked) == ["batch", "dense"] and {s.dtype for s in asked} == {torch.bfloat16}
+    asked.clear()
+    agent._compile_before_training(torch.device("cpu"), torch.float64)  # never batched: no batch kernel
+    assert [s.form for s in asked] == ["dense"]
+
+
+def test_prune_keeps_every_form_of_the_loaded_dtype(tmp_path, monkeypatch) -> None:
+    """A restart after STALE_DAYS idle loads the dense package first: the batch one must survive that prune."""
+    from layertap.server.reducers import compiled_aoti
+    from layertap.server.reducers.compiled_kernel import DENSE
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled_aoti, "_pruned", set())
+    sig = Signature(torch.device("cpu"), torch.float32, DENSE, grad=False, inference=True, autocast=None)
+    paths = {f: compiled_aoti.package_path(sig._replace(form=f)) for f in (DENSE, BATCH)}
+    stranger = paths[DENSE].with_name("basic_stats-float32-dense-000000000000000000000000.pt2")
+    for p in (*paths.values(), stranger):
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"x")
+        os.utime(p, (1.0, 1.0))  # 1970: long past STALE_DAYS
+    monkeypatch.setattr(compiled_aoti, "_load", lambda path: "kernel")
+    assert compiled_aoti.load_or_compile(sig, (torch.zeros(1),) * 3) == ("kernel", False)
+    assert all(p.exists() for p in paths.values()) and not stranger.exists()
