@@ -32,7 +32,7 @@ from layertap.server.host import probe
 from layertap.server.host.compiled import CompiledServing
 from layertap.server.host.hooks import CallArgs, HookRegistry, ParamGrad
 from layertap.server.host.inputs import ModelInputs, as_positional, bind_inputs
-from layertap.server.host.model_thread import ModelThread
+from layertap.server.host.model_thread import ModelThread, PassLock
 from layertap.server.host.padding import declares_mask, host_mask
 from layertap.server.host.sources import InputSpec, LoadedModel
 
@@ -201,7 +201,7 @@ class ModelHost:
         ]
         #: Whether the model declares an attention mask: its passes may leave padding out of taps.
         self.masked = declares_mask(self.inputs)
-        self._lock = threading.RLock()
+        self._lock = PassLock()
         #: Runs the server's own passes (Infer, captures, replays, Explain): see model_thread.
         self.model_thread = ModelThread()
         self._counter = itertools.count()
@@ -275,9 +275,13 @@ class ModelHost:
         with self._observers_lock:
             self._observers = tuple(o for o in self._observers if o is not observer)
 
-    def pass_lock(self) -> threading.RLock:
+    def pass_lock(self) -> PassLock:
         """The lock that serialises passes; hold it to change hooks between passes."""
         return self._lock
+
+    def model_wanted(self) -> bool:
+        """Whether another pass or a hook change waits for the model: a generation's run of steps yields."""
+        return self._lock.wanted or self.model_thread.waiting
 
     def arm_shape_probe(self) -> None:
         """Record every module's shapes on the next pass (cheap: one pass only)."""
@@ -410,7 +414,7 @@ class ModelHost:
     def on_model_thread(self, fn: Callable[..., _T], *args: object) -> _T:
         """``fn(*args)`` on the model thread (see :mod:`.model_thread`), for every
         server-side pass; inline for a caller already holding the model lock."""
-        return self.model_thread.call(fn, *args, inline=self._lock._is_owned())  # type: ignore[attr-defined]
+        return self.model_thread.call(fn, *args, inline=self._lock._is_owned())
 
     def run(self, inputs: Sequence[torch.Tensor | tuple[str, torch.Tensor]] | ModelInputs, *,
             active_owner: object | None = None) -> tuple[Any, PassContext]:

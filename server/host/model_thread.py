@@ -28,11 +28,56 @@ from typing import Any, TypeVar
 
 from layertap.server.errors import Unavailable
 
-__all__ = ["ModelThread", "in_own_thread"]
+__all__ = ["ModelThread", "PassLock", "in_own_thread"]
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+
+class PassLock:
+    """The host's model lock (reentrant) that also says whether another thread is waiting for it.
+
+    Why: a generation runs its decode steps back to back on the model thread
+    (``host.generate``) while nothing else wants the model. The lock is not
+    fair: its holder, releasing it at a pass's end and taking it again at
+    once, would starve a thread waiting to change hooks between passes.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._count = threading.Lock()
+        self._waiting = 0
+
+    @property
+    def wanted(self) -> bool:
+        """Whether some thread is blocked taking the lock now."""
+        return self._waiting > 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(blocking=False):
+            return True
+        if not blocking:
+            return False
+        with self._count:
+            self._waiting += 1
+        try:
+            return self._lock.acquire(True, timeout)
+        finally:
+            with self._count:
+                self._waiting -= 1
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def _is_owned(self) -> bool:
+        return self._lock._is_owned()  # type: ignore[attr-defined, no-any-return]  # RLock's, as threading.Condition reads it
 
 
 class ModelThread:
@@ -47,6 +92,7 @@ class ModelThread:
         self._lock = threading.Lock()
         self._ident: int | None = None
         self.calls = 0
+        self._queued = 0  # calls submitted and not yet started
         # Started now, from the constructing thread: a thread inherits its
         # creator's nice value, and a first call from a telemetry thread
         # (see host.priority) would otherwise start the model thread niced.
@@ -70,9 +116,20 @@ class ModelThread:
             if self._pool is None:
                 raise Unavailable("the server is shutting down; its model thread has stopped")
             # Submitted under the lock: close() cannot shut the pool in between.
-            future = self._pool.submit(fn, *args)
+            future = self._pool.submit(self._started, fn, *args)
             self.calls += 1
+            self._queued += 1
         return future.result()
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a call is queued behind the one running now."""
+        return self._queued > 0
+
+    def _started(self, fn: Callable[..., _T], *args: object) -> _T:
+        with self._lock:
+            self._queued -= 1
+        return fn(*args)
 
     def close(self) -> None:
         """Lets the thread finish what was queued and exit; later calls are refused (UNAVAILABLE)."""
