@@ -28,14 +28,13 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from layertap.server.errors import InvalidField, LayertapServerError, LimitExceeded, NonfiniteLogits, Unavailable
+from layertap.server.host.generation_batch import Batch, Row, groups, left_pad
 from layertap.server.host.generation_request import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -64,49 +63,6 @@ log = logging.getLogger(__name__)
 
 #: Rows decoded together at most; more wait for rows to free. Decode steps one model-thread call runs at most.
 DEFAULT_MAX_ROWS, MAX_RUN = 16, 32
-
-
-@dataclass
-class _Row:
-    request: GenerationRequest
-    sequence: int
-    #: Tokens of the sequence so far (prompt and generated).
-    length: int
-    done: bool = False
-
-
-class _Batch:
-    """The running rows: their cache, attention mask and last tokens, on the device."""
-
-    def __init__(self, rows: list[_Row], cache: Any, mask: torch.Tensor, last: torch.Tensor) -> None:
-        self.rows, self.cache, self.mask, self.last = rows, cache, mask, last
-
-    def keep(self, keep: list[int]) -> None:
-        """Keep only these rows (finished and cancelled ones leave; their cache goes with them)."""
-        if len(keep) == len(self.rows):
-            return
-        index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
-        self.rows = [self.rows[i] for i in keep]
-        if not keep:
-            self.cache = None
-            return
-        self.cache.batch_select_indices(index)
-        self.mask, self.last = self.mask[index], self.last[index]
-        # Columns that are padding in every remaining row go too.
-        empty = int((self.mask.sum(0) == 0).long().cumprod(0).sum())
-        # Only plain DynamicLayer keys line up with the mask's columns: a sliding layer keeps its last
-        # window-1 keys and counts cumulative_length, so trimming it desynchronises mask and cache.
-        if empty and all(type(layer).__name__ == "DynamicLayer" for layer in self.cache.layers):
-            self.mask = self.mask[:, empty:]
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[..., empty:, :], layer.values[..., empty:, :]
-
-
-def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    if width == 0:
-        return t
-    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [width, 0]
-    return F.pad(t, pad)
 
 
 class Generator:
@@ -139,7 +95,7 @@ class Generator:
         self._pending: list[GenerationRequest] = []
         self._cond = threading.Condition()
         self._closed = False
-        self._batch: _Batch | None = None
+        self._batch: Batch | None = None
         self._capture_hooks: dict[str, list[Any]] = {}
         self._step_captures: dict[str, list[tuple[str, int, str, torch.Tensor]]] = {}
         self._thread = threading.Thread(target=self._loop, name="layertap-generate", daemon=True)
@@ -246,7 +202,7 @@ class Generator:
             request._finish(self.listener, error)
         self._batch = None
 
-    def _joinable(self, batch: _Batch) -> bool:
+    def _joinable(self, batch: Batch) -> bool:
         layers = getattr(batch.cache, "layers", None)
         return layers is not None and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
 
@@ -262,7 +218,7 @@ class Generator:
                     break
                 self._decode(self._batch)
                 self._drop_finished(self._batch)
-                if joining or self._pending or self._closed or self.host.model_wanted():
+                if joining or self._closed or self.host.model_wanted() or self._stop_run(self._batch):
                     break
             if not self._batch.rows:
                 self._batch = None
@@ -280,30 +236,39 @@ class Generator:
             if fresh.rows:
                 self._batch = fresh if self._batch is None else self._merge(self._batch, fresh)
 
+    def _stop_run(self, batch: Batch) -> bool:
+        """Whether a run of steps ends here: a pending request can join (or was cancelled), or a running
+        request streams step captures (their bytes are charged until its client takes them: one step a call)."""
+        pending = list(self._pending)
+        if any(r.capture_layers for r in {id(row.request): row.request for row in batch.rows}.values()):
+            return True
+        return bool(pending) and (any(r.cancelled for r in pending) or (
+            self._joinable(batch) and len(batch.rows) + len(pending[0].prompts) <= self.max_rows))
+
     def _left(self, request: GenerationRequest) -> bool:
         if request.cancelled:
             request._finish(self.listener)
             return True
         return False
 
-    def _drop_finished(self, batch: _Batch) -> None:
+    def _drop_finished(self, batch: Batch) -> None:
         """Rows that finished or were cancelled leave; a request whose rows all left is finished."""
         for row in batch.rows:
             if row.request.cancelled or row.request.done.is_set():  # a sibling row's NaN ended the request
                 row.done = True
-        for request, group in _groups(batch.rows):
+        for request, group in groups(batch.rows):
             if all(row.done for row in group):
                 self._remove_captures(request)
                 request._finish(self.listener)
         batch.keep([i for i, row in enumerate(batch.rows) if not row.done])
 
     # -- passes -----------------------------------------------------------------
-    def _forward(self, phase: int, rows: list[_Row], ids: torch.Tensor, mask: torch.Tensor,
+    def _forward(self, phase: int, rows: list[Row], ids: torch.Tensor, mask: torch.Tensor,
                  position_ids: torch.Tensor, cache: Any, pads: list[int]) -> tuple[torch.Tensor, Any]:
         """One pass: the logits of each row's last position, and the cache."""
         requests: list[RequestRows] = []
         start = 0
-        for request, group in _groups(rows):
+        for request, group in groups(rows):
             n = len(group)
             positions = tuple(r.length for r in group)
             pad = min(pads[start:start + n]) if phase == PHASE_PREFILL else 0
@@ -331,8 +296,8 @@ class Generator:
         new_cache = out.get("cache", None) or out.get("past_key_values", None)
         return logits, new_cache
 
-    def _prefill(self, joining: list[GenerationRequest]) -> _Batch:
-        rows = [_Row(r, i, len(p)) for r in joining for i, p in enumerate(r.prompts)]
+    def _prefill(self, joining: list[GenerationRequest]) -> Batch:
+        rows = [Row(r, i, len(p)) for r in joining for i, p in enumerate(r.prompts)]
         width = max(row.length for row in rows)
         device = self.host.device
         ids = torch.zeros((len(rows), width), dtype=torch.long)
@@ -347,11 +312,11 @@ class Generator:
         ids, mask = ids.to(device), mask.to(device)
         position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         logits, cache = self._forward(PHASE_PREFILL, rows, ids, mask, position_ids, None, pads)
-        batch = _Batch(rows, cache, mask, ids[:, -1:])
+        batch = Batch(rows, cache, mask, ids[:, -1:])
         self._choose(batch, logits, PHASE_PREFILL, step_of=lambda _row: 0)
         return batch
 
-    def _decode(self, batch: _Batch) -> None:
+    def _decode(self, batch: Batch) -> None:
         ones = torch.ones((len(batch.rows), 1), dtype=batch.mask.dtype, device=batch.mask.device)
         batch.mask = torch.cat([batch.mask, ones], dim=1)
         position_ids = batch.mask.sum(-1, keepdim=True) - 1
@@ -360,28 +325,28 @@ class Generator:
         batch.cache = cache
         self._choose(batch, logits, PHASE_DECODE, step_of=lambda row: len(row.request.generated[row.sequence]))
 
-    def _merge(self, running: _Batch, fresh: _Batch) -> _Batch:
+    def _merge(self, running: Batch, fresh: Batch) -> Batch:
         """The fresh rows join the running ones: both left-padded to one length, then stacked."""
         width = max(running.mask.shape[1], fresh.mask.shape[1])
         parts = []
         for b in (running, fresh):
             extra = width - b.mask.shape[1]
             parts.append((b, extra))
-        mask = torch.cat([_left_pad(b.mask, extra, 1) for b, extra in parts])
+        mask = torch.cat([left_pad(b.mask, extra, 1) for b, extra in parts])
         last = torch.cat([running.last, fresh.last])
         for mine, theirs in zip(running.cache.layers, fresh.cache.layers):
             (_, ea), (_, eb) = parts
-            mine.keys = torch.cat([_left_pad(mine.keys, ea, -2), _left_pad(theirs.keys, eb, -2)])
-            mine.values = torch.cat([_left_pad(mine.values, ea, -2), _left_pad(theirs.values, eb, -2)])
-        return _Batch(running.rows + fresh.rows, running.cache, mask, last)
+            mine.keys = torch.cat([left_pad(mine.keys, ea, -2), left_pad(theirs.keys, eb, -2)])
+            mine.values = torch.cat([left_pad(mine.values, ea, -2), left_pad(theirs.values, eb, -2)])
+        return Batch(running.rows + fresh.rows, running.cache, mask, last)
 
-    def _choose(self, batch: _Batch, logits: torch.Tensor, phase: int, step_of: Callable[[_Row], int]) -> None:
+    def _choose(self, batch: Batch, logits: torch.Tensor, phase: int, step_of: Callable[[Row], int]) -> None:
         """Pick each row's next token, read them back (the step's one sync) and send each request its step."""
         logits = logits.float()
         chosen = torch.empty(len(batch.rows), dtype=torch.long, device=logits.device)
         shifted, lse, finite = log_normalizer(logits)
         start = 0
-        for request, group in _groups(batch.rows):
+        for request, group in groups(batch.rows):
             part = slice(start, start + len(group))
             chosen[part], ok = request.sampling.pick(logits[part], request.generator)
             finite[part] &= ok
@@ -421,7 +386,7 @@ class Generator:
             elif (len(request.generated[row.sequence]) >= request.max_new_tokens
                   or (self.max_positions is not None and row.length >= self.max_positions)):
                 row.done, request.reasons[row.sequence] = True, FINISH_LENGTH
-        for request, _group in _groups(batch.rows):
+        for request, _group in groups(batch.rows):
             event = events.get(id(request))
             if event is None or request.done.is_set():
                 continue
@@ -485,15 +450,3 @@ def _model_fault(exc: BaseException) -> LayertapServerError:
     first = model_message(exc)
     log.warning("generation step raised %s: %s", type(exc).__name__, first)
     return LayertapServerError(f"the model raised {type(exc).__name__} during generation: {first}".rstrip(": "))
-
-
-def _groups(rows: list[_Row]) -> Iterator[tuple[GenerationRequest, list[_Row]]]:
-    """Consecutive rows of one request (a request's rows are always contiguous)."""
-    start = 0
-    while start < len(rows):
-        request = rows[start].request
-        end = start
-        while end < len(rows) and rows[end].request is request:
-            end += 1
-        yield request, rows[start:end]
-        start = end

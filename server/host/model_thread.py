@@ -55,6 +55,8 @@ class PassLock:
         return self._waiting > 0
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not blocking and timeout != -1:
+            raise ValueError("can't specify a timeout for a non-blocking call")  # as RLock says
         if self._lock.acquire(blocking=False):
             return True
         if not blocking:
@@ -76,8 +78,15 @@ class PassLock:
     def __exit__(self, *exc: object) -> None:
         self.release()
 
+    # RLock's private protocol, which threading.Condition uses: a wait releases every level of a reentrant hold.
     def _is_owned(self) -> bool:
-        return self._lock._is_owned()  # type: ignore[attr-defined, no-any-return]  # RLock's, as threading.Condition reads it
+        return self._lock._is_owned()  # type: ignore[attr-defined, no-any-return]
+
+    def _release_save(self) -> Any:
+        return self._lock._release_save()  # type: ignore[attr-defined]
+
+    def _acquire_restore(self, state: Any) -> None:
+        self._lock._acquire_restore(state)  # type: ignore[attr-defined]
 
 
 class ModelThread:
