@@ -207,11 +207,8 @@ class CompiledStats:
                 # AOTInductor kernel costs less than both (18 vs 19-62 us, 320 to
                 # 131k elements, on the 2-core CPU machine).
                 return None
-            entry = self._compiler.ready(sig) if sig is not None else None
+            entry = self._ready(sig)
             if entry is None:
-                self.eager_calls += 1
-                if sig is not None and self.background:
-                    self._compiler.request(sig)
                 return None
         assert canon is not None
         rnd, off, on = self._constants(x.device, torch.is_inference_mode_enabled())
@@ -222,14 +219,7 @@ class CompiledStats:
             self.compiled_calls += 1
             return aot(x.view(-1) if x.is_contiguous() else alias(x, canon[1], canon[2]), rnd, shift)
         assert entry is not None
-        out = entry.run(alias(x, canon[1], canon[2]), rnd, shift)
-        if out is None:
-            self.guard_misses += 1
-            self.eager_calls += 1
-            self._compiler.missed(entry, MAX_GUARD_MISSES)
-            return None
-        self.compiled_calls += 1
-        return out
+        return self._run(entry, alias(x, canon[1], canon[2]), rnd, shift)
 
     def batch_stats(self, x: torch.Tensor, rnd: torch.Tensor) -> torch.Tensor | None:
         """Each row's statistics of a stacked ``(rows, n)`` tensor (:mod:`.batched`) from a ready kernel, or None.
@@ -246,13 +236,20 @@ class CompiledStats:
         if aot is not None:
             self.compiled_calls += 1
             return aot(x, rnd, on)
-        sig = signature_of(x, (BATCH, tuple(x.shape), tuple(x.stride())))
+        entry = self._ready(signature_of(x, (BATCH, tuple(x.shape), tuple(x.stride()))))
+        return self._run(entry, x, rnd, on) if entry is not None else None
+
+    def _ready(self, sig: Signature | None) -> Entry | None:
+        """The signature's ready entry; else counts an eager call and queues its compile (background only)."""
         entry = self._compiler.ready(sig) if sig is not None else None
         if entry is None:
             self.eager_calls += 1
             if sig is not None and self.background:
                 self._compiler.request(sig)
-            return None
+        return entry
+
+    def _run(self, entry: Entry, x: torch.Tensor, rnd: torch.Tensor, on: torch.Tensor) -> torch.Tensor | None:
+        """A ready entry's kernel; None on a guard miss (counted, and eager from then on after a few)."""
         out = entry.run(x, rnd, on)
         if out is None:
             self.guard_misses += 1

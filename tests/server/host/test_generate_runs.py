@@ -38,16 +38,20 @@ def running(r: GenerationRequest, tokens: int = 5) -> None:
         time.sleep(0.001)
 
 
-def test_alone_a_generation_runs_many_steps_per_model_thread_call(host: ModelHost) -> None:
+def counted(host: ModelHost, r: GenerationRequest) -> tuple[int, int]:
+    """(model-thread calls, passes) of ``r`` generated alone to its end."""
     gen = Generator(host, max_new_tokens=4000)
     try:
-        a = request(0, 200)
         calls, passes = host.model_thread.calls, host.passes
-        gen.submit(a)
-        assert a.done.wait(60)
-        calls, passes = host.model_thread.calls - calls, host.passes - passes
+        gen.submit(r)
+        assert r.done.wait(60)
+        return host.model_thread.calls - calls, host.passes - passes
     finally:
         gen.close()
+
+
+def test_alone_a_generation_runs_many_steps_per_model_thread_call(host: ModelHost) -> None:
+    calls, passes = counted(host, request(0, 200))
     assert passes == 200 and calls <= 200 // 32 + 2, (passes, calls)
 
 
@@ -72,15 +76,7 @@ def test_a_request_waiting_for_a_row_does_not_end_every_run(host: ModelHost) -> 
 def test_while_the_model_is_wanted_each_call_decodes_one_step(host: ModelHost, monkeypatch) -> None:
     """What a tap change or a queued Infer gets (model_wanted, tested below): the run ends after the current step."""
     monkeypatch.setattr(host, "model_wanted", lambda: True)
-    gen = Generator(host, max_new_tokens=4000)
-    try:
-        a = request(0, 30)
-        calls, passes = host.model_thread.calls, host.passes
-        gen.submit(a)
-        assert a.done.wait(60)
-        calls, passes = host.model_thread.calls - calls, host.passes - passes
-    finally:
-        gen.close()
+    calls, passes = counted(host, request(0, 30))
     assert passes == 30 and calls >= 30, (passes, calls)
 
 

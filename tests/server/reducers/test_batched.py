@@ -30,6 +30,7 @@ from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
 from tests.support.reductions import count_reductions
+from tests.support.summaries import drain, results
 from tests.support.tensors import gen, plant_nonfinite
 
 BASIC = ("moments", "minmax", "zero_fraction", "nonfinite")
@@ -106,18 +107,6 @@ def rig(width: int = 64) -> tuple[ModelHost, Broker, TapEngine]:
     host = ModelHost(LoadedModel(module, "chain", "test", [InputSpec("input", torch.float32, (-1, width))]))
     broker = Broker(default_queue_size=10_000)
     return host, broker, TapEngine(host, broker, rng=random.Random(0))
-
-
-def drain(engine: TapEngine, sub) -> list[pb.Summary]:
-    assert engine.flush(10)
-    out = []
-    while (b := sub.get(timeout=0)) is not None:
-        out.extend(b.summaries)
-    return out
-
-
-def results(s: pb.Summary) -> dict[str, pb.ReducerResult]:
-    return {r.WhichOneof("value"): r for r in s.results}
 
 
 def test_a_tensor_written_in_place_later_is_summarized_as_the_layer_returned_it(monkeypatch) -> None:

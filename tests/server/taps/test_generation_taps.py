@@ -24,6 +24,7 @@ from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
 from tests.support.reductions import count_reductions
+from tests.support.summaries import drain, results
 
 BASIC = ("moments", "minmax", "nonfinite", "zero_fraction")
 HIDDEN = 8
@@ -80,18 +81,6 @@ def step(host: ModelHost, x: torch.Tensor, phase: int = PHASE_NONE, requests: tu
         for h in handles:
             h.remove()
     return seen
-
-
-def drain(engine: TapEngine, sub) -> list[pb.Summary]:
-    assert engine.flush(10)
-    out = []
-    while (b := sub.get(timeout=0)) is not None:
-        out.extend(b.summaries)
-    return out
-
-
-def results(s: pb.Summary) -> dict[str, pb.ReducerResult]:
-    return {r.WhichOneof("value"): r for r in s.results}
 
 
 def check(s: pb.Summary, ref: np.ndarray) -> None:

@@ -31,6 +31,7 @@ from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.tap_files import reducer_spec, tap_spec_from_dict
 from layertap.v1 import telemetry_pb2 as pb
 from tests.support.reductions import count_reductions
+from tests.support.summaries import drain, results
 
 VOCAB, HIDDEN, CLASSES = 32, 8, 5
 BASIC = ("moments", "minmax", "zero_fraction")
@@ -77,18 +78,6 @@ def histogram() -> pb.ReducerSpec:
 def per_channel(dim: int | None = None) -> pb.ReducerSpec:
     params = pb.PerChannelParams() if dim is None else pb.PerChannelParams(dim=dim)
     return pb.ReducerSpec(kind=pb.REDUCER_KIND_PER_CHANNEL, per_channel=params)
-
-
-def drain(engine: TapEngine, sub) -> list[pb.Summary]:
-    assert engine.flush(10)
-    out = []
-    while (b := sub.get(timeout=0)) is not None:
-        out.extend(b.summaries)
-    return out
-
-
-def results(s: pb.Summary) -> dict[str, pb.ReducerResult]:
-    return {r.WhichOneof("value"): r for r in s.results}
 
 
 def outputs(host: ModelHost, ids: torch.Tensor, layers: tuple[str, ...] = ("block", "head")) -> dict[str, np.ndarray]:
