@@ -50,6 +50,7 @@ import torch
 from layertap.server.host import probe
 from layertap.server.host.compiled_graph import GraphResult, StatsFunction, Variant
 from layertap.server.host.model_thread import in_own_thread
+from layertap.server.host.step_aside import PASSES, step_aside
 
 __all__ = ["COMPILE_MODES", "CUDA_GRAPHS_VERIFIED", "CompiledServing", "GraphPlan", "GraphTaps", "check_mode"]
 
@@ -380,14 +381,15 @@ class CompiledServing:
         if first:
             slot.state = COMPILING
         try:
-            in_own_thread(self._compile_here, job)
-        except Exception as exc:  # noqa: BLE001 - any compile error leaves the old graph serving
+            in_own_thread(step_aside(self._compile_here), job)
+        except Exception as exc:  # any compile error leaves the old graph serving
             self.compile_failures += 1
             error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             if first:
                 slot.state, slot.error = FAILED, error
             log.warning("compiling the model with taps at %d layers failed; the previous graph keeps serving: %s",
                         len(slot.key), error)
+            log.debug("the compile's traceback", exc_info=exc)
             return
         finally:
             self.compile_seconds += time.monotonic() - t0
@@ -395,8 +397,9 @@ class CompiledServing:
         if first:
             slot.state = READY
             self._evict(slot)
-        log.info("compiled the model with in-graph statistics at %d layers in %.1f s (%d live variants)",
-                 len(slot.key), time.monotonic() - t0, self.variants)
+        log.info("compiled the model with in-graph statistics at %d layers in %.1f s (%d live variants; "
+                 "background compiles so far waited %.1f s for passes)", len(slot.key), time.monotonic() - t0,
+                 self.variants, PASSES.waited_seconds)
 
     def _compile_here(self, job: _Job) -> None:
         self._compiling.active = True

@@ -61,6 +61,7 @@ def model_raised(exc: BaseException) -> InvalidField:
     """
     first = model_message(exc)
     log.info("forward raised %s on a request's input", type(exc).__name__)
+    log.debug("the forward's traceback", exc_info=exc)
     return InvalidField("inputs", f"model raised {type(exc).__name__}: {first}".rstrip(": "))
 
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from layertap.server.errors import Unavailable
+from layertap.server.host.step_aside import PASSES
 
 __all__ = ["ModelThread", "PassLock", "in_own_thread"]
 
@@ -120,7 +121,7 @@ class ModelThread:
         caller holding the model lock: the model thread would wait for it).
         """
         if inline or threading.get_ident() == self._ident:
-            return fn(*args)
+            return self._run(fn, *args)
         with self._lock:
             if self._pool is None:
                 raise Unavailable("the server is shutting down; its model thread has stopped")
@@ -138,7 +139,12 @@ class ModelThread:
     def _started(self, fn: Callable[..., _T], *args: object) -> _T:
         with self._lock:
             self._queued -= 1
-        return fn(*args)
+        return self._run(fn, *args)
+
+    @staticmethod
+    def _run(fn: Callable[..., _T], *args: object) -> _T:
+        with PASSES.serving():  # a background compile steps aside until it ends (host.step_aside)
+            return fn(*args)
 
     def close(self) -> None:
         """Lets the thread finish what was queued and exit; later calls are refused (UNAVAILABLE)."""

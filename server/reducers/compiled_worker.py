@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from layertap.server.host.model_thread import in_own_thread
+from layertap.server.host.step_aside import step_aside
 from layertap.server.reducers import compiled_aoti
 from layertap.server.reducers.compiled_kernel import (
     BATCH,
@@ -290,7 +291,8 @@ class Compiler:
                 entry.state = COMPILING
             try:
                 with self.gate if self.gate is not None else contextlib.nullcontext():
-                    run, backend, bad = in_own_thread(self._compile, entry.sig, self.direct, self.aoti)
+                    run, backend, bad = in_own_thread(step_aside(self._compile), entry.sig, self.direct,
+                                                      self.aoti)
             except Exception as exc:  # noqa: BLE001 - any compile error means eager for this signature
                 with self._lock:
                     self.failures += 1

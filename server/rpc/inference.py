@@ -10,6 +10,7 @@ import grpc
 from layertap.server.codec import flatten_outputs, tensor_from_proto, tensor_to_proto, wire_dtype
 from layertap.server.errors import InvalidField, LimitExceeded, grpc_errors, status_for
 from layertap.server.host.inputs import ModelInputs
+from layertap.server.host.step_aside import PASSES
 from layertap.server.rpc.generate import generate
 from layertap.server.rpc.state import ServerState, StateBacked
 from layertap.v1 import inference_pb2 as ipb
@@ -48,21 +49,26 @@ class InferenceService(StateBacked, inference_pb2_grpc.InferenceServiceServicer)
         start = time.perf_counter()
         status = "OK"
         try:
-            if not request.inputs:
-                raise InvalidField("inputs", "send at least one input tensor (see GetModelMetadata)")
-            tensors = decode_inputs(list(request.inputs), self.state)
-            out, ctx = self.state.host.run(tensors)
-            flat = flatten_outputs(out)
-            return ipb.InferResponse(
-                outputs=[tensor_to_proto(t, name) for name, t in flat.tensors], pass_index=ctx.index,
-                structure=flat.structure,
-                skipped=[ipb.SkippedOutput(name=name, type=kind) for name, kind in flat.skipped])
+            # Serving work from here to the response: a background compile waits meanwhile (host.step_aside).
+            with PASSES.serving():
+                return self._infer(request)
         except Exception as exc:
             status = status_for(exc)[0].name
             raise
         finally:
             if metrics is not None:
                 metrics.record_inference(status, time.perf_counter() - start)
+
+    def _infer(self, request: ipb.InferRequest) -> ipb.InferResponse:
+        if not request.inputs:
+            raise InvalidField("inputs", "send at least one input tensor (see GetModelMetadata)")
+        tensors = decode_inputs(list(request.inputs), self.state)
+        out, ctx = self.state.host.run(tensors)
+        flat = flatten_outputs(out)
+        return ipb.InferResponse(
+            outputs=[tensor_to_proto(t, name) for name, t in flat.tensors], pass_index=ctx.index,
+            structure=flat.structure,
+            skipped=[ipb.SkippedOutput(name=name, type=kind) for name, kind in flat.skipped])
 
     @grpc_errors
     def Generate(self, request: ipb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[ipb.GenerateResponse]:
