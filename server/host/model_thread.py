@@ -143,7 +143,7 @@ class ModelThread:
 
     @staticmethod
     def _run(fn: Callable[..., _T], *args: object) -> _T:
-        with PASSES.serving():  # a background compile steps aside until it ends (host.step_aside)
+        with PASSES.model_call():  # a background compile steps aside until it ends (host.step_aside)
             return fn(*args)
 
     def close(self) -> None:

@@ -22,24 +22,33 @@ next Python call, while serving work runs (:data:`PASSES`: a model-thread
 call, or an Infer from its request to its response), and while it runs the
 switch interval is 0.5 ms, so the GIL comes back sooner between requests.
 Measured on the 2-core VM (``docs/benchmarks.md``): Infer p99 during a tap
-change went from 17x to 1.7x the steady p99 (the new graph's compile from
-107 to 302 s, under a client that kept the model busy).
+change went from 17x to 1.7x the steady p99 with one client calling Infer
+back to back (the new graph's compile from 107 to 302 s).
 
-Bounds: it waits at most :data:`MAX_WAIT` for one stretch of serving work (a
-pass that needs a lock the compile holds, an import's or a logging
-handler's, must not wait for ever; nor may back-to-back requests starve
-it), then runs on until that stretch ends. It costs the compile: the
-trace function alone made an idle process's compile ~1.6x longer.
+Bounds: once it has waited :data:`MAX_WAIT` in all, it runs :data:`RUN_SLICE`
+unhindered, then waits again: a pass that needs a lock the compile holds (an
+import's, a logging handler's) waits at most that long, and a load that never
+pauses (back-to-back passes, overlapping requests) leaves the compile ~10% of
+the time. It costs the compile: the trace function alone made an idle
+process's compile ~1.6x longer, and under a busy model it runs mostly in the
+gaps between requests.
 
 Not while a tracer patches ``nn.Module.__call__`` (fx's ``_Patcher``: make_fx
 in AOT autograd and export): the patch holds for the whole process, so every
 module call of an eager pass meanwhile runs through the tracer's wrapper
 (40% of the model thread's samples in one profile). The compile runs through
-the patched stretch without waiting, to keep it short.
+the patched stretch without waiting, to keep it short. AOT autograd's tracer
+passes a foreign module's call through, so passes may run meanwhile. fx's own
+``Tracer`` (inductor's lowering runs it on loop bodies, many times per
+compile) and export's do not: an Infer during a tap change raised "module is
+not installed as a submodule". So each such trace is exclusive
+(:meth:`Passes.enter_exclusive`): it waits for running model-thread calls to
+end (at most :data:`EXCLUSIVE_WAIT`), and new ones wait until it returns.
 
 How: ``sys.settrace`` on the compile's own thread, with a function that
-returns None, so only function entries call it (no line events); other
-threads run untraced. What it cannot stop: inductor's C++ compiler runs as
+returns None (or what a trace function set before it returns, which it
+chains to: coverage and debuggers keep working), so only function entries
+call it; other threads run untraced. What it cannot stop: inductor's C++ compiler runs as
 a subprocess and keeps its core.
 """
 
@@ -54,14 +63,19 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, TypeVar
 
+from torch.fx import Tracer as _FxTracer
+from torch.fx.experimental.proxy_tensor import PythonKeyTracer as _PythonKeyTracer
 from torch.nn import Module as _Module
 
-__all__ = ["MAX_WAIT", "PASSES", "Passes", "step_aside"]
+__all__ = ["MAX_WAIT", "PASSES", "RUN_SLICE", "Passes", "step_aside"]
 
 _T = TypeVar("_T")
 
-#: Longest a compile waits for one model-thread call, in seconds.
+#: Waiting a compile may do before it runs a slice unhindered, in seconds.
 MAX_WAIT = 0.25
+#: The slice it then runs whatever serving work does: under a load that never pauses it still gets ~10% of
+#: the time (short back-to-back passes, or overlapping requests, would otherwise starve it).
+RUN_SLICE = 0.025
 #: The interpreter's GIL switch interval while a compile runs (Python's default: 5 ms).
 SWITCH_INTERVAL = 0.0005
 
@@ -75,12 +89,17 @@ class Passes:
         self._running = 0
         self._idle = threading.Event()
         self._idle.set()
-        #: Bumped when the first of the running calls starts: a wait's identity.
-        self.turn = 0
-        #: Waits (one per call a compile stepped aside for), their seconds, and the waits cut by MAX_WAIT.
+        # Model-thread calls, and the exclusive stretches that keep them out (see exclusive()).
+        self._models = threading.Condition()
+        self._model_calls = 0
+        self._exclusive = 0
+        self._depth = threading.local()
+        #: Exclusive stretches that went ahead with a model-thread call still running (see enter_exclusive).
+        self.exclusive_timeouts = 0
+        #: Waits a compile made, their seconds, and the slices it ran unhindered once MAX_WAIT was spent.
         self.waits = 0
         self.waited_seconds = 0.0
-        self.cut_short = 0
+        self.slices = 0
 
     @property
     def running(self) -> bool:
@@ -90,7 +109,6 @@ class Passes:
         with self._lock:
             self._running += 1
             if self._running == 1:
-                self.turn += 1
                 self._idle.clear()
 
     def end(self) -> None:
@@ -99,16 +117,16 @@ class Passes:
             if self._running == 0:
                 self._idle.set()
 
-    def wait(self, timeout: float) -> bool:
-        """Blocks until no call runs, at most ``timeout`` s; whether it got there."""
+    def wait(self, timeout: float) -> float:
+        """Blocks until no serving work runs, at most ``timeout`` s; the seconds it waited."""
         with self._lock:
             self.waits += 1
         start = time.perf_counter()
-        done = self._idle.wait(timeout)
+        self._idle.wait(timeout)
+        waited = time.perf_counter() - start
         with self._lock:
-            self.waited_seconds += time.perf_counter() - start
-            self.cut_short += not done
-        return done
+            self.waited_seconds += waited
+        return waited
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:
@@ -119,36 +137,123 @@ class Passes:
         finally:
             self.end()
 
+    @property
+    def exclusive_held(self) -> bool:
+        return self._exclusive > 0
+
+    @contextlib.contextmanager
+    def model_call(self) -> Iterator[None]:
+        """Serving work that runs the model's modules: it waits while an exclusive stretch runs."""
+        depth = getattr(self._depth, "n", 0)
+        with self._models:
+            while self._exclusive and depth == 0:  # a nested call runs: its outer call already counts
+                self._models.wait()
+            self._model_calls += 1
+        self._depth.n = depth + 1
+        try:
+            with self.serving():
+                yield
+        finally:
+            self._depth.n = depth
+            with self._models:
+                self._model_calls -= 1
+                self._models.notify_all()
+
+    def enter_exclusive(self, timeout: float) -> bool:
+        """Holds new model-thread calls back and waits, at most ``timeout`` s, for the running ones to end.
+
+        For a tracer that patches ``nn.Module.__call__`` for the whole process
+        and does not pass foreign modules through (fx's own ``Tracer``, which
+        inductor's lowering runs many times): a pass meanwhile raised "module
+        is not installed as a submodule". Whether the running calls ended.
+        """
+        mine = getattr(self._depth, "n", 0)  # a model-thread call on this thread must not wait for itself
+        deadline = time.monotonic() + timeout
+        with self._models:
+            self._exclusive += 1
+            while self._model_calls > mine:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.exclusive_timeouts += 1
+                    return False
+                self._models.wait(left)
+        return True
+
+    def leave_exclusive(self) -> None:
+        with self._models:
+            self._exclusive -= 1
+            self._models.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self, timeout: float = 5.0) -> Iterator[None]:
+        """:meth:`enter_exclusive` for the block."""
+        self.enter_exclusive(timeout)
+        try:
+            yield
+        finally:
+            self.leave_exclusive()
+
     def stats(self) -> dict[str, float]:
         with self._lock:
-            return {"waits": self.waits, "waited_seconds": self.waited_seconds, "cut_short": self.cut_short}
+            return {"waits": self.waits, "waited_seconds": self.waited_seconds, "slices": self.slices}
 
 
 #: The process's serving work (``host.model_thread.ModelThread`` marks each call, ``rpc.inference`` each Infer).
 PASSES = Passes()
 #: ``nn.Module.__call__`` as torch defines it; fx's tracers replace it while they trace.
 _CALL = _Module.__call__
-#: Held by the background compile running now: one at a time per process.
-_ONE_AT_A_TIME = threading.Lock()
+#: Held by the background compile running now: one at a time per process (reentrant: a compile that
+#: runs another inline on its own thread must not wait for itself).
+_ONE_AT_A_TIME = threading.RLock()
 
 
-def step_aside(fn: Callable[..., _T], passes: Passes = PASSES, max_wait: float = MAX_WAIT) -> Callable[..., _T]:
-    """``fn`` as a background compile: after any other's, and waiting whenever a model-thread call runs."""
+#: ``fx.Tracer.trace``'s code (subclasses call it), and the one tracer whose module calls pass any module
+#: through untouched (AOT autograd's: its trace of a whole model runs seconds, and passes may run through it).
+_FX_TRACE = _FxTracer.trace.__code__
+_PASS_THROUGH = _PythonKeyTracer.call_module
+#: Longest an fx trace waits for running model-thread calls to end before it goes ahead, in seconds.
+EXCLUSIVE_WAIT = 5.0
+
+
+def _leave_on_return(passes: Passes) -> Callable[[FrameType, str, Any], Any]:
+    """The trace function of one fx trace's frame: its end (a return or an exception) lets passes run."""
+    def local(_frame: FrameType, event: str, _arg: Any) -> Any:
+        if event == "return":
+            passes.leave_exclusive()
+            return None
+        return local
+
+    return local
+
+
+def step_aside(fn: Callable[..., _T], passes: Passes = PASSES, max_wait: float = MAX_WAIT,
+               run_slice: float = RUN_SLICE) -> Callable[..., _T]:
+    """``fn`` as a background compile: after any other's, and waiting while serving work runs (see the module)."""
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> _T:
-        let_run = -1  # the turn that outlasted max_wait: the compile goes on until it ends
+        waited = 0.0  # since the last slice
+        free_until = 0.0
+        previous = sys.gettrace()
 
-        def trace(_frame: FrameType, _event: str, _arg: Any) -> None:
-            nonlocal let_run
+        def trace(frame: FrameType, event: str, arg: Any) -> Any:
+            nonlocal waited, free_until
+            if frame.f_code is _FX_TRACE \
+                    and getattr(type(frame.f_locals.get("self")), "call_module", None) is not _PASS_THROUGH:
+                passes.enter_exclusive(EXCLUSIVE_WAIT)
+                return _leave_on_return(passes)
             # Not while a tracer has patched nn.Module.__call__ for the whole process (make_fx, fx):
-            # every pass's module calls would go through it meanwhile, ~2x slower (see the module).
-            if passes.running and _Module.__call__ is _CALL:
-                turn = passes.turn
-                if turn != let_run and not passes.wait(max_wait):
-                    let_run = turn
+            # every pass's module calls go through it meanwhile (see the module).
+            if passes.running and _Module.__call__ is _CALL and not passes.exclusive_held \
+                    and time.perf_counter() >= free_until:
+                waited += passes.wait(max_wait - waited)
+                if waited >= max_wait:
+                    waited, free_until = 0.0, time.perf_counter() + run_slice
+                    passes.slices += 1
+            # Chained: coverage or a debugger tracing this thread keeps working.
+            return previous(frame, event, arg) if previous is not None else None
 
         with _ONE_AT_A_TIME:
-            previous, interval = sys.gettrace(), sys.getswitchinterval()
+            interval = sys.getswitchinterval()
             sys.settrace(trace)
             sys.setswitchinterval(min(interval, SWITCH_INTERVAL))
             try:
