@@ -250,7 +250,7 @@ def step_aside(fn: Callable[..., _T], passes: Passes = PASSES, max_wait: float =
                     waited, free_until = 0.0, time.perf_counter() + run_slice
                     passes.slices += 1
             # Chained: coverage or a debugger tracing this thread keeps working.
-            return previous(frame, event, arg) if previous is not None else None
+            return previous(frame, event, arg) if previous is not None else None  # type: ignore[arg-type]
 
         with _ONE_AT_A_TIME:
             interval = sys.getswitchinterval()
