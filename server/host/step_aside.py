@@ -26,10 +26,10 @@ change went from 17x to 1.7x the steady p99 with one client calling Infer
 back to back (the new graph's compile from 107 to 302 s).
 
 Bounds: once it has waited :data:`MAX_WAIT` in all, it runs :data:`RUN_SLICE`
-unhindered, then waits again: a pass that needs a lock the compile holds (an
-import's, a logging handler's) waits at most that long, and a load that never
-pauses (back-to-back passes, overlapping requests) leaves the compile ~10% of
-the time. It costs the compile: the trace function alone made an idle
+unhindered, then waits again: a load that never pauses (back-to-back passes,
+overlapping requests) leaves the compile ~10% of the time, and a pass that
+needs a lock the compile holds (an import's, a logging handler's) is not
+blocked for ever, though the compile advances at that ~10% until it lets go. It costs the compile: the trace function alone made an idle
 process's compile ~1.6x longer, and under a busy model it runs mostly in the
 gaps between requests.
 
@@ -37,19 +37,20 @@ Not while a tracer patches ``nn.Module.__call__`` (fx's ``_Patcher``: make_fx
 in AOT autograd and export): the patch holds for the whole process, so every
 module call of an eager pass meanwhile runs through the tracer's wrapper
 (40% of the model thread's samples in one profile). The compile runs through
-the patched stretch without waiting, to keep it short. AOT autograd's tracer
-passes a foreign module's call through, so passes may run meanwhile. fx's own
-``Tracer`` (inductor's lowering runs it on loop bodies, many times per
-compile) and export's do not: an Infer during a tap change raised "module is
-not installed as a submodule". So each such trace is exclusive
-(:meth:`Passes.enter_exclusive`): it waits for running model-thread calls to
-end (at most :data:`EXCLUSIVE_WAIT`), and new ones wait until it returns.
+the patched stretch without waiting, to keep it short. AOT autograd's and
+export's tracers pass a foreign module's call through, so passes may run
+meanwhile. fx's own ``Tracer`` does not: an Infer during a tap change raised
+"module is not installed as a submodule" (inductor runs ``symbolic_trace``
+once per process, the first time it lowers). So each trace by such a tracer
+is exclusive (:meth:`Passes.enter_exclusive`): it waits for running
+model-thread calls to end, and new ones wait until it returns, each side at
+most :data:`EXCLUSIVE_WAIT`.
 
 How: ``sys.settrace`` on the compile's own thread, with a function that
 returns None (or what a trace function set before it returns, which it
-chains to: coverage and debuggers keep working), so only function entries
-call it; other threads run untraced. What it cannot stop: inductor's C++ compiler runs as
-a subprocess and keeps its core.
+chains to, though not for the fx trace frames it watches), so only function
+entries call it; other threads run untraced. What it cannot stop: inductor's C++
+compiler runs as a subprocess and keeps its core.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from typing import Any, TypeVar
 
 from torch.fx import Tracer as _FxTracer
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer as _PythonKeyTracer
+from torch.fx.experimental.proxy_tensor import _ModuleStackTracer
 from torch.nn import Module as _Module
 
 __all__ = ["MAX_WAIT", "PASSES", "RUN_SLICE", "Passes", "step_aside"]
@@ -94,7 +96,7 @@ class Passes:
         self._model_calls = 0
         self._exclusive = 0
         self._depth = threading.local()
-        #: Exclusive stretches that went ahead with a model-thread call still running (see enter_exclusive).
+        #: Waits for an exclusive stretch (either side) that ran out of EXCLUSIVE_WAIT and went ahead.
         self.exclusive_timeouts = 0
         #: Waits a compile made, their seconds, and the slices it ran unhindered once MAX_WAIT was spent.
         self.waits = 0
@@ -145,9 +147,14 @@ class Passes:
     def model_call(self) -> Iterator[None]:
         """Serving work that runs the model's modules: it waits while an exclusive stretch runs."""
         depth = getattr(self._depth, "n", 0)
+        deadline = time.monotonic() + EXCLUSIVE_WAIT
         with self._models:
             while self._exclusive and depth == 0:  # a nested call runs: its outer call already counts
-                self._models.wait()
+                left = deadline - time.monotonic()
+                if left <= 0:  # bounded, whatever holds the stretch: serving never stops for it
+                    self.exclusive_timeouts += 1
+                    break
+                self._models.wait(left)
             self._model_calls += 1
         self._depth.n = depth + 1
         try:
@@ -163,20 +170,25 @@ class Passes:
         """Holds new model-thread calls back and waits, at most ``timeout`` s, for the running ones to end.
 
         For a tracer that patches ``nn.Module.__call__`` for the whole process
-        and does not pass foreign modules through (fx's own ``Tracer``, which
-        inductor's lowering runs many times): a pass meanwhile raised "module
-        is not installed as a submodule". Whether the running calls ended.
+        and does not pass foreign modules through (fx's own ``Tracer``): a pass
+        meanwhile raised "module is not installed as a submodule". Whether the
+        running calls ended.
         """
         mine = getattr(self._depth, "n", 0)  # a model-thread call on this thread must not wait for itself
         deadline = time.monotonic() + timeout
         with self._models:
             self._exclusive += 1
-            while self._model_calls > mine:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.exclusive_timeouts += 1
-                    return False
-                self._models.wait(left)
+            try:
+                while self._model_calls > mine:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self.exclusive_timeouts += 1
+                        return False
+                    self._models.wait(left)
+            except BaseException:
+                self._exclusive -= 1
+                self._models.notify_all()
+                raise
         return True
 
     def leave_exclusive(self) -> None:
@@ -207,18 +219,19 @@ _CALL = _Module.__call__
 _ONE_AT_A_TIME = threading.RLock()
 
 
-#: ``fx.Tracer.trace``'s code (subclasses call it), and the one tracer whose module calls pass any module
-#: through untouched (AOT autograd's: its trace of a whole model runs seconds, and passes may run through it).
+#: ``fx.Tracer.trace``'s code (subclasses call it), and the tracers whose module calls pass a foreign module
+#: through (AOT autograd's, whose trace of a whole model runs seconds; export's, which catches the error).
 _FX_TRACE = _FxTracer.trace.__code__
-_PASS_THROUGH = _PythonKeyTracer.call_module
+_PASS_THROUGH = frozenset({_PythonKeyTracer.call_module, _ModuleStackTracer.call_module})
 #: Longest an fx trace waits for running model-thread calls to end before it goes ahead, in seconds.
 EXCLUSIVE_WAIT = 5.0
 
 
-def _leave_on_return(passes: Passes) -> Callable[[FrameType, str, Any], Any]:
+def _leave_on_return(passes: Passes, held: list[int]) -> Callable[[FrameType, str, Any], Any]:
     """The trace function of one fx trace's frame: its end (a return or an exception) lets passes run."""
     def local(_frame: FrameType, event: str, _arg: Any) -> Any:
-        if event == "return":
+        if event == "return" and held[0] > 0:
+            held[0] -= 1
             passes.leave_exclusive()
             return None
         return local
@@ -233,14 +246,18 @@ def step_aside(fn: Callable[..., _T], passes: Passes = PASSES, max_wait: float =
     def run(*args: Any, **kwargs: Any) -> _T:
         waited = 0.0  # since the last slice
         free_until = 0.0
+        held = [0]  # exclusive stretches entered and not yet left (a lost 'return' event is made good at the end)
         previous = sys.gettrace()
 
         def trace(frame: FrameType, event: str, arg: Any) -> Any:
             nonlocal waited, free_until
             if frame.f_code is _FX_TRACE \
-                    and getattr(type(frame.f_locals.get("self")), "call_module", None) is not _PASS_THROUGH:
+                    and getattr(type(frame.f_locals.get("self")), "call_module", None) not in _PASS_THROUGH:
                 passes.enter_exclusive(EXCLUSIVE_WAIT)
-                return _leave_on_return(passes)
+                held[0] += 1
+                return _leave_on_return(passes, held)
+            if not passes.running:
+                waited = 0.0  # a quiet spell: the next stretch of serving gets the whole budget
             # Not while a tracer has patched nn.Module.__call__ for the whole process (make_fx, fx):
             # every pass's module calls go through it meanwhile (see the module).
             if passes.running and _Module.__call__ is _CALL and not passes.exclusive_held \
@@ -261,5 +278,8 @@ def step_aside(fn: Callable[..., _T], passes: Passes = PASSES, max_wait: float =
             finally:
                 sys.setswitchinterval(interval)
                 sys.settrace(previous)
+                while held[0] > 0:  # tracing was switched off inside an fx trace (a debugger, a RecursionError)
+                    held[0] -= 1
+                    passes.leave_exclusive()
 
     return run

@@ -340,3 +340,36 @@ def test_passes_never_run_inside_an_fx_trace_of_a_compile() -> None:
         loop.join(10)
         thread.close()
     assert count[0] > 10 and not errors, (count[0], errors[:1])
+
+
+def test_an_exclusive_stretch_left_open_is_closed_when_the_compile_ends() -> None:
+    # A debugger or a RecursionError that switches tracing off inside an fx trace loses its 'return' event.
+    import torch
+
+    passes = Passes()
+
+    def g(x: torch.Tensor) -> torch.Tensor:
+        sys.settrace(None)
+        return x + 1
+
+    def compile_() -> bool:
+        torch.fx.symbolic_trace(g)
+        return passes.exclusive_held
+
+    assert step_aside(compile_, passes)() is True  # left open by the lost event...
+    assert not passes.exclusive_held  # ...and closed at the compile's end
+
+
+def test_a_model_call_waits_for_an_exclusive_stretch_at_most_exclusive_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    from layertap.server.host import step_aside as module
+
+    monkeypatch.setattr(module, "EXCLUSIVE_WAIT", 0.1)
+    passes = Passes()
+    passes.enter_exclusive(1.0)
+    try:
+        start = time.monotonic()
+        with passes.model_call():
+            waited = time.monotonic() - start
+        assert 0.09 <= waited < 5 and passes.exclusive_timeouts == 1
+    finally:
+        passes.leave_exclusive()
