@@ -21,15 +21,15 @@ compile ran (80x the steady p99, issue 29). So a compile here waits, at its
 next Python call, while serving work runs (:data:`PASSES`: a model-thread
 call, or an Infer from its request to its response), and while it runs the
 switch interval is 0.5 ms, so the GIL comes back sooner between requests.
-Measured on the 2-core VM (``docs/benchmarks.md``): Infer p99 during a tap
-change went from 17x to 1.7x the steady p99 with one client calling Infer
-back to back (the new graph's compile from 107 to 302 s).
+Measured on the 2-core VM (``docs/benchmarks.md``), one client calling Infer
+back to back: Infer p99 during a tap change went from 14x to 2.7x the steady
+p99 (eager fallback; the new graph's compile from 105 to 226 s).
 
 Bounds: once it has waited :data:`MAX_WAIT` in all, it runs :data:`RUN_SLICE`
 unhindered, then waits again: a load that never pauses (back-to-back passes,
-overlapping requests) leaves the compile ~10% of the time, and a pass that
+overlapping requests) leaves the compile ~2.5% of the time, and a pass that
 needs a lock the compile holds (an import's, a logging handler's) is not
-blocked for ever, though the compile advances at that ~10% until it lets go. It costs the compile: the trace function alone made an idle
+blocked for ever, though the compile advances at that ~2.5% until it lets go. It costs the compile: the trace function alone made an idle
 process's compile ~1.6x longer, and under a busy model it runs mostly in the
 gaps between requests.
 
@@ -74,9 +74,10 @@ __all__ = ["MAX_WAIT", "PASSES", "RUN_SLICE", "Passes", "step_aside"]
 _T = TypeVar("_T")
 
 #: Waiting a compile may do before it runs a slice unhindered, in seconds.
-MAX_WAIT = 0.25
-#: The slice it then runs whatever serving work does: under a load that never pauses it still gets ~10% of
-#: the time (short back-to-back passes, or overlapping requests, would otherwise starve it).
+MAX_WAIT = 1.0
+#: The slice it then runs whatever serving work does: under a load that never pauses it still gets ~2.5% of
+#: the time (short back-to-back passes, or overlapping requests, would otherwise starve it). A 0.25 s budget
+#: (~10%) made the Infer p99 during a tap change 8x the steady one, against 2.7x with 1 s.
 RUN_SLICE = 0.025
 #: The interpreter's GIL switch interval while a compile runs (Python's default: 5 ms).
 SWITCH_INTERVAL = 0.0005
