@@ -22,8 +22,9 @@ next Python call, while serving work runs (:data:`PASSES`: a model-thread
 call, or an Infer from its request to its response), and while it runs the
 switch interval is 0.5 ms, so the GIL comes back sooner between requests.
 Measured on the 2-core VM (``docs/benchmarks.md``), one client calling Infer
-back to back: Infer p99 during a tap change went from 14x to 2.7x the steady
-p99 (eager fallback; the new graph's compile from 105 to 226 s).
+back to back: Infer p99 during a tap change 2.7x the steady p99 (eager
+fallback; 80x in session 12's run of the code before), the new graph after
+226 s.
 
 Bounds: once it has waited :data:`MAX_WAIT` in all, it runs :data:`RUN_SLICE`
 unhindered, then waits again: a load that never pauses (back-to-back passes,
