@@ -149,14 +149,11 @@ class Passes:
     def model_call(self) -> Iterator[None]:
         """Serving work that runs the model's modules: it waits while an exclusive stretch runs."""
         depth = getattr(self._depth, "n", 0)
-        deadline = time.monotonic() + EXCLUSIVE_WAIT
         with self._models:
-            while self._exclusive and depth == 0:  # a nested call runs: its outer call already counts
-                left = deadline - time.monotonic()
-                if left <= 0:  # bounded, whatever holds the stretch: serving never stops for it
-                    self.exclusive_timeouts += 1
-                    break
-                self._models.wait(left)
+            # A nested call runs at once (its outer call already counts); bounded, whatever holds the
+            # stretch: serving never stops for it.
+            if depth == 0 and not self._models.wait_for(lambda: not self._exclusive, EXCLUSIVE_WAIT):
+                self.exclusive_timeouts += 1
             self._model_calls += 1
         self._depth.n = depth + 1
         try:
@@ -177,16 +174,12 @@ class Passes:
         running calls ended.
         """
         mine = getattr(self._depth, "n", 0)  # a model-thread call on this thread must not wait for itself
-        deadline = time.monotonic() + timeout
         with self._models:
             self._exclusive += 1
             try:
-                while self._model_calls > mine:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        self.exclusive_timeouts += 1
-                        return False
-                    self._models.wait(left)
+                if not self._models.wait_for(lambda: self._model_calls <= mine, timeout):
+                    self.exclusive_timeouts += 1
+                    return False
             except BaseException:
                 self._exclusive -= 1
                 self._models.notify_all()
