@@ -9,6 +9,7 @@ the exporter knows to reuse its rendered lines.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -120,6 +121,19 @@ _FOLDS = {r.field: (r.fold, r.snapshot) for r in RESULTS if r.snapshot}
 #: exported result but the counters.
 _CLEARED = tuple((r.field, r.fold, tuple(name for name, _ in r.snapshot))
                  for r in RESULTS if r.snapshot and r.fold != "total")
+#: Raw (tap, layer, point, phase) -> label key entries kept at most (one per durable layer and phase).
+_MAX_KEYS = 4096
+_FoldStep = tuple[int, str, str, tuple[tuple[str, str], ...]]
+
+
+@functools.lru_cache(maxsize=256)  # one entry per distinct reducer set: a handful
+def _fold_plan(kinds: tuple[str | None, ...]) -> tuple[tuple[tuple[tuple[str, ...], bool], ...], tuple[_FoldStep, ...]]:
+    """What a summary whose results are ``kinds`` (oneof names, in order) clears when primary and
+    sampled (snapshot fields, and whether the L2 pass sum goes too), and each exported result's
+    (index, kind, fold, pairs)."""
+    cleared = tuple((names, fold == "pass_l2") for kind, fold, names in _CLEARED if kind not in kinds)
+    steps = tuple((i, kind, *_FOLDS[kind]) for i, kind in enumerate(kinds) if kind in _FOLDS)
+    return cleared, steps  # type: ignore[return-value]  # _FOLDS' values are (fold, pairs)
 
 
 def _frozen_snapshot(values: tuple[Any, ...]) -> LayerSnapshot:
@@ -152,7 +166,11 @@ class SnapshotStore:
     they are exported as counters.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time, settle: Callable[[], object] | None = None) -> None:
+        """``settle``, if given, runs before each :meth:`snapshot`: the server's waits (bounded) until the
+        passes finished before the scrape are folded in, since the host-transfer thread lets a stream of
+        passes gather (``HostTransfer(linger=)``)."""
+        self._settle = settle
         self._lock = threading.Lock()
         self._layers: dict[_Key, _LayerState] = {}
         self._clock = clock
@@ -163,6 +181,7 @@ class SnapshotStore:
         # Removed taps (oldest first, bounded): a summary still in flight must
         # not resurrect their series.
         self._gone: dict[str, None] = {}
+        self._keys: dict[tuple[str, str, int, int], _Key] = {}
 
     def update_from_summary(self, tap_id: str, summary: Any) -> None:
         """Fold one ``layertap.v1.Summary`` into the store.
@@ -182,40 +201,47 @@ class SnapshotStore:
                 self._fold(tap_id, summary)
 
     def _fold(self, tap_id: str, summary: Any) -> None:
-        """One summary into its layer's state (the caller holds the lock)."""
-        key = (tap_id or summary.tap, summary.layer, point_name(summary.point), phase_name(summary.phase))
-        ts = summary.wall_time.seconds + summary.wall_time.nanos * 1e-9 if summary.HasField("wall_time") else self._clock()
-        first_call = getattr(summary, "call_index", 0) == 0
-        sampled = not getattr(summary, "unsampled", False)
-        primary = summary.output_index == 0 and first_call
+        """One summary into its layer's state (the caller holds the lock).
+
+        Runs on the host-transfer thread for every durable summary of every
+        pass, so what a summary's shape decides (its key's labels, which
+        results it carries and how each folds) is looked up, not recomputed.
+        """
+        raw = (tap_id or summary.tap, summary.layer, summary.point, summary.phase)
+        key = self._keys.get(raw)
+        if key is None:
+            if len(self._keys) >= _MAX_KEYS:
+                self._keys.clear()
+            key = self._keys[raw] = (raw[0], raw[1], point_name(raw[2]), phase_name(raw[3]))
         if key[0] in self._gone:
             return
+        wall = summary.wall_time
+        ts = wall.seconds + wall.nanos * 1e-9 if summary.HasField("wall_time") else self._clock()
+        first_call = summary.call_index == 0
+        sampled = not summary.unsampled
+        primary = summary.output_index == 0 and first_call
         st = self._layers.get(key)
         if st is None:
             st = self._layers[key] = _LayerState()
         self._dirty[key] = None
         v = st.values
-        v["last_update"] = ts if v["last_update"] is None else max(v["last_update"], ts)
+        last = v["last_update"]
+        v["last_update"] = ts if last is None or ts > last else last
+        results = summary.results
+        cleared, steps = _fold_plan(tuple([res.WhichOneof("value") for res in results]))
         if primary and sampled:
             # A sampled summary carries everything the tap computes now; a
             # result it no longer carries (reducers changed, e.g. when a
             # baseline froze) must not linger as a stale series.
-            kinds = {res.WhichOneof("value") for res in summary.results}
-            for kind, fold, names in _CLEARED:
-                if kind not in kinds:
-                    for name in names:
-                        v[name] = None
-                    if fold == "pass_l2":
-                        st.l2_pass = None
+            for names, l2 in cleared:
+                for name in names:
+                    v[name] = None
+                if l2:
+                    st.l2_pass = None
         # How each fold works: the Fold type in layertap._results.
         histogram_seen = False
-        for res in summary.results:
-            kind = res.WhichOneof("value")
-            how = _FOLDS.get(kind)
-            if how is None:
-                continue
-            fold, pairs = how
-            msg = getattr(res, kind)
+        for i, kind, fold, pairs in steps:
+            msg = getattr(results[i], kind)
             if fold == "total":
                 # Every output and call adds up: a NaN anywhere in the layer still raises the alert.
                 for name, attr in pairs:
@@ -310,6 +336,8 @@ class SnapshotStore:
 
     def snapshot(self) -> list[LayerSnapshot]:
         """An immutable copy of every layer's latest telemetry; a layer not written since the last call is the same object."""
+        if self._settle is not None:
+            self._settle()
         with self._lock:
             for key in self._dirty:
                 # A layer's values are replaced on write, never mutated, so the copy may share them.

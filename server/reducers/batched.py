@@ -83,12 +83,16 @@ _ALL = StatNeeds(zeros=True, nan=True, count=True, sums=True, shifted=True, minm
 _EAGER_ELEMENTS = 1 << 17
 
 
+#: A batch group: tensors of one device, dtype and shape, stacked into one ``(rows, numel)`` block.
+_Group = tuple[torch.device, torch.dtype, torch.Size]
+
+
 class Row:
     """A deferred tensor's place: its group and row; every piece (buffer key) that reads its statistics."""
 
     __slots__ = ("group", "index", "keys")
 
-    def __init__(self, group: tuple[torch.device, torch.dtype, int], index: int) -> None:
+    def __init__(self, group: _Group, index: int) -> None:
         self.group, self.index = group, index
         self.keys: list[int] = []
 
@@ -102,7 +106,7 @@ class PassBatch:
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
-        self._groups: dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]] = {}
+        self._groups: dict[_Group, list[torch.Tensor]] = {}
         self._rows: list[Row] = []
         self._bytes = 0
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -120,40 +124,39 @@ class PassBatch:
         if self._bytes + size > MAX_BATCH_BYTES:
             return None
         self._bytes += size
-        key = (x.device, x.dtype, n)
-        group = self._groups.setdefault(key, [])
-        group.append(x.detach().clone(memory_format=torch.contiguous_format).view(-1))
+        key = (x.device, x.dtype, x.shape)
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = []
+        # One op in the model's forward: a dense copy in x's own layout; rows are laid out at the end.
+        group.append((x.detach() if x.requires_grad else x).clone())
         row = Row(key, len(group) - 1)
         self._rows.append(row)
         return row
 
-    def finish(self, add: Callable[[int, torch.Tensor], None], failed: Callable[[list[int], Exception], None]) -> None:
-        """Reduces every group and gives each key of each row its statistics (``add(key, values)``).
+    def finish(self, add_rows: Callable[[list[list[int]], torch.Tensor], None],
+               failed: Callable[[list[int], Exception], None]) -> None:
+        """Reduces every group and gives each its block of statistics, with each row's keys
+        (``add_rows(keys, block)``, as :meth:`PassBuffer.add_rows` takes them).
 
-        A row whose group's reduction raises gives ``failed`` its keys and the
-        error; the other groups are unaffected. The batch is emptied first.
+        A group whose reduction raises, or whose block ``add_rows`` refuses,
+        gives ``failed`` its keys and the error; the other groups are
+        unaffected. The batch is emptied first.
         """
         groups, rows = self._groups, self._rows
         self._groups, self._rows, self._bytes = {}, [], 0
-        results: dict[tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, ...] | Exception] = {}
-        for key, tensors in groups.items():
+        keys: dict[_Group, list[list[int]]] = {group: [[] for _ in tensors] for group, tensors in groups.items()}
+        for row in rows:
+            keys[row.group][row.index] = row.keys
+        for group, tensors in groups.items():
             try:
                 # Under inference mode whatever the pass's modes: one kernel signature serves every pass.
                 with torch.inference_mode():
-                    stacked = torch.stack(tensors) if len(tensors) > 1 else tensors[0][None]
-                    results[key] = batched_basic_stats(stacked, self._generator(key[0])).unbind(0)
+                    # Row-major, each row in the tensor's logical order (a view of a contiguous stack).
+                    stacked = (torch.stack(tensors) if len(tensors) > 1 else tensors[0][None]).reshape(len(tensors), -1)
+                    add_rows(keys[group], batched_basic_stats(stacked, self._generator(group[0])))
             except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
-                results[key] = exc
-        for row in rows:
-            values = results[row.group]
-            if not isinstance(values, Exception):
-                try:
-                    for k in row.keys:
-                        add(k, values[row.index])
-                    continue
-                except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
-                    values = exc
-            failed(row.keys, values)
+                failed([k for row_keys in keys[group] for k in row_keys], exc)
 
     def discard(self) -> None:
         self._groups, self._rows, self._bytes = {}, [], 0

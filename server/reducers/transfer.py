@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -184,10 +185,12 @@ class PassBuffer:
 
     def __init__(self, pool: PinnedPool | None = None) -> None:
         self._pool = pool if pool is not None else _default_pool()
-        self._pieces: dict[Hashable, torch.Tensor] = {}
+        #: What was added, in order: a 1-D tensor and its key, or a 2-D block and each row's keys.
+        self._entries: list[tuple[torch.Tensor, Sequence[Sequence[Hashable]]]] = []
+        self._keys: set[Hashable] = set()
 
     def __len__(self) -> int:
-        return len(self._pieces)
+        return len(self._keys)
 
     def add(self, key: Hashable, values: torch.Tensor) -> None:
         """Adds a key's 1-D float64 values (on any device).
@@ -195,11 +198,34 @@ class PassBuffer:
         Raises:
             ValueError: If the key was already added or the tensor is not 1-D float64.
         """
-        if key in self._pieces:
-            raise ValueError(f"key {key!r} was already added to this pass")
         if values.dtype != torch.float64 or values.dim() != 1:
             raise ValueError(f"expected a 1-D float64 tensor, got {values.dtype} of shape {list(values.shape)}")
-        self._pieces[key] = values
+        if key in self._keys:
+            raise ValueError(f"key {key!r} was already added to this pass")
+        self._keys.add(key)
+        self._entries.append((values, ((key,),)))
+
+    def add_rows(self, keys: Sequence[Sequence[Hashable]], values: torch.Tensor) -> None:
+        """Adds a ``(rows, width)`` float64 block: row ``i`` is the values of every key in ``keys[i]``.
+
+        Why: a pass's batched statistics come out as one block; adding it whole
+        spares a split into rows and the concatenation back at :meth:`finish`.
+
+        Raises:
+            ValueError: If a key was already added, the tensor is not 2-D
+                float64, or ``keys`` does not give one entry per row.
+        """
+        if values.dtype != torch.float64 or values.dim() != 2 or values.shape[0] != len(keys):
+            raise ValueError(f"expected a 2-D float64 tensor of {len(keys)} rows, got {values.dtype} of shape "
+                             f"{list(values.shape)}")
+        self._claim([k for row in keys for k in row])
+        self._entries.append((values, keys))
+
+    def _claim(self, keys: Sequence[Hashable]) -> None:
+        taken = self._keys.intersection(keys)
+        if taken or len(set(keys)) != len(keys):
+            raise ValueError(f"key {next(iter(taken), keys)!r} was already added to this pass")
+        self._keys.update(keys)
 
     def finish(self) -> PendingPass:
         """Starts the transfer and returns the pending pass; the buffer is emptied.
@@ -207,19 +233,23 @@ class PassBuffer:
         Never blocks on the device: on CUDA the copy is ``non_blocking`` into
         pinned memory, followed by an event on the current stream.
         """
-        pieces, self._pieces = self._pieces, {}
-        by_device: dict[torch.device, list[tuple[Hashable, torch.Tensor]]] = {}
-        for key, t in pieces.items():
-            by_device.setdefault(t.device, []).append((key, t))
+        entries, self._entries, self._keys = self._entries, [], set()
+        by_device: dict[torch.device, list[tuple[torch.Tensor, Sequence[Sequence[Hashable]]]]] = {}
+        for t, keys in entries:
+            by_device.setdefault(t.device, []).append((t, keys))
         slices: dict[Hashable, slice] = {}
         segments: list[_Segment] = []
         start = 0
         for device, items in by_device.items():
             seg_start = start
-            for key, t in items:
-                slices[key] = slice(start, start + t.numel())
-                start += t.numel()
-            flat = torch.cat([t for _, t in items]) if len(items) > 1 else items[0][1]
+            for t, keys in items:
+                width = t.shape[-1]
+                for row in keys:
+                    for key in row:
+                        slices[key] = slice(start, start + width)
+                    start += width
+            flat = torch.cat([t if t.dim() == 1 else t.reshape(-1) for t, _ in items]) if len(items) > 1 \
+                else items[0][0].reshape(-1)
             host: torch.Tensor | None = None
             event: torch.cuda.Event | None = None
             if device.type == "cuda":
@@ -274,16 +304,28 @@ class HostTransfer:
         name: Thread name.
         pool: The pool the submitted passes' buffers come from, for
             :meth:`stats`; defaults to the one :class:`PassBuffer` shares.
+        linger: While passes come closer together than this many seconds,
+            the thread lets them gather and handles them at its next poll
+            (every ``linger`` s), not one wake per pass. Why: a pass's
+            callbacks are Python that shares the GIL with the model, and runs
+            cold (the model's weights have just streamed through the caches)
+            unless several passes run back to back; a generation's decode
+            passes come every few ms. A pass after a quiet spell, a backlog at
+            half of either bound, :meth:`flush` and :meth:`close` wake the
+            thread at once. 0: every pass wakes it.
     """
 
     def __init__(self, maxsize: int = 256, name: str = "layertap-host-transfer",
-                 pool: PinnedPool | None = None, max_bytes: int = DEFAULT_TRANSFER_BYTES) -> None:
+                 pool: PinnedPool | None = None, max_bytes: int = DEFAULT_TRANSFER_BYTES,
+                 linger: float = 0.0) -> None:
         if maxsize < 1:
             raise ValueError("maxsize must be at least 1")
         if max_bytes < 1:
             raise ValueError(f"--transfer-queue-bytes {max_bytes}: must be at least 1")
         self.maxsize = maxsize
         self.max_bytes = max_bytes
+        self.linger = linger
+        self._last_submit = -math.inf
         self._queued_bytes = 0
         self._busy_bytes = 0  # the batch the thread has in hand
         self._pool = pool
@@ -348,7 +390,13 @@ class HostTransfer:
             self._submitted += 1
             self._queue.append(_Job(pending, callback, self._submitted, on_drop))
             self._queued_bytes += nbytes
-            self._cond.notify_all()
+            now = time.monotonic()
+            # A pass after a quiet spell goes at once; one of a stream (passes closer than the linger) waits
+            # for the thread's next poll, unless the backlog reached half of either bound.
+            if now - self._last_submit >= self.linger or 2 * len(self._queue) >= self.maxsize \
+                    or 2 * self._queued_bytes >= self.max_bytes:
+                self._cond.notify_all()
+            self._last_submit = now
         for old in dropped:
             old.pending.discard()
             if old.on_drop is not None:
@@ -366,6 +414,7 @@ class HostTransfer:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            self._cond.notify_all()  # a lingering thread handles what is queued now
             target = self._submitted
             while not self._handled(target):
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -394,7 +443,8 @@ class HostTransfer:
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
-                    self._cond.wait()
+                    # Lingering, a poll: passes queued meanwhile wait at most this long.
+                    self._cond.wait(self.linger if self.linger > 0 else None)
                 if not self._queue:
                     return  # closed and drained
                 # Every pass queued so far, in one go: one lock round trip and

@@ -59,6 +59,10 @@ from layertap.v1 import telemetry_pb2 as pb
 log = logging.getLogger("layertap.server")
 
 DEFAULT_TTL_SECONDS = 600.0
+#: Seconds finished passes gather before the host-transfer thread publishes them (see
+#: :class:`HostTransfer`): halves its CPU per decode step (docs/benchmarks.md, session 16);
+#: a subscriber sees a pass at most this much later, a flush at once.
+TRANSFER_LINGER = 0.1
 #: Points a request's inline tap may watch: a Generate pass runs no backward.
 FORWARD_POINTS = (pb.POINT_OUTPUT, pb.POINT_INPUT)
 
@@ -115,9 +119,11 @@ class TapEngine:
         #: Whether small tensors are batched (benchmarks turn it off to compare).
         self.batch_small = True
         # Bounded in bytes too: one pass of wide taps holds megabytes of values.
-        self.transfer = HostTransfer(maxsize=transfer_queue, max_bytes=transfer_bytes)
+        self.transfer = HostTransfer(maxsize=transfer_queue, max_bytes=transfer_bytes, linger=TRANSFER_LINGER)
         #: Model thread only: reductions of this pass a later firing may reuse.
         self._reuse = PassReuse(passthrough_parents(host.modules))
+        #: Whether two firings of a pass can see one tensor (:meth:`PassReuse.possible`); set under the lock.
+        self._reuse_on = False
         #: Model thread only: the current pass's index and padding, made at the first tap that leaves it out.
         self._padding: tuple[int, PassPadding | None] = (-1, None)
         #: Feeds compiled passes' in-graph statistics to the taps (``serve --compile-model``).
@@ -222,6 +228,7 @@ class TapEngine:
 
                     tap.handles.append(self.host.hooks.add_timer(layer, start, stop))
             self._taps[tap_id] = tap
+            self._update_reuse()
         self.publisher.tap_created(tap)
         if plan.needs_basic_stats:
             # Compile ahead for what the hooked layers produce in a server pass
@@ -236,6 +243,7 @@ class TapEngine:
     def delete(self, tap_id: str, reason: str = "deleted") -> Tap:
         with self._lock:
             tap = self._taps.pop(tap_id, None)
+            self._update_reuse()  # off before the hooks go: a firing meanwhile reduces afresh, never wrongly
         if tap is None:
             raise NotFound(f"no tap {echo(tap_id)}; list taps with ListTaps / client.taps()")
         self._unhook(tap)
@@ -304,6 +312,10 @@ class TapEngine:
                 pass
         return due
 
+    def _update_reuse(self) -> None:
+        """Recompute :attr:`_reuse_on` from the live taps (the caller holds the engine lock)."""
+        self._reuse_on = self._reuse.possible((layer, t.spec.point) for t in self._taps.values() for layer in t.layers)
+
     def _unhook(self, tap: Tap) -> None:
         for h in tap.handles:
             h.remove()
@@ -344,7 +356,9 @@ class TapEngine:
         calls = tap.calls
         call = calls.get(slot, 0)
         calls[slot] = call + 1
-        self._reuse.at(layer, tap.spec.point, call)
+        reuse = self._reuse_on
+        if reuse:
+            self._reuse.at(layer, tap.spec.point, call)
         plan = tap.layer_plans.get(layer, tap.plan) if tap._sampled else tap.always
         lap = tap.timer.take(layer) if tap.timer is not None else None
         if plan is None:
@@ -355,7 +369,7 @@ class TapEngine:
         cut, padding = tap._cut, tap._padding
         pieces = self._pieces
         try:
-            key = plan.reuse_key
+            key = plan.reuse_key if reuse else None  # None: reduced afresh, nothing held
             derivation = tap.derive
             if derivation is not None and key is not None:
                 key = (key, "derive", tap.spec.derive)  # the entropy's result is not the tensor's
@@ -455,7 +469,7 @@ class TapEngine:
                     if not tap.disabled:
                         self._fail(tap, layer, exc)
 
-            self._batch.finish(buffer.add, failed)
+            self._batch.finish(buffer.add_rows, failed)
             self._hook_seconds += time.perf_counter() - t0
         hook_seconds, self._hook_seconds = self._hook_seconds, 0.0
         if hook_seconds:

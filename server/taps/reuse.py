@@ -25,7 +25,7 @@ another layer or the pass ends, so no activation outlives its pass here.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -65,6 +65,18 @@ class PassReuse:
         self._held: dict[tuple[Hashable, int], tuple[torch.Tensor, int | None, torch.Tensor | Row]] = {}
         #: Reductions skipped because an equal one had run on the same tensor.
         self.reused = 0
+
+    def possible(self, hooked: Iterable[tuple[str, int]]) -> bool:
+        """Whether any two firings of a pass could see one tensor: a layer and point hooked twice,
+        or a container and its last child both hooked at their output. When not, the engine skips
+        the bookkeeping (three calls a firing, in the model's forward)."""
+        seen: set[tuple[str, int]] = set()
+        for here in hooked:
+            if here in seen:
+                return True
+            seen.add(here)
+        outputs = {layer for layer, point in seen if point == pb.POINT_OUTPUT}
+        return any(parent in outputs and child in outputs for parent, child in self._parents.items())
 
     def at(self, layer: str, point: int, call: int) -> None:
         """A hook fires on ``layer``/``point`` in the module's ``call``-th call of the pass."""
