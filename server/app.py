@@ -71,8 +71,6 @@ SERVICE_NAMES = (
 STOP_STEP_SECONDS = 3.0
 #: Seconds between two trims of glibc's free memory in a served process (see _reap).
 TRIM_EVERY = 10.0
-#: Seconds a scrape waits at most for the passes finished before it to be published (see SnapshotStore).
-SCRAPE_SETTLE = 0.25
 #: The main port's pool for the open services (Health, no token): strangers'
 #: slow calls fill only these threads, never the workers of token holders.
 OPEN_WORKERS = 8
@@ -264,7 +262,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
     else:
         registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         metrics = ServerMetrics(registry, loaded.name, version=version)
-        snapshots = SnapshotStore(settle=lambda: taps.flush(SCRAPE_SETTLE))
+        snapshots = SnapshotStore()
         registry.register(ActivationCollector(snapshots.snapshot, loaded.name, max_layers=config.max_export_layers))
         metrics.taps.set_function(lambda: len(taps.all_taps()))
         metrics.subscribers.set_function(lambda: broker.subscriber_count)

@@ -166,11 +166,7 @@ class SnapshotStore:
     they are exported as counters.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.time, settle: Callable[[], object] | None = None) -> None:
-        """``settle``, if given, runs before each :meth:`snapshot`: the server's waits (bounded) until the
-        passes finished before the scrape are folded in, since the host-transfer thread lets a stream of
-        passes gather (``HostTransfer(linger=)``)."""
-        self._settle = settle
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._lock = threading.Lock()
         self._layers: dict[_Key, _LayerState] = {}
         self._clock = clock
@@ -336,8 +332,6 @@ class SnapshotStore:
 
     def snapshot(self) -> list[LayerSnapshot]:
         """An immutable copy of every layer's latest telemetry; a layer not written since the last call is the same object."""
-        if self._settle is not None:
-            self._settle()
         with self._lock:
             for key in self._dirty:
                 # A layer's values are replaced on write, never mutated, so the copy may share them.

@@ -6,8 +6,10 @@ the compiled kernel's call, the workspace, the shift's random draw. Paid
 between the model's layers, that code also runs ~3x slower than outside
 (benchmarks/decode_hook_cost.py: 1.05-1.1 ms per decode step for 8 hooks).
 So a hook on a small floating tensor only copies it (one small device copy,
-no sync), and at the pass's end the copies of one size and dtype are stacked
-into ``(rows, n)`` and reduced row-wise in one set of ops.
+no sync, in the tensor's own layout), and at the pass's end the copies of one
+shape and dtype are stacked into ``(rows, n)``, each row the tensor in logical
+order, reduced row-wise in one set of ops, and handed to the pass buffer as
+one block.
 
 Each row's statistics are the basic-statistics vector of
 :func:`~layertap.server.reducers.kernels.fused_basic_stats` with every need

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -304,28 +303,16 @@ class HostTransfer:
         name: Thread name.
         pool: The pool the submitted passes' buffers come from, for
             :meth:`stats`; defaults to the one :class:`PassBuffer` shares.
-        linger: While passes come closer together than this many seconds,
-            the thread lets them gather and handles them at its next poll
-            (every ``linger`` s), not one wake per pass. Why: a pass's
-            callbacks are Python that shares the GIL with the model, and runs
-            cold (the model's weights have just streamed through the caches)
-            unless several passes run back to back; a generation's decode
-            passes come every few ms. A pass after a quiet spell, a backlog at
-            half of either bound, :meth:`flush` and :meth:`close` wake the
-            thread at once. 0: every pass wakes it.
     """
 
     def __init__(self, maxsize: int = 256, name: str = "layertap-host-transfer",
-                 pool: PinnedPool | None = None, max_bytes: int = DEFAULT_TRANSFER_BYTES,
-                 linger: float = 0.0) -> None:
+                 pool: PinnedPool | None = None, max_bytes: int = DEFAULT_TRANSFER_BYTES) -> None:
         if maxsize < 1:
             raise ValueError("maxsize must be at least 1")
         if max_bytes < 1:
             raise ValueError(f"--transfer-queue-bytes {max_bytes}: must be at least 1")
         self.maxsize = maxsize
         self.max_bytes = max_bytes
-        self.linger = linger
-        self._last_submit = -math.inf
         self._queued_bytes = 0
         self._busy_bytes = 0  # the batch the thread has in hand
         self._pool = pool
@@ -390,13 +377,7 @@ class HostTransfer:
             self._submitted += 1
             self._queue.append(_Job(pending, callback, self._submitted, on_drop))
             self._queued_bytes += nbytes
-            now = time.monotonic()
-            # A pass after a quiet spell goes at once; one of a stream (passes closer than the linger) waits
-            # for the thread's next poll, unless the backlog reached half of either bound.
-            if now - self._last_submit >= self.linger or 2 * len(self._queue) >= self.maxsize \
-                    or 2 * self._queued_bytes >= self.max_bytes:
-                self._cond.notify_all()
-            self._last_submit = now
+            self._cond.notify_all()
         for old in dropped:
             old.pending.discard()
             if old.on_drop is not None:
@@ -414,7 +395,6 @@ class HostTransfer:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            self._cond.notify_all()  # a lingering thread handles what is queued now
             target = self._submitted
             while not self._handled(target):
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -443,8 +423,7 @@ class HostTransfer:
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
-                    # Lingering, a poll: passes queued meanwhile wait at most this long.
-                    self._cond.wait(self.linger if self.linger > 0 else None)
+                    self._cond.wait()
                 if not self._queue:
                     return  # closed and drained
                 # Every pass queued so far, in one go: one lock round trip and

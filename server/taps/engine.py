@@ -59,10 +59,6 @@ from layertap.v1 import telemetry_pb2 as pb
 log = logging.getLogger("layertap.server")
 
 DEFAULT_TTL_SECONDS = 600.0
-#: Seconds finished passes gather before the host-transfer thread publishes them (see
-#: :class:`HostTransfer`): halves its CPU per decode step (docs/benchmarks.md, session 16);
-#: a subscriber sees a pass at most this much later, a flush at once.
-TRANSFER_LINGER = 0.1
 #: Points a request's inline tap may watch: a Generate pass runs no backward.
 FORWARD_POINTS = (pb.POINT_OUTPUT, pb.POINT_INPUT)
 
@@ -119,7 +115,7 @@ class TapEngine:
         #: Whether small tensors are batched (benchmarks turn it off to compare).
         self.batch_small = True
         # Bounded in bytes too: one pass of wide taps holds megabytes of values.
-        self.transfer = HostTransfer(maxsize=transfer_queue, max_bytes=transfer_bytes, linger=TRANSFER_LINGER)
+        self.transfer = HostTransfer(maxsize=transfer_queue, max_bytes=transfer_bytes)
         #: Model thread only: reductions of this pass a later firing may reuse.
         self._reuse = PassReuse(passthrough_parents(host.modules))
         #: Whether two firings of a pass can see one tensor (:meth:`PassReuse.possible`); set under the lock.

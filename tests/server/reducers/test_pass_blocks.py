@@ -1,4 +1,4 @@
-"""A pass's batched statistics as one block, the transfer thread's linger, and when reuse is on.
+"""A pass's batched statistics as one block, copies in the hooked tensor's layout, and when reuse is on.
 
 Each of these takes work off a decode step (docs/benchmarks.md, session 16);
 each test pins the behaviour that must not change with it.
@@ -7,8 +7,6 @@ each test pins the behaviour that must not change with it.
 from __future__ import annotations
 
 import random
-import threading
-import time
 from collections.abc import Hashable
 
 import numpy as np
@@ -19,9 +17,9 @@ from torch import nn
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import InputSpec, LoadedModel
 from layertap.server.reducers.batched import PassBatch
-from layertap.server.reducers.transfer import HostTransfer, PassBuffer
+from layertap.server.reducers.transfer import PassBuffer
 from layertap.server.stream.broker import Broker
-from layertap.server.taps.engine import TRANSFER_LINGER, TapEngine
+from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -61,14 +59,11 @@ def test_a_block_is_refused_with_a_repeated_key_or_the_wrong_form() -> None:
     assert len(buf) == 1  # nothing of a refused block stays
 
 
-def test_batched_rows_equal_numpy_whatever_the_layout_of_the_hooked_tensor() -> None:
-    """Copies keep the tensor's layout; its row is still the tensor in logical order."""
-    g = torch.Generator().manual_seed(0)
-    base = torch.randn(4, 8, 16, generator=g)
-    tensors = [base.permute(2, 0, 1), base.permute(2, 0, 1) * 2, torch.randn(16, 4, 8, generator=g)]
-    batch = PassBatch()
+def batched(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """Each tensor's row of one PassBatch (seed 0), through ``finish``'s block."""
+    batch = PassBatch(seed=0)
     rows = [batch.defer(t) for t in tensors]
-    assert all(r is not None for r in rows) and len({r.group for r in rows}) == 1
+    assert all(r is not None for r in rows)
     for i, r in enumerate(rows):
         r.keys.append(i)
     got: dict[Hashable, np.ndarray] = {}
@@ -76,59 +71,31 @@ def test_batched_rows_equal_numpy_whatever_the_layout_of_the_hooked_tensor() -> 
     def add_rows(keys: list[list[int]], block: torch.Tensor) -> None:
         for row, ks in zip(block, keys):
             for k in ks:
-                got[k] = row.numpy()
+                got[k] = row.numpy().copy()
 
     batch.finish(add_rows, lambda keys, exc: pytest.fail(f"{keys}: {exc}"))
-    for i, t in enumerate(tensors):
+    return [got[i] for i in range(len(tensors))]
+
+
+def test_batched_rows_read_each_tensor_in_logical_order_whatever_its_layout() -> None:
+    """Copies keep the hooked tensor's layout; its row is still the tensor in logical order.
+
+    The shift K is the median of strided and random positions of the row, and
+    the shifted sums round by order: a row laid out in memory order would give
+    another vector than the contiguous tensor's, not just other rounding.
+    """
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(4, 8, 16, generator=g) + 3.0
+    permuted = [base.permute(2, 0, 1), (base * 2).permute(2, 0, 1), torch.randn(16, 4, 8, generator=g)]
+    dense = [t.contiguous() for t in permuted]
+    assert not permuted[0].is_contiguous()
+    for a, b, t in zip(batched(permuted), batched(dense), dense):
+        np.testing.assert_array_equal(a, b)
         ref = t.double().numpy()
-        zeros, nan, count, s1, s2, shift, lo, hi = got[i]
+        zeros, nan, count, s1, s2, shift, lo, hi = a
         assert (zeros, nan, count) == (0, 0, ref.size) and (lo, hi) == (ref.min(), ref.max())
         np.testing.assert_allclose(shift + s1 / count, ref.mean(), rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(s2 / count - (s1 / count) ** 2, ref.var(), rtol=1e-9)
-
-
-def settle(transfer: HostTransfer) -> None:
-    """Wait until the thread is back in its poll (a pass queued while it ends a batch is taken at once)."""
-    assert transfer.flush(5)
-    time.sleep(0.2)
-
-
-def test_a_stream_of_passes_gathers_and_a_flush_a_backlog_or_a_quiet_spell_wakes_the_thread() -> None:
-    seen: list[float] = []
-    handled = threading.Event()
-
-    def callback(values: dict[Hashable, np.ndarray]) -> None:
-        seen.append(float(values["a"][0]))
-        handled.set()
-
-    def one(v: float) -> object:
-        buf = PassBuffer()
-        buf.add("a", torch.tensor([v], dtype=F64))
-        return buf.finish()
-
-    with HostTransfer(maxsize=8, linger=30.0) as transfer:
-        transfer.submit(one(1.0), callback)
-        assert handled.wait(5) and seen == [1.0]  # the first pass after a quiet spell goes at once
-        settle(transfer)
-        handled.clear()
-        for v in (2.0, 3.0):
-            transfer.submit(one(v), callback)
-        assert not handled.wait(0.3) and transfer.pending() == 2  # a stream gathers, not one wake per pass
-        assert transfer.flush(5) and seen == [1.0, 2.0, 3.0]  # a flush handles them at once, in order
-        settle(transfer)
-        handled.clear()
-        for v in (4.0, 5.0, 6.0):
-            transfer.submit(one(v), callback)
-        assert not handled.wait(0.3)
-        transfer.submit(one(7.0), callback)  # the fourth reaches half of maxsize: the thread wakes
-        assert handled.wait(5)
-        assert transfer.flush(5) and seen == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0] and transfer.dropped == 0
-    with HostTransfer(maxsize=8, linger=0.05) as polled:
-        polled.submit(one(8.0), callback)
-        assert polled.flush(5)
-        handled.clear()
-        polled.submit(one(9.0), callback)  # within the linger of the last: the next poll takes it
-        assert handled.wait(5) and seen[-1] == 9.0 and polled.pending() == 0
 
 
 def rig(module: nn.Module) -> tuple[ModelHost, Broker, TapEngine]:
@@ -140,7 +107,6 @@ def rig(module: nn.Module) -> tuple[ModelHost, Broker, TapEngine]:
 def test_reuse_is_on_only_while_two_firings_can_share_a_tensor() -> None:
     host, _broker, engine = rig(nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.ReLU(), nn.Linear(8, 8))))
     spec = pb.TapSpec(selector="0", reducers=[reducer_spec("moments", "r")])
-    assert engine.transfer.linger == TRANSFER_LINGER > 0
     one = engine.create(spec)
     assert not engine._reuse_on  # one tap, one layer: nothing to share
     two = engine.create(spec)
