@@ -60,14 +60,18 @@ def test_transfer_drops_oldest_passes_past_its_byte_bound_and_counts_each() -> N
 
 def test_a_pass_larger_than_the_bound_is_kept_alone() -> None:
     seen: list[int] = []
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
 
     def slow(values: dict[Hashable, np.ndarray]) -> None:
+        started.set()
         assert gate.wait(10)
         seen.append(len(values["k"]))
 
     with HostTransfer(maxsize=64, max_bytes=1000) as t:
         t.submit(pass_of(10, 0.0), slow)
+        # The thread holds the first pass before the others come: else, slow to wake on a loaded machine,
+        # it could take the big pass itself before pending() is read (it did once in CI).
+        assert started.wait(10)
         t.submit(pass_of(10, 1.0), slow)
         assert t.submit(pass_of(500, 2.0), slow) in (True, False)  # 4000 bytes: over the bound alone
         assert t.pending() == 1  # whatever was queued went; the big newest pass stays
