@@ -108,13 +108,13 @@ class PassBatch:
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
-        self._groups: dict[_Group, list[torch.Tensor]] = {}
-        self._rows: list[Row] = []
+        #: Each group's copies and their rows, in row order.
+        self._groups: dict[_Group, list[tuple[torch.Tensor, Row]]] = {}
         self._bytes = 0
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return sum(len(group) for group in self._groups.values())
 
     def defer(self, x: torch.Tensor) -> Row | None:
         """Copies ``x`` for the pass's end and returns its row, or None when it takes the per-tensor path."""
@@ -131,9 +131,8 @@ class PassBatch:
         if group is None:
             group = self._groups[key] = []
         # One op in the model's forward: a dense copy in x's own layout; rows are laid out at the end.
-        group.append((x.detach() if x.requires_grad else x).clone())
-        row = Row(key, len(group) - 1)
-        self._rows.append(row)
+        row = Row(key, len(group))
+        group.append(((x.detach() if x.requires_grad else x).clone(), row))
         return row
 
     def finish(self, add_rows: Callable[[list[list[int]], torch.Tensor], None],
@@ -145,23 +144,22 @@ class PassBatch:
         gives ``failed`` its keys and the error; the other groups are
         unaffected. The batch is emptied first.
         """
-        groups, rows = self._groups, self._rows
-        self._groups, self._rows, self._bytes = {}, [], 0
-        keys: dict[_Group, list[list[int]]] = {group: [[] for _ in tensors] for group, tensors in groups.items()}
-        for row in rows:
-            keys[row.group][row.index] = row.keys
-        for group, tensors in groups.items():
+        groups = self._groups
+        self._groups, self._bytes = {}, 0
+        for group, items in groups.items():
+            tensors = [t for t, _ in items]
+            keys = [row.keys for _, row in items]
             try:
                 # Under inference mode whatever the pass's modes: one kernel signature serves every pass.
                 with torch.inference_mode():
                     # Row-major, each row in the tensor's logical order (a view of a contiguous stack).
                     stacked = (torch.stack(tensors) if len(tensors) > 1 else tensors[0][None]).reshape(len(tensors), -1)
-                    add_rows(keys[group], batched_basic_stats(stacked, self._generator(group[0])))
+                    add_rows(keys, batched_basic_stats(stacked, self._generator(group[0])))
             except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
-                failed([k for row_keys in keys[group] for k in row_keys], exc)
+                failed([k for row_keys in keys for k in row_keys], exc)
 
     def discard(self) -> None:
-        self._groups, self._rows, self._bytes = {}, [], 0
+        self._groups, self._bytes = {}, 0
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
