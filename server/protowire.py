@@ -6,7 +6,7 @@ messages; they share these so the encoding is written once.
 
 from __future__ import annotations
 
-__all__ = ["varint"]
+__all__ = ["uint64", "varint"]
 
 _SMALL = [bytes((i,)) for i in range(128)]
 
@@ -22,3 +22,11 @@ def varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+def uint64(value: float) -> int:
+    """A count bound for a ``uint64`` field; out of range raises, as the message constructors do (never wraps)."""
+    n = int(value)
+    if not 0 <= n < 1 << 64:
+        raise ValueError(f"count out of range for uint64: {n}")
+    return n

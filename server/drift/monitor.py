@@ -292,6 +292,11 @@ class DriftMonitor(Sink, BaselineReload):
     # -- start-up ------------------------------------------------------------
 
     # -- host-transfer thread ----------------------------------------------------
+    def wants_summaries(self, tap_id: str) -> bool:
+        """Only a baseline's tap: the monitor reads no other."""
+        with self._lock:
+            return any(tap == tap_id for tap, _ in self._layers)
+
     def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
         for s in summaries:
             if s.output_index != 0 or s.call_index != 0 or s.unsampled:

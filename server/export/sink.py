@@ -7,12 +7,17 @@ latest summaries of durable taps only, which keeps the ``tap`` label bounded
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
 
 from layertap.server.export.health import ServerMetrics
 from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.host.model_host import PassContext
+from layertap.server.stream.publisher import Piece
 from layertap.server.stream.sinks import Sink, TapView
+from layertap.server.stream.summary_wire import timestamp
 from layertap.v1 import telemetry_pb2 as pb
 
 
@@ -28,6 +33,15 @@ class MetricsSink(Sink):
     def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
         durable = self._durable()
         self.store.update_from_summaries((s.tap, s) for s in summaries if durable.get(s.tap))
+
+    def on_basic(self, ctx: PassContext, pieces: Sequence[tuple[Piece[Any], np.ndarray]]) -> None:
+        """The same fold as :meth:`on_summaries`, from the statistics slots: no message built or read."""
+        durable = self._durable()
+        wall = timestamp(ctx.wall_time)  # as a summary carries it, to the nanosecond
+        self.store.update_from_basic(
+            wall.seconds + wall.nanos * 1e-9, ctx.index, ctx.phase,
+            [(p.tap.id, p.layer, p.tap.spec.point, p.output_index, p.call_index, p.sampled, p.plan.basic_layout,
+              values.tolist(), p.shape) for p, values in pieces if durable.get(p.tap.id)])
 
     def on_tap_created(self, tap: TapView) -> None:
         self.store.add_tap(tap.id)

@@ -20,12 +20,15 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from google.protobuf.descriptor import FieldDescriptor
 
 from layertap._results import RESULTS
 from layertap.server.drift.phases import FORWARD, phase_name
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.thresholds import DriftThresholds
 from layertap.server.host.hooks import POINT_NAMES
+from layertap.server.protowire import uint64
+from layertap.server.reducers.plan import BasicLayout as Layout
 from layertap.server.reducers.spec import DEFAULT_PROBABILITIES
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -136,6 +139,47 @@ def _fold_plan(kinds: tuple[str | None, ...]) -> tuple[tuple[tuple[tuple[str, ..
     return cleared, steps  # type: ignore[return-value]  # _FOLDS' values are (fold, pairs)
 
 
+#: The folds that read only a result's scalar fields: the only ones a basic reducer's result takes.
+_SCALAR_FOLDS = frozenset({"total", "pass_l2", "latest"})
+_BasicStep = tuple[Callable[..., tuple[float, ...]], int, int, str, tuple[tuple[str, int, Callable[[Any], Any]], ...]]
+
+
+#: id(layout) -> (layout, its plan): looked up per piece per pass, so by identity, not by hashing the
+#: nested tuple; the layout is held so its id is never reused while the entry lives.
+_BASIC_PLANS: dict[int, tuple[Layout, tuple[tuple[str, ...], tuple[_BasicStep, ...]]]] = {}
+
+
+def _basic_plan(layout: Layout) -> tuple[tuple[str, ...], tuple[_BasicStep, ...]]:
+    """A basic layout's result kinds (as a summary lists them) and, per exported result, how its
+    snapshot fields come from the reducer's numbers: the message field's position, and the type
+    a parsed summary would give it (``int`` for a count, ``float`` otherwise)."""
+    hit = _BASIC_PLANS.get(id(layout))
+    if hit is not None and hit[0] is layout:
+        return hit[1]
+    if len(_BASIC_PLANS) >= 1024:  # one entry per live plan; bounded as taps come and go
+        _BASIC_PLANS.clear()
+    plan = _make_basic_plan(layout)
+    _BASIC_PLANS[id(layout)] = (layout, plan)
+    return plan
+
+
+def _make_basic_plan(layout: Layout) -> tuple[tuple[str, ...], tuple[_BasicStep, ...]]:
+    kinds = tuple(r.result_field for r, _, _ in layout)
+    steps = []
+    for r, a, b in layout:
+        if r.result_field not in _FOLDS:
+            continue
+        fold, pairs = _FOLDS[r.result_field]
+        if fold not in _SCALAR_FOLDS:
+            raise ValueError(f"{r.result_field}: a basic result must fold as a scalar, not {fold!r}")
+        message = pb.ReducerResult.DESCRIPTOR.fields_by_name[r.result_field].message_type
+        assert message is not None
+        order = [f.name for f in message.fields]
+        casts = {f.name: float if f.type == FieldDescriptor.TYPE_DOUBLE else uint64 for f in message.fields}
+        steps.append((r.numbers, a, b, fold, tuple((name, order.index(attr), casts[attr]) for name, attr in pairs)))
+    return kinds, tuple(steps)
+
+
 def _frozen_snapshot(values: tuple[Any, ...]) -> LayerSnapshot:
     """``LayerSnapshot(*values)`` without the frozen ``__init__``'s one ``object.__setattr__`` per field.
 
@@ -196,26 +240,50 @@ class SnapshotStore:
             for tap_id, summary in items:
                 self._fold(tap_id, summary)
 
-    def _fold(self, tap_id: str, summary: Any) -> None:
-        """One summary into its layer's state (the caller holds the lock).
+    def update_from_basic(self, ts: float, pass_index: int, phase: int,
+                          items: Iterable[tuple[str, str, int, int, int, bool, Layout, Sequence[float],
+                                                Sequence[int]]]) -> None:
+        """Fold one pass's basic-only results from their statistics slots, as if each were its summary.
 
-        Runs on the host-transfer thread for every durable summary of every
-        pass, so what a summary's shape decides (its key's labels, which
-        results it carries and how each folds) is looked up, not recomputed.
+        Why: a durable tap that only feeds ``/metrics`` needs no ``Summary``
+        message; building and parsing one per layer per pass was most of the
+        host-transfer thread's Python, which shares the GIL with the model.
+        Each item is ``(tap, layer, point, output_index, call_index, sampled,
+        layout, slots, shape)`` of one piece of a pass whose wall time is
+        ``ts`` (a ``Timestamp``'s seconds); the store ends up exactly as
+        :meth:`update_from_summaries` of the same summaries leaves it (a test
+        compares them). Every value is decoded before the lock is taken: a
+        count out of range raises, as writing the summary would, and folds
+        nothing of the pass.
         """
-        raw = (tap_id or summary.tap, summary.layer, summary.point, summary.phase)
+        decoded = []
+        for tap, layer, point, output_index, call_index, sampled, layout, slots, shape in items:
+            kinds, plan = _basic_plan(layout)
+            first_call = call_index == 0
+            primary = first_call and output_index == 0
+            named = []
+            for fn, a, b, fold, pairs in plan:
+                if fold == "total" or (primary if fold == "latest" else first_call and sampled):
+                    numbers = fn(slots[a:b], shape)  # only what this piece's folds read
+                    named.append((fold, [(name, cast(numbers[j])) for name, j, cast in pairs]))
+            decoded.append(((tap, layer, point, phase), first_call, sampled, primary, kinds, named))
+        with self._lock:
+            for raw, first_call, sampled, primary, kinds, named in decoded:
+                st = self._begin(raw, ts, first_call, sampled, primary, kinds)
+                if st is not None:
+                    for fold, values in named:
+                        self._fold_scalars(st, fold, values, first_call, sampled, primary, pass_index)
+
+    def _begin(self, raw: tuple[str, str, int, int], ts: float, first_call: bool, sampled: bool, primary: bool,
+               kinds: tuple[str | None, ...]) -> _LayerState | None:
+        """A summary's layer state, its write noted; None for a removed tap. The caller holds the lock."""
         key = self._keys.get(raw)
         if key is None:
             if len(self._keys) >= _MAX_KEYS:
                 self._keys.clear()
             key = self._keys[raw] = (raw[0], raw[1], point_name(raw[2]), phase_name(raw[3]))
         if key[0] in self._gone:
-            return
-        wall = summary.wall_time
-        ts = wall.seconds + wall.nanos * 1e-9 if summary.HasField("wall_time") else self._clock()
-        first_call = summary.call_index == 0
-        sampled = not summary.unsampled
-        primary = summary.output_index == 0 and first_call
+            return None
         st = self._layers.get(key)
         if st is None:
             st = self._layers[key] = _LayerState()
@@ -223,41 +291,68 @@ class SnapshotStore:
         v = st.values
         last = v["last_update"]
         v["last_update"] = ts if last is None or ts > last else last
-        results = summary.results
-        cleared, steps = _fold_plan(tuple([res.WhichOneof("value") for res in results]))
         if primary and sampled:
             # A sampled summary carries everything the tap computes now; a
             # result it no longer carries (reducers changed, e.g. when a
             # baseline froze) must not linger as a stale series.
-            for names, l2 in cleared:
+            for names, l2 in _fold_plan(kinds)[0]:
                 for name in names:
                     v[name] = None
                 if l2:
                     st.l2_pass = None
-        # How each fold works: the Fold type in layertap._results.
+        return st
+
+    @staticmethod
+    def _fold_scalars(st: _LayerState, fold: str, values: Sequence[tuple[str, Any]], first_call: bool,
+                      sampled: bool, primary: bool, pass_index: int) -> None:
+        """One result's scalar fields into the layer's state (how each fold works: ``layertap._results``)."""
+        v = st.values
+        if fold == "total":
+            # Every output and call adds up: a NaN anywhere in the layer still raises the alert.
+            for name, value in values:
+                v[name] = (v[name] or 0) + value
+        elif fold == "pass_l2":
+            if first_call and sampled:
+                # Every tensor of the module's first call adds up: a param_grad
+                # tap's series is the module's whole gradient norm (its
+                # parameters are the outputs), so sqrt(sum(l2^2)) over a
+                # partition of the model is clip_grad_norm_'s total.
+                ((name, value),) = values
+                sq = float(value) ** 2
+                prev = st.l2_pass[1] if st.l2_pass is not None and st.l2_pass[0] == pass_index else 0.0
+                st.l2_pass = (pass_index, prev + sq)
+                v[name] = math.sqrt(st.l2_pass[1])
+        elif primary and fold == "latest":
+            for name, value in values:
+                v[name] = float(value)
+
+    def _fold(self, tap_id: str, summary: Any) -> None:
+        """One summary into its layer's state (the caller holds the lock).
+
+        Runs on the host-transfer thread for every durable summary of every
+        pass, so what a summary's shape decides (its key's labels, which
+        results it carries and how each folds) is looked up, not recomputed.
+        """
+        wall = summary.wall_time
+        ts = wall.seconds + wall.nanos * 1e-9 if summary.HasField("wall_time") else self._clock()
+        first_call = summary.call_index == 0
+        sampled = not summary.unsampled
+        primary = summary.output_index == 0 and first_call
+        results = summary.results
+        kinds = tuple([res.WhichOneof("value") for res in results])
+        st = self._begin((tap_id or summary.tap, summary.layer, summary.point, summary.phase), ts, first_call,
+                         sampled, primary, kinds)
+        if st is None:
+            return
+        v = st.values
         histogram_seen = False
-        for i, kind, fold, pairs in steps:
+        for i, kind, fold, pairs in _fold_plan(kinds)[1]:
             msg = getattr(results[i], kind)
-            if fold == "total":
-                # Every output and call adds up: a NaN anywhere in the layer still raises the alert.
-                for name, attr in pairs:
-                    v[name] = (v[name] or 0) + getattr(msg, attr)
-            elif fold == "pass_l2":
-                if first_call and sampled:
-                    # Every tensor of the module's first call adds up: a param_grad
-                    # tap's series is the module's whole gradient norm (its
-                    # parameters are the outputs), so sqrt(sum(l2^2)) over a
-                    # partition of the model is clip_grad_norm_'s total.
-                    ((name, attr),) = pairs
-                    sq = float(getattr(msg, attr)) ** 2
-                    prev = st.l2_pass[1] if st.l2_pass is not None and st.l2_pass[0] == summary.pass_index else 0.0
-                    st.l2_pass = (summary.pass_index, prev + sq)
-                    v[name] = math.sqrt(st.l2_pass[1])
+            if fold in _SCALAR_FOLDS:
+                self._fold_scalars(st, fold, [(name, getattr(msg, attr)) for name, attr in pairs], first_call,
+                                   sampled, primary, summary.pass_index)
             elif not primary:
                 continue
-            elif fold == "latest":
-                for name, attr in pairs:
-                    v[name] = float(getattr(msg, attr))
             elif fold == "exported_quantiles":
                 v[pairs[0][0]] = {float(p): float(x) for p, x in zip(msg.probabilities, msg.values)
                                   if round(float(p), 6) in EXPORTED_QUANTILES} or None

@@ -72,6 +72,8 @@ class RequestCut:
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor | None:
         """The request's view of ``t``, or None when ``t`` mixes its rows with others' beyond telling apart."""
+        if self._owns_all and not self.pad:
+            return t  # every row is the request's and none is padding: any cut below would be all of t
         if t.dim() > 0 and t.shape[0] == self._batch:
             view = t[self._slice]
             if self.pad and view.dim() >= 2 and view.shape[1] == self._tokens:

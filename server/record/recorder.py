@@ -151,6 +151,11 @@ class Recorder(Sink):
             self.retention.forget(ctx.index)
 
     # -- host-transfer thread ------------------------------------------------------
+    def wants_summaries(self, tap_id: str) -> bool:
+        """Only a tap with triggers: no other can fire (the pass's input is let go all the same)."""
+        with self._lock:
+            return tap_id in self._taps
+
     def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
         inputs = self.retention.take(ctx.index) if self.retention is not None else None
         queued = False

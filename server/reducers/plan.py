@@ -29,7 +29,10 @@ from layertap.server.reducers.spec import SpecError, check_histogram, check_kind
 from layertap.server.reducers.workspace import F64, DeviceCache, Workspace, device_constant
 from layertap.v1 import telemetry_pb2 as pb
 
-__all__ = ["ReducerPlan", "build_reducers"]
+__all__ = ["BasicLayout", "ReducerPlan", "build_reducers"]
+
+#: A basic-only plan's results: (reducer, first slot, end slot) each, in the summary's order.
+BasicLayout = tuple[tuple[BasicReducer, int, int], ...]
 
 _SUPPORTED_DTYPES = frozenset(
     {
@@ -122,7 +125,7 @@ class ReducerPlan:
         #: For a plan of basic reducers only, whose :meth:`run` returns the basic
         #: vector itself (no gather on the hot path: the host-transfer thread picks the
         #: slots): each reducer with its slice of it, for decoding and the wire path.
-        self.basic_layout: tuple[tuple[BasicReducer, int, int], ...] | None = None
+        self.basic_layout: BasicLayout | None = None
         if basic and len(basic) == len(self.reducers):
             self.basic_layout = tuple((r, *r.slots) for r in basic)
         self._slot_cache: DeviceCache = {}

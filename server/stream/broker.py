@@ -216,6 +216,11 @@ class Broker:
             self._subs.append(sub)
         return sub
 
+    def wants(self, tap_id: str, durable: bool) -> bool:
+        """Whether a subscriber reads ``tap_id``'s summaries now: the publisher builds none for no one."""
+        with self._lock:
+            return any(sub.wants(tap_id, durable) for sub in self._subs)
+
     def unsubscribe(self, sub: Subscription) -> None:
         """Ends ``sub`` and frees its queue now, not when its stream's thread next wakes."""
         sub.close()

@@ -81,11 +81,47 @@ class Publisher:
                 durable: Callable[[], Mapping[str, bool]], rank: int | None) -> None:
         """Publish one pass: ``values[i]`` is the host copy of ``pieces[i]``'s reducer vector.
 
+        A basic-only piece (the common case) becomes a ``Summary`` only when a
+        subscriber or a sink reads its tap's messages; otherwise the sinks
+        get its values (:meth:`Sink.on_basic`), which is what a durable tap
+        that only feeds ``/metrics`` costs per pass.
+
         Args:
             durable: The live taps' durability, read now: a tap deleted since the
                 pass is no longer "durable" to all-durable subscribers.
             rank: The training rank stamped on every summary, or None.
         """
+        live = dict(durable())
+        # Basic pieces of taps no one reads as messages: the sinks fold their values themselves.
+        basic: list[tuple[Piece[PublishedTap], np.ndarray]] = []
+        build: list[int] = []
+        wanted: dict[str, bool] = {}
+        seen: set[str] = set()
+        for i, p in enumerate(pieces):
+            tap = p.tap
+            if tap.disabled:
+                continue  # its pieces in this pass are partial
+            if p.sampled and tap.id not in seen:
+                seen.add(tap.id)
+                tap.hits += 1
+            if p.plan.basic_layout is not None and p.lap is None:
+                want = wanted.get(tap.id)
+                if want is None:
+                    want = wanted[tap.id] = (self.broker.wants(tap.id, live.get(tap.id, False))
+                                             or self.sinks.wants_summaries(tap.id))
+                if not want:
+                    basic.append((p, values[i]))
+                    continue
+            build.append(i)
+        summaries = self._summaries(ctx, [pieces[i] for i in build], [values[i] for i in build], rank) if build else []
+        self.broker.publish(summaries, live)
+        self.sinks.on_summaries(ctx, summaries)
+        if basic:
+            self.sinks.on_basic(ctx, basic)
+
+    def _summaries(self, ctx: PassContext, pieces: Sequence[Piece[PublishedTap]], values: Sequence[np.ndarray],
+                   rank: int | None) -> list[pb.Summary]:
+        """The messages of these pieces of one pass, with the pass's fields written once."""
         wall = timestamp(ctx.wall_time)
         pass_part = SummaryWire.pass_part(ctx.index, ctx.step, wall.seconds, wall.nanos)
         rank_part = SummaryWire.rank_part(rank)
@@ -95,10 +131,7 @@ class Publisher:
         # A request's place and tail, made once per pass for its inline taps' pieces.
         own: dict[str, tuple[Place, bytes]] = {}
         summaries = []
-        seen: set[str] = set()
-        for i, p in enumerate(pieces):
-            if p.tap.disabled:
-                continue  # its pieces in this pass are partial
+        for p, vec in zip(pieces, values):
             piece_place, piece_tail = place, tail
             if p.request is not None:
                 mine = own.get(p.request.request_id)
@@ -108,17 +141,13 @@ class Publisher:
                 piece_place, piece_tail = mine
             layout = p.plan.basic_layout
             if layout is not None and p.lap is None:  # the common case: see summary_wire
-                results = results_bytes(layout, values[i].tolist(), p.shape)
+                results = results_bytes(layout, vec.tolist(), p.shape)
                 summary = self._wire.summary(p.tap.id, p.layer, p.tap.spec.point, p.output_index, p.call_index,
                                              not p.sampled, pass_part, results, piece_tail, p.output_key)
             else:
-                summary = self._summary(ctx, p, wall, values[i], rank, piece_place)
+                summary = self._summary(ctx, p, wall, vec, rank, piece_place)
             summaries.append(summary)
-            if p.sampled and p.tap.id not in seen:
-                seen.add(p.tap.id)
-                p.tap.hits += 1
-        self.broker.publish(summaries, dict(durable()))
-        self.sinks.on_summaries(ctx, summaries)
+        return summaries
 
     @staticmethod
     def _summary(ctx: PassContext, p: Piece[PublishedTap], wall: Timestamp, values: np.ndarray, rank: int | None,

@@ -23,11 +23,16 @@ a pass. ``check_spec`` is the exception: its error is the caller's answer.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import numpy as np
 
 from layertap.server.host.model_host import PassContext
 from layertap.v1 import telemetry_pb2 as pb
+
+if TYPE_CHECKING:
+    from layertap.server.stream.publisher import Piece
 
 __all__ = ["Sink", "Sinks", "TapView"]
 
@@ -61,6 +66,19 @@ class Sink:
 
     def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
         """All summaries of one finished pass (published to the broker already)."""
+
+    def wants_summaries(self, tap_id: str) -> bool:
+        """Whether :meth:`on_summaries` must see this tap's basic pieces as messages now.
+
+        A sink that reads summaries but overrides neither this nor
+        :meth:`on_basic` sees every one (the safe default); one that folds
+        :meth:`on_basic` says no, so a tap that only it reads costs no messages.
+        """
+        return type(self).on_summaries is not Sink.on_summaries and type(self).on_basic is Sink.on_basic
+
+    def on_basic(self, ctx: PassContext, pieces: Sequence[tuple[Piece[Any], np.ndarray]]) -> None:
+        """A pass's basic-only pieces that no subscriber or sink wanted as messages, with their
+        statistics slots (``plan.basic_layout``); published after :meth:`on_summaries`."""
 
     def on_pass_skipped(self, ctx: PassContext) -> None:
         """A finished pass publishes nothing: no tap fired, or its forward raised."""
@@ -118,6 +136,12 @@ class Sinks(Sink):
 
     def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
         self._each(lambda s: s.on_summaries(ctx, summaries))
+
+    def wants_summaries(self, tap_id: str) -> bool:
+        return any(sink.wants_summaries(tap_id) for sink in self._members)
+
+    def on_basic(self, ctx: PassContext, pieces: Sequence[tuple[Piece[Any], np.ndarray]]) -> None:
+        self._each(lambda s: s.on_basic(ctx, pieces))
 
     def on_pass_skipped(self, ctx: PassContext) -> None:
         self._each(lambda s: s.on_pass_skipped(ctx))

@@ -26,8 +26,8 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from layertap.server.host.model_host import PHASE_NONE, PassContext, RequestRows
-from layertap.server.protowire import varint
-from layertap.server.reducers.basic import BasicReducer
+from layertap.server.protowire import uint64, varint
+from layertap.server.reducers.plan import BasicLayout as Layout
 from layertap.v1 import telemetry_pb2 as pb
 
 __all__ = ["Place", "SummaryWire", "results_bytes"]
@@ -48,11 +48,8 @@ def timestamp(seconds: float) -> Timestamp:
 
 
 def _unsigned(value: float) -> bytes:
-    """A count as a varint; out of range raises, as the message constructors do (never wraps)."""
-    n = int(value)
-    if not 0 <= n < 1 << 64:
-        raise ValueError(f"count out of range for uint64: {n}")
-    return varint(n)
+    """A count as a varint; out of range raises (:func:`uint64`)."""
+    return varint(uint64(value))
 
 
 def _key(number: int, wire_type: int) -> bytes:
@@ -168,9 +165,6 @@ def _encoder(result_field: str) -> Callable[[Sequence[float]], bytes]:
         return prefix[len(body)] + body
 
     return encode
-
-
-Layout = tuple[tuple[BasicReducer, int, int], ...]
 
 
 @functools.lru_cache(maxsize=1024)  # one entry per live plan; bounded as taps come and go
