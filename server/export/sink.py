@@ -8,15 +8,13 @@ latest summaries of durable taps only, which keeps the ``tap`` label bounded
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
 from layertap.server.export.health import ServerMetrics
 from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.host.model_host import PassContext
-from layertap.server.stream.publisher import Piece
-from layertap.server.stream.sinks import Sink, TapView
+from layertap.server.stream.sinks import BasicPiece, Sink, TapView
 from layertap.server.stream.summary_wire import timestamp
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -34,7 +32,7 @@ class MetricsSink(Sink):
         durable = self._durable()
         self.store.update_from_summaries((s.tap, s) for s in summaries if durable.get(s.tap))
 
-    def on_basic(self, ctx: PassContext, pieces: Sequence[tuple[Piece[Any], np.ndarray]]) -> None:
+    def on_basic(self, ctx: PassContext, pieces: Sequence[tuple[BasicPiece, np.ndarray]]) -> None:
         """The same fold as :meth:`on_summaries`, from the statistics slots: no message built or read."""
         durable = self._durable()
         wall = timestamp(ctx.wall_time)  # as a summary carries it, to the nanosecond

@@ -24,17 +24,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from layertap.server.host.model_host import PassContext
+from layertap.server.reducers.plan import ReducerPlan
 from layertap.v1 import telemetry_pb2 as pb
 
-if TYPE_CHECKING:
-    from layertap.server.stream.publisher import Piece
-
-__all__ = ["Sink", "Sinks", "TapView"]
+__all__ = ["BasicPiece", "Sink", "Sinks", "TapView"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +51,25 @@ class TapView(Protocol):
 
     @property
     def durable(self) -> bool: ...
+
+
+class BasicPiece(Protocol):
+    """One tensor's basic-only statistics in a pass, as :meth:`Sink.on_basic` reads it (the publisher's ``Piece``)."""
+
+    @property
+    def tap(self) -> TapView: ...
+    @property
+    def layer(self) -> str: ...
+    @property
+    def output_index(self) -> int: ...
+    @property
+    def call_index(self) -> int: ...
+    @property
+    def sampled(self) -> bool: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def plan(self) -> ReducerPlan: ...
 
 
 class Sink:
@@ -76,7 +93,7 @@ class Sink:
         """
         return type(self).on_summaries is not Sink.on_summaries and type(self).on_basic is Sink.on_basic
 
-    def on_basic(self, ctx: PassContext, pieces: Sequence[tuple[Piece[Any], np.ndarray]]) -> None:
+    def on_basic(self, ctx: PassContext, pieces: Sequence[tuple[BasicPiece, np.ndarray]]) -> None:
         """A pass's basic-only pieces that no subscriber or sink wanted as messages, with their
         statistics slots (``plan.basic_layout``); published after :meth:`on_summaries`."""
 
@@ -140,7 +157,7 @@ class Sinks(Sink):
     def wants_summaries(self, tap_id: str) -> bool:
         return any(sink.wants_summaries(tap_id) for sink in self._members)
 
-    def on_basic(self, ctx: PassContext, pieces: Sequence[tuple[Piece[Any], np.ndarray]]) -> None:
+    def on_basic(self, ctx: PassContext, pieces: Sequence[tuple[BasicPiece, np.ndarray]]) -> None:
         self._each(lambda s: s.on_basic(ctx, pieces))
 
     def on_pass_skipped(self, ctx: PassContext) -> None:
