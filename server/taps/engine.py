@@ -473,10 +473,8 @@ class TapEngine:
         if buffer is None or not pieces or ctx.failed:
             self.sinks.on_pass_skipped(ctx)  # a pass whose forward raised publishes nothing
             return
-        taps = list({id(p.tap): p.tap for p in pieces}.values())
-
-        def dropped() -> None:
-            for tap in taps:
+        def dropped() -> None:  # rare: the taps are found only then, not on every pass
+            for tap in {id(p.tap): p.tap for p in pieces}.values():
                 tap.drops += 1
 
         rank = self.host.rank[0] if self.host.rank is not None else None
