@@ -295,3 +295,4 @@ class LayerEntry:
         if self.baseline is None:
             return pb.BASELINE_STATE_COLLECTING
         return pb.BASELINE_STATE_UNSAVED if self.save_error else pb.BASELINE_STATE_READY
+

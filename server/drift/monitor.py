@@ -53,6 +53,7 @@ from layertap.server.drift.phases import FORWARD, PHASE_NAMES
 from layertap.server.drift.rates import DEFAULT_FALSE_ALARM_RATE, check_rate
 from layertap.server.drift.reload import BaselineReload
 from layertap.server.drift.scores import DriftScore
+from layertap.server.drift.table import LayerTable
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.drift.window import SlidingWindow
 from layertap.server.errors import AlreadyExists, InvalidField, NotFound, Unsupported
@@ -119,7 +120,7 @@ class DriftMonitor(Sink, BaselineReload):
         #: Serialises splitting the rate over the alarms (RPC threads and the host-transfer thread).
         self._rate_lock = threading.Lock()
         #: (tap, layer) -> phase -> entry.
-        self._layers: dict[tuple[str, str], dict[str, LayerEntry]] = {}
+        self._layers = LayerTable()
         #: Taps this monitor created (the only ones SetBaseline may replace).
         self._own: set[str] = set()
         #: Passes refused by any builder, ever: kept here because builders go
@@ -289,13 +290,11 @@ class DriftMonitor(Sink, BaselineReload):
         """
         return self._skipped
 
-    # -- start-up ------------------------------------------------------------
-
     # -- host-transfer thread ----------------------------------------------------
     def wants_summaries(self, tap_id: str) -> bool:
         """Only a baseline's tap: the monitor reads no other."""
         with self._lock:
-            return any(tap == tap_id for tap, _ in self._layers)
+            return self._layers.has_tap(tap_id)
 
     def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
         for s in summaries:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from layertap.server.drift.baseline import Baseline
 from layertap.server.drift.files import load_baselines
 from layertap.server.drift.layer import LayerEntry, layer_reducers
+from layertap.server.drift.table import LayerTable
 from layertap.server.host.hooks import POINT_BY_NAME
 from layertap.server.taps.engine import TapEngine
 from layertap.v1 import telemetry_pb2 as pb
@@ -33,7 +34,7 @@ class BaselineReload:
     baseline_dir: str | None
     _on_load_error: Callable[[str], None] | None
     _lock: threading.Lock
-    _layers: dict[tuple[str, str], dict[str, LayerEntry]]
+    _layers: LayerTable
     _own: set[str]
 
     def _channels(self, layer: str) -> int | None:

@@ -141,7 +141,8 @@ def _fold_plan(kinds: tuple[str | None, ...]) -> tuple[tuple[tuple[tuple[str, ..
 
 #: The folds that read only a result's scalar fields: the only ones a basic reducer's result takes.
 _SCALAR_FOLDS = frozenset({"total", "pass_l2", "latest"})
-_BasicStep = tuple[Callable[..., tuple[float, ...]], int, int, str, tuple[tuple[str, int, Callable[[Any], Any]], ...]]
+_BasicStep = tuple[Callable[..., tuple[float, ...]], int, int, tuple[int, ...], str,
+                   tuple[tuple[str, int, Callable[[Any], Any]], ...]]
 
 
 #: id(layout) -> (layout, its plan): looked up per piece per pass, so by identity, not by hashing the
@@ -165,18 +166,21 @@ def _basic_plan(layout: Layout) -> tuple[tuple[str, ...], tuple[_BasicStep, ...]
 
 def _make_basic_plan(layout: Layout) -> tuple[tuple[str, ...], tuple[_BasicStep, ...]]:
     kinds = tuple(r.result_field for r, _, _ in layout)
-    steps = []
+    steps: list[_BasicStep] = []
     for r, a, b in layout:
+        message = pb.ReducerResult.DESCRIPTOR.fields_by_name[r.result_field].message_type
+        assert message is not None
+        counts = tuple(j for j, f in enumerate(message.fields) if f.type != FieldDescriptor.TYPE_DOUBLE)
         if r.result_field not in _FOLDS:
+            steps.append((r.numbers, a, b, counts, "", ()))  # folds nothing; its counts are still checked
             continue
         fold, pairs = _FOLDS[r.result_field]
         if fold not in _SCALAR_FOLDS:
             raise ValueError(f"{r.result_field}: a basic result must fold as a scalar, not {fold!r}")
-        message = pb.ReducerResult.DESCRIPTOR.fields_by_name[r.result_field].message_type
-        assert message is not None
         order = [f.name for f in message.fields]
         casts = {f.name: float if f.type == FieldDescriptor.TYPE_DOUBLE else uint64 for f in message.fields}
-        steps.append((r.numbers, a, b, fold, tuple((name, order.index(attr), casts[attr]) for name, attr in pairs)))
+        steps.append((r.numbers, a, b, counts, fold,
+                      tuple((name, order.index(attr), casts[attr]) for name, attr in pairs)))
     return kinds, tuple(steps)
 
 
@@ -252,9 +256,13 @@ class SnapshotStore:
         layout, slots, shape)`` of one piece of a pass whose wall time is
         ``ts`` (a ``Timestamp``'s seconds); the store ends up exactly as
         :meth:`update_from_summaries` of the same summaries leaves it (a test
-        compares them). Every value is decoded before the lock is taken: a
-        count out of range raises, as writing the summary would, and folds
-        nothing of the pass.
+        compares them), but for the order of layers first seen in one pass:
+        the publisher folds a pass's summaries before its basic pieces, two
+        calls, so a scrape between them may see one tap at this pass and
+        another at the last (a layer's own series are never split: each
+        layer's pieces take one path). Every value is decoded before the lock
+        is taken: a count out of range raises, as writing the summary would,
+        and folds nothing of the pass.
         """
         decoded = []
         for tap, layer, point, output_index, call_index, sampled, layout, slots, shape in items:
@@ -262,9 +270,11 @@ class SnapshotStore:
             first_call = call_index == 0
             primary = first_call and output_index == 0
             named = []
-            for fn, a, b, fold, pairs in plan:
+            for fn, a, b, counts, fold, pairs in plan:
+                numbers = fn(slots[a:b], shape)
+                for j in counts:  # every count a summary would carry, exported or not, is checked as writing it is
+                    uint64(numbers[j])
                 if fold == "total" or (primary if fold == "latest" else first_call and sampled):
-                    numbers = fn(slots[a:b], shape)  # only what this piece's folds read
                     named.append((fold, [(name, cast(numbers[j])) for name, j, cast in pairs]))
             decoded.append(((tap, layer, point, phase), first_call, sampled, primary, kinds, named))
         with self._lock:

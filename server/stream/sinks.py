@@ -87,11 +87,14 @@ class Sink:
     def wants_summaries(self, tap_id: str) -> bool:
         """Whether :meth:`on_summaries` must see this tap's basic pieces as messages now.
 
-        A sink that reads summaries but overrides neither this nor
-        :meth:`on_basic` sees every one (the safe default); one that folds
-        :meth:`on_basic` says no, so a tap that only it reads costs no messages.
+        A sink that reads summaries sees every one (the safe default) unless
+        the class that reads them also folds :meth:`on_basic` (or a subclass of
+        it does): then it says no, so a tap that only it reads costs no
+        messages. A subclass that overrides only ``on_summaries`` below one
+        that folds ``on_basic`` is sent every summary again.
         """
-        return type(self).on_summaries is not Sink.on_summaries and type(self).on_basic is Sink.on_basic
+        reads, folds = _definer(type(self), "on_summaries"), _definer(type(self), "on_basic")
+        return reads is not Sink and not issubclass(folds, reads)
 
     def on_basic(self, ctx: PassContext, pieces: Sequence[tuple[BasicPiece, np.ndarray]]) -> None:
         """A pass's basic-only pieces that no subscriber or sink wanted as messages, with their
@@ -117,6 +120,11 @@ class Sink:
 
     def on_budget(self, dropped: int, held_bytes: int) -> None:
         """The subscribers' byte budget dropped ``dropped`` oldest messages; all queues hold ``held_bytes``."""
+
+
+def _definer(cls: type, name: str) -> type:
+    """The class in ``cls``'s MRO whose own body defines ``name``."""
+    return next(c for c in cls.__mro__ if name in vars(c))
 
 
 _S = TypeVar("_S", bound=Sink)
@@ -158,7 +166,17 @@ class Sinks(Sink):
         return any(sink.wants_summaries(tap_id) for sink in self._members)
 
     def on_basic(self, ctx: PassContext, pieces: Sequence[tuple[BasicPiece, np.ndarray]]) -> None:
-        self._each(lambda s: s.on_basic(ctx, pieces))
+        """Every sink hears it; then the first failure is raised, so the host-transfer thread counts
+        the pass as an error, as it did when a bad value failed the summary that carried it."""
+        first: Exception | None = None
+        for sink in self._members:
+            try:
+                sink.on_basic(ctx, pieces)
+            except Exception as exc:  # one broken consumer must not stop the others
+                log.exception("sink %s failed", type(sink).__name__)
+                first = first or exc
+        if first is not None:
+            raise first
 
     def on_pass_skipped(self, ctx: PassContext) -> None:
         self._each(lambda s: s.on_pass_skipped(ctx))

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
@@ -85,18 +86,20 @@ def test_the_fold_from_slots_equals_the_fold_of_the_summaries(passes, phase, wal
             _same(x, y)
 
 
-def test_a_count_out_of_range_folds_nothing_of_the_pass() -> None:
-    plan = ReducerPlan(build_reducers([pb.ReducerSpec(kind=pb.REDUCER_KIND_NONFINITE)]))
+@pytest.mark.parametrize(("kind", "slots"), [
+    (pb.REDUCER_KIND_NONFINITE, [0.0, -1.0, 4.0]),  # a negative NaN count: exported as a counter
+    (pb.REDUCER_KIND_MOMENTS, [0.0, 0.0, -4.0]),  # a negative element count: in the summary, not exported
+])
+def test_a_count_out_of_range_folds_nothing_of_the_pass(kind, slots) -> None:
+    plan = ReducerPlan(build_reducers([pb.ReducerSpec(kind=kind)]))
     store = SnapshotStore()
-    good = [0.0, 0.0, 4.0] + [0.0] * (BASIC_WIDTH - 3)
-    bad = [0.0, -1.0, 4.0] + [0.0] * (BASIC_WIDTH - 3)  # a negative NaN count: no summary could hold it
-    try:
+    good = [0.0, 0.0, 4.0] + [1.0] * (BASIC_WIDTH - 3)
+    bad = slots + [1.0] * (BASIC_WIDTH - 3)
+    with pytest.raises(ValueError, match="uint64"):  # as writing the summary's varint raises
+        results_bytes(plan.basic_layout, bad, (4,))
+    with pytest.raises(ValueError, match="uint64"):
         store.update_from_basic(1.0, 0, PHASE_NONE, [("t", "a", pb.POINT_OUTPUT, 0, 0, True, plan.basic_layout, good, (4,)),
                                                      ("t", "b", pb.POINT_OUTPUT, 0, 0, True, plan.basic_layout, bad, (4,))])
-    except ValueError as exc:
-        assert "uint64" in str(exc)
-    else:
-        raise AssertionError("a negative count was folded")
     assert store.snapshot() == []
 
 
@@ -173,3 +176,48 @@ def test_a_sink_that_reads_summaries_without_saying_which_gets_them_all() -> Non
     legacy = sinks.add(ReadsAll())
     _pass(Publisher(Broker(sinks=sinks), sinks), taps, 0)
     assert legacy.seen == ["a", "b"]
+
+
+class FoldsToo(MetricsSink):
+    """A subclass that changes how summaries are read, but not the basic fold it inherits."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.seen: list[str] = []
+
+    def on_summaries(self, ctx: PassContext, summaries: list[pb.Summary]) -> None:
+        self.seen.extend(s.tap for s in summaries)
+        super().on_summaries(ctx, summaries)
+
+
+def test_a_subclass_that_reads_summaries_below_a_basic_fold_gets_them_all() -> None:
+    taps = [FakeTap("a")]
+    store = SnapshotStore()
+    sinks = Sinks()
+    sub = sinks.add(FoldsToo(ServerMetrics(CollectorRegistry(), "m"), store, lambda: {"a": True}))
+    assert sinks.add(Sink()).wants_summaries("a") is False  # reads nothing
+    plain = MetricsSink(ServerMetrics(CollectorRegistry(), "m"), SnapshotStore(), lambda: {"a": True})
+    assert plain.wants_summaries("a") is False and sub.wants_summaries("a") is True
+    _pass(Publisher(Broker(sinks=sinks), sinks), taps, 0)
+    assert sub.seen == ["a"] and [s.tap for s in store.snapshot()] == ["a"]  # folded once, as a summary
+
+
+def test_a_bad_count_in_a_metrics_only_tap_fails_the_pass_as_its_summary_did() -> None:
+    """The host-transfer thread counts the error; the other sinks still hear the pass."""
+    plan = ReducerPlan(build_reducers([pb.ReducerSpec(kind=pb.REDUCER_KIND_NONFINITE)]))
+
+    class Hears(Sink):
+        def __init__(self) -> None:
+            self.passes = 0
+
+        def on_basic(self, ctx, pieces) -> None:
+            self.passes += 1
+
+    sinks = Sinks()
+    sinks.add(MetricsSink(ServerMetrics(CollectorRegistry(), "m"), SnapshotStore(), lambda: {"t": True}))
+    hears = sinks.add(Hears())
+    piece = Piece(FakeTap("t"), "layer", 0, 0, (4,), plan, True)
+    bad = np.array([0.0, -1.0, 4.0] + [0.0] * (BASIC_WIDTH - 3))
+    with pytest.raises(ValueError, match="uint64"):
+        Publisher(Broker(sinks=sinks), sinks).publish(PassContext(index=0), [piece], {0: bad}, lambda: {"t": True}, None)
+    assert hears.passes == 1
