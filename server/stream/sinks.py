@@ -163,7 +163,14 @@ class Sinks(Sink):
         self._each(lambda s: s.on_summaries(ctx, summaries))
 
     def wants_summaries(self, tap_id: str) -> bool:
-        return any(sink.wants_summaries(tap_id) for sink in self._members)
+        for sink in self._members:
+            try:
+                if sink.wants_summaries(tap_id):
+                    return True
+            except Exception:  # a broken sink is sent messages: the safe answer, and the pass goes on
+                log.exception("sink %s failed", type(sink).__name__)
+                return True
+        return False
 
     def on_basic(self, ctx: PassContext, pieces: Sequence[tuple[BasicPiece, np.ndarray]]) -> None:
         """Every sink hears it; then the first failure is raised, so the host-transfer thread counts

@@ -221,3 +221,15 @@ def test_a_bad_count_in_a_metrics_only_tap_fails_the_pass_as_its_summary_did() -
     with pytest.raises(ValueError, match="uint64"):
         Publisher(Broker(sinks=sinks), sinks).publish(PassContext(index=0), [piece], {0: bad}, lambda: {"t": True}, None)
     assert hears.passes == 1
+
+
+def test_a_sink_that_cannot_answer_is_sent_messages_and_the_pass_goes_on() -> None:
+    class Unsure(Sink):
+        def wants_summaries(self, tap_id: str) -> bool:
+            raise RuntimeError("broken")
+
+    sinks = Sinks()
+    sinks.add(Unsure())
+    legacy = sinks.add(ReadsAll())
+    _pass(Publisher(Broker(sinks=sinks), sinks), [FakeTap("a")], 0)
+    assert legacy.seen == ["a"]
