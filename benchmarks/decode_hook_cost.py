@@ -16,10 +16,12 @@ over rounds of the row's per-step CPU, and its paired difference against ``base`
   tap, per tensor the tap with small tensors reduced one by one in their hooks, as before
                   ``reducers.batched`` (each hook copies its tensor; the pass's end reduces the copies)
 
-Columns: model-thread CPU (``time.thread_time``), process CPU (every thread), and the hook's own
+Columns: model-thread CPU (``time.thread_time``), process CPU (every thread), the hook's own
 time as the engine measures it (``on_hook_time``): inside the forward the same hook code runs ~3x
 its cost outside (the model's code and data evict it from the caches), and the model runs slower
-after it.
+after it; the host-transfer thread's CPU (its own CPU clock, where the OS has one), and the model thread's time
+off the CPU during the decode steps (wall minus its CPU): mostly waiting for the GIL, which the
+host-transfer thread's Python holds, so the two track each other.
 
     python benchmarks/decode_hook_cost.py --rounds 20
 """
@@ -27,6 +29,7 @@ after it.
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import random
 import statistics
@@ -51,6 +54,10 @@ CONFIG = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
           "bos_token_id": None, "pad_token_id": None}
 
 
+#: Per decode step: model-thread, process, hook, host-transfer thread and model off-CPU milliseconds.
+Cells = tuple[float, float, float, float, float]
+
+
 class Rig:
     """The model host, the engine, and one tap made and deleted as the rows need it."""
 
@@ -67,8 +74,9 @@ class Rig:
     def _hook_time(self, seconds: float) -> None:
         self.hook_seconds += seconds
 
-    def run(self) -> tuple[float, float, float]:
-        """(model-thread ms, process ms, hook ms) per decode step of one prefill and ``steps`` decodes."""
+    def run(self) -> Cells:
+        """(model-thread ms, process ms, hook ms, host-transfer ms, model off-CPU ms) per decode step
+        of one prefill and ``steps`` decodes."""
         model, host = self.host.module, self.host
         ids = torch.arange(1, 65)[None]
         mask = torch.ones_like(ids)
@@ -78,7 +86,8 @@ class Rig:
         cache, last = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
         self.engine.flush()
         self.hook_seconds = 0.0
-        t0, p0 = time.thread_time(), time.process_time()
+        x0 = self._transfer_cpu()
+        t0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
         for s in range(self.steps):
             mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype)], 1)
             with host.pass_context(phase=PHASE_DECODE, requests=(RequestRows("r", slice(0, 1), (64 + s,), 0),),
@@ -86,12 +95,21 @@ class Rig:
                 out = model(input_ids=last, attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
                             cache=cache, use_cache=True, logits_to_keep=1)
             last = out.logits[:, -1].argmax(-1, keepdim=True)
+        wall, model = time.perf_counter() - w0, time.thread_time() - t0
         self.engine.flush()
         n = self.steps
-        return ((time.thread_time() - t0) * 1e3 / n, (time.process_time() - p0) * 1e3 / n, self.hook_seconds * 1e3 / n)
+        return (model * 1e3 / n, (time.process_time() - p0) * 1e3 / n, self.hook_seconds * 1e3 / n,
+                (self._transfer_cpu() - x0) * 1e3 / n, (wall - model) * 1e3 / n)
+
+    def _transfer_cpu(self) -> float:
+        """The host-transfer thread's CPU seconds so far, from its own CPU clock (NaN where there is none)."""
+        ident = self.engine.transfer._thread.ident
+        if ident is None or not hasattr(time, "pthread_getcpuclockid"):
+            return math.nan
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
 
     def with_tap(self, before: Callable[[], object] = lambda: None, after: Callable[[], object] = lambda: None
-                 ) -> tuple[float, float, float]:
+                 ) -> Cells:
         before()  # first: the tap's hooks bind the engine's callback when the tap is made
         tap = self.engine.create(self.spec, forever=True)
         try:
@@ -100,9 +118,9 @@ class Rig:
             self.engine.delete(tap.id)
             after()
 
-    def raw_hooks(self) -> tuple[float, float, float]:
+    def raw_hooks(self) -> Cells:
         handles = [self.host.module.get_submodule(f"model.layers.{i}").register_forward_hook(lambda m, a, o: None)
-                   for i in range(CONFIG["num_hidden_layers"])]
+                   for i in range(int(CONFIG["num_hidden_layers"] or 0))]
         try:
             return self.run()
         finally:
@@ -141,7 +159,7 @@ def main() -> None:
     def batched() -> None:
         engine.batch_small = True
 
-    rows: dict[str, Callable[[], tuple[float, float, float]]] = {
+    rows: dict[str, Callable[[], Cells]] = {
         "base": rig.run,
         "raw no-op hooks": rig.raw_hooks,
         "hook, no work": lambda: rig.with_tap(no_work, real_work),
@@ -152,14 +170,14 @@ def main() -> None:
     for row in rows.values():  # warm-up, and the reducers' kernel compiled before timing
         row()
     COMPILED_STATS.wait_idle(300)
-    cells: dict[str, list[tuple[float, float, float]]] = {k: [] for k in rows}
+    cells: dict[str, list[Cells]] = {k: [] for k in rows}
     for r in range(args.rounds):
         for name in (list(rows) if r % 2 == 0 else list(rows)[::-1]):
             cells[name].append(rows[name]())
     print(f"Llama 8 layers, hidden 512, batch-1 decode, {args.steps} steps per run, {args.rounds} rounds; "
           f"{platform.machine()}, torch {torch.__version__}, {args.threads} torch thread(s)")
     print(f"{'row':18s} {'model-thread ms':>16s} {'vs base (paired)':>28s} {'process ms':>11s} "
-          f"{'vs base (paired)':>28s} {'hook ms':>8s}")
+          f"{'vs base (paired)':>28s} {'hook ms':>8s} {'transfer ms':>12s} {'model off-CPU ms':>17s}")
     base = np.array(cells["base"])
     for name, got in cells.items():
         a = np.array(got)
@@ -169,7 +187,8 @@ def main() -> None:
             q1, q2, q3 = np.percentile(d[:, col], [25, 50, 75])
             return f"{q2:+.2f} [{q1:+.2f}..{q3:+.2f}]"
         print(f"{name:18s} {statistics.median(a[:, 0]):16.2f} {paired(0):>28s} {statistics.median(a[:, 1]):11.2f} "
-              f"{paired(1):>28s} {statistics.median(a[:, 2]):8.2f}")
+              f"{paired(1):>28s} {statistics.median(a[:, 2]):8.2f} {statistics.median(a[:, 3]):12.2f} "
+              f"{statistics.median(a[:, 4]):17.2f}")
 
 
 if __name__ == "__main__":
