@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from layertap.server.taps.engine import TapEngine
@@ -20,3 +21,15 @@ def drain(engine: TapEngine, sub: Any) -> list[pb.Summary]:
 def results(s: pb.Summary) -> dict[str, pb.ReducerResult]:
     """A summary's results by reducer kind."""
     return {r.WhichOneof("value"): r for r in s.results}
+
+
+@dataclass
+class FakeTap:
+    """A tap as the publisher reads it (``PublishedTap``), with no engine behind it."""
+
+    id: str
+    spec: pb.TapSpec = field(default_factory=lambda: pb.TapSpec(point=pb.POINT_OUTPUT))
+    owner: str = ""
+    durable: bool = True
+    hits: int = 0
+    disabled: bool = False

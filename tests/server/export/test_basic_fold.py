@@ -9,13 +9,14 @@ however outputs, calls, sampling and reducer sets mix across passes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
+from support.summaries import FakeTap
 
 from layertap.server.export.health import ServerMetrics
 from layertap.server.export.sink import MetricsSink
@@ -104,16 +105,6 @@ def test_a_count_out_of_range_folds_nothing_of_the_pass(kind, slots) -> None:
 
 
 # -- the publisher's choice -------------------------------------------------------------------------
-
-
-@dataclass
-class FakeTap:
-    id: str
-    spec: pb.TapSpec = field(default_factory=lambda: pb.TapSpec(point=pb.POINT_OUTPUT))
-    owner: str = ""
-    durable: bool = True
-    hits: int = 0
-    disabled: bool = False
 
 
 class Reads(Sink):

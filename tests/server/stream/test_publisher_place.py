@@ -6,10 +6,9 @@ the whole pass. The hand-written path (basic-only plans) and the message path mu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import pytest
+from support.summaries import FakeTap
 
 from layertap.server.host.model_host import PHASE_DECODE, PHASE_PREFILL, PassContext, RequestRows
 from layertap.server.reducers.latency import Lap
@@ -20,16 +19,6 @@ from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
 
 SHAPE = (3, 5, 8)
-
-
-@dataclass
-class FakeTap:
-    id: str
-    spec: pb.TapSpec = field(default_factory=lambda: pb.TapSpec(point=pb.POINT_OUTPUT))
-    owner: str = ""
-    durable: bool = True
-    hits: int = 0
-    disabled: bool = False
 
 
 def publish(ctx: PassContext, *, messages: bool, rank: int | None) -> list[pb.Summary]:
