@@ -172,7 +172,7 @@ def _make_basic_plan(layout: Layout) -> tuple[tuple[str, ...], tuple[_BasicStep,
         assert message is not None
         counts = tuple(j for j, f in enumerate(message.fields) if f.type != FieldDescriptor.TYPE_DOUBLE)
         if r.result_field not in _FOLDS:
-            steps.append((r.numbers, a, b, counts, "", ()))  # folds nothing; its counts are still checked
+            steps.append((r.numbers, a, b, counts, "", ()))  # folds nothing (no pairs); its counts are still checked
             continue
         fold, pairs = _FOLDS[r.result_field]
         if fold not in _SCALAR_FOLDS:
@@ -274,7 +274,7 @@ class SnapshotStore:
                 numbers = fn(slots[a:b], shape)
                 for j in counts:  # every count a summary would carry, exported or not, is checked as writing it is
                     uint64(numbers[j])
-                if fold == "total" or (primary if fold == "latest" else first_call and sampled):
+                if pairs and (fold == "total" or (primary if fold == "latest" else first_call and sampled)):
                     named.append((fold, [(name, cast(numbers[j])) for name, j, cast in pairs]))
             decoded.append(((tap, layer, point, phase), first_call, sampled, primary, kinds, named))
         with self._lock:
