@@ -247,7 +247,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
         if why_not is not None:
             raise ModelLoadError(why_not)
         host.compile_model(mode=config.compile_mode, fallback=config.compile_fallback,
-                           max_variants=config.compile_variants)
+                           max_variants=config.compile_variants, where=config.compile_where)
     # One process-wide switch: inductor's caches are process-wide too.
     COMPILED_STATS.set_enabled(config.compile_reducers)
     version = server_version()

@@ -72,11 +72,15 @@ class ServerConfig:
     compile_reducers: bool = True
     #: Serve Infer from torch.compile'd variants of the model (``--compile-model``), with in-graph tap
     #: statistics; see host.compiled. ``compile_mode`` is inductor's mode, ``compile_fallback`` what
-    #: serves a tapped pass while its graph compiles (eager or pending), ``compile_variants`` the cap.
+    #: serves a tapped pass while its graph compiles (eager or pending), ``compile_variants`` the cap,
+    #: ``compile_where`` where a variant compiles.
     compile_model: bool = False
     compile_mode: str = "default"
     compile_fallback: str = "eager"
     compile_variants: int = 4
+    #: Where a variant compiles: ``process`` (a niced child builds an AOTInductor package; CPU models)
+    #: or ``thread`` (dynamo on this process's compiler thread; what a CUDA model always uses).
+    compile_where: str = "process"
     #: How much nicer than the model thread the telemetry threads run
     #: (host-transfer, recorder, /metrics); 0: same priority. See host.priority.
     telemetry_nice: int = 19

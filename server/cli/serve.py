@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-fallback", choices=("eager", "pending"), default=d.compile_fallback,
                    help="while a tap's graph compiles: eager (its passes run the eager model, the tap is active at "
                         "once) or pending (the previous graph serves, the tap starts when its graph is ready)")
+    p.add_argument("--compile-where", choices=("process", "thread"), default=d.compile_where,
+                   help="where a variant compiles: process (default: a niced child process builds an AOTInductor "
+                        "package, so serving keeps the GIL and its cores) or thread (dynamo in the server's own "
+                        "process; what a CUDA model always uses)")
     p.add_argument("--compile-variants", type=_positive, default=d.compile_variants,
                    help="compiled variants (tap sets) kept at most, least recently used dropped (default 4)")
     p.add_argument("--telemetry-nice", type=int, default=d.telemetry_nice,

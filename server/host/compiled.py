@@ -37,7 +37,10 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import os
 import queue
+import shutil
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -48,11 +51,13 @@ from typing import Any, Protocol
 import torch
 
 from layertap.server.host import probe
+from layertap.server.host.compile_process import ProcessVariant, skeleton_bytes
 from layertap.server.host.compiled_graph import GraphResult, StatsFunction, Variant
 from layertap.server.host.model_thread import in_own_thread
 from layertap.server.host.step_aside import PASSES, step_aside
 
-__all__ = ["COMPILE_MODES", "CUDA_GRAPHS_VERIFIED", "CompiledServing", "GraphPlan", "GraphTaps", "check_mode"]
+__all__ = ["COMPILE_MODES", "CUDA_GRAPHS_VERIFIED", "WHERE", "CompiledServing", "GraphPlan", "GraphTaps",
+           "check_mode"]
 
 log = logging.getLogger("layertap.server.compiled")
 
@@ -66,6 +71,8 @@ CUDA_GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
 CUDA_GRAPHS_VERIFIED = frozenset({"reduce-overhead"})
 #: ``fallback`` values: what serves a tapped pass while its graph compiles.
 FALLBACKS = ("eager", "pending")
+#: ``where`` values: where a variant compiles (see :class:`CompiledServing`).
+WHERE = ("process", "thread")
 
 QUEUED, COMPILING, READY, FAILED = "queued", "compiling", "ready", "failed"
 
@@ -123,7 +130,7 @@ class GraphTaps(Protocol):
 class _Slot:
     key: tuple[str, ...]
     state: str = QUEUED
-    variant: Variant | None = None
+    variant: Variant | ProcessVariant | None = None
     error: str = ""
     #: Input shapes compiled or queued (a miss queues its shape once).
     shapes: set[tuple[tuple[int, ...], ...]] = field(default_factory=set)
@@ -157,11 +164,20 @@ class CompiledServing:
 
     def __init__(self, module: torch.nn.Module, free_dims: dict[int | str, tuple[int, ...]] | None = None, *,
                  mode: str = "default", max_variants: int = 4, max_shapes: int = 4,
-                 fallback: str = "eager") -> None:
+                 fallback: str = "eager", where: str = "process") -> None:
         if mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile mode {mode!r}")
         if fallback not in FALLBACKS:
             raise ValueError(f"unknown fallback {fallback!r}")
+        if where not in WHERE:
+            raise ValueError(f"unknown compile place {where!r}")
+        device = next(itertools.chain(module.parameters(), module.buffers()), torch.empty(0)).device
+        #: ``process``: packages built by a child process (:mod:`.compile_process`); ``thread``: dynamo
+        #: variants compiled on this process's compiler thread. A CUDA model compiles in the thread (its
+        #: CUDA-graph modes are dynamo's), and so does one whose skeleton does not pickle.
+        self.where = where if device.type == "cpu" else "thread"
+        self._workdir: str | None = None
+        self._child: ProcessVariant | None = None  # the variant whose child runs now
         self._module = module
         self._free = free_dims or {}
         self.mode = mode
@@ -226,10 +242,15 @@ class CompiledServing:
         with self._lock:
             self._closed = True
             thread = self._thread
+        child = self._child
+        if child is not None:
+            child.cancel()
         if thread is not None:
             self._queue.put(None)
             thread.join(timeout)
         stopped = thread is None or not thread.is_alive()
+        if stopped and self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
         if stopped:  # no trace can start now: the process's probes may go back to one global hook
             probe.compiled_stopped(self)
         return stopped
@@ -381,7 +402,10 @@ class CompiledServing:
         if first:
             slot.state = COMPILING
         try:
-            in_own_thread(step_aside(self._compile_here), job)
+            if self.where == "process":
+                self._compile_in_child(job)
+            else:
+                in_own_thread(step_aside(self._compile_here), job)
         except Exception as exc:  # any compile error leaves the old graph serving
             self.compile_failures += 1
             error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
@@ -408,6 +432,37 @@ class CompiledServing:
         variant = slot.variant or Variant(self._module, slot.key, self.backend, next(self._serial), stats)
         with torch.inference_mode():
             variant.compile(job.args, job.kwargs)
+        slot.variant = variant
+
+    def _compile_in_child(self, job: _Job) -> None:
+        """A package built by a child process; the model's skeleton is written on the first call.
+
+        A skeleton that does not pickle (a class defined in a function, a lock...) switches this
+        server to compiling in its own process, for this compile and every later one."""
+        if self._workdir is None:
+            try:
+                skeleton = skeleton_bytes(self._module)
+            except Exception as exc:  # noqa: BLE001 - pickling raises many types
+                self.where = "thread"
+                log.warning("the model cannot be sent to a compile process (%s: %s); compiling in this process",
+                            type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+                in_own_thread(step_aside(self._compile_here), job)
+                return
+            workdir = tempfile.mkdtemp(prefix="layertap-compile-")
+            with open(os.path.join(workdir, "skeleton"), "wb") as f:
+                f.write(skeleton)
+            self._workdir = workdir
+        slot = job.slot
+        stats = self.taps.statistics if self.taps is not None else None
+        variant = slot.variant
+        if not isinstance(variant, ProcessVariant):
+            variant = ProcessVariant(self._module, slot.key, os.path.join(self._workdir, "skeleton"), stats,
+                                     self._free, self._patches, self._workdir)
+        self._child = variant
+        try:
+            variant.compile(job.args, job.kwargs)
+        finally:
+            self._child = None
         slot.variant = variant
 
     def _evict(self, keep: _Slot) -> None:

@@ -226,13 +226,15 @@ class ModelHost:
         #: Serves Infer passes compiled (``serve --compile-model``); None: eager only.
         self.graph: CompiledServing | None = None
 
-    def compile_model(self, *, mode: str = "default", fallback: str = "eager", max_variants: int = 4) -> None:
+    def compile_model(self, *, mode: str = "default", fallback: str = "eager", max_variants: int = 4,
+                      where: str = "process") -> None:
         """Serve Infer passes from compiled variants (:mod:`.compiled`); the untapped graph compiles now,
         in the background. Explain, captures, replays and Generate keep the eager module."""
         free: dict[int | str, tuple[int, ...]] = {}
         for i, spec in enumerate(self.inputs):
             free[i] = free[spec.name] = tuple(d for d, size in enumerate(spec.shape) if size == -1)
-        self.graph = CompiledServing(self.module, free, mode=mode, fallback=fallback, max_variants=max_variants)
+        self.graph = CompiledServing(self.module, free, mode=mode, fallback=fallback, max_variants=max_variants,
+                                     where=where)
         if any(d < -1 for spec in self.inputs for d in spec.shape):
             return  # no example to compile ahead from: the first pass queues it
         # Free dims as 2: torch specializes sizes 0 and 1, a traced 2 stays dynamic.

@@ -20,6 +20,7 @@ from support.e2e import batch, scrape, wait_for
 from support.models import layer_outputs
 
 import layertap
+from layertap.server.host.compile_process import ProcessVariant
 from layertap.server.host.compiled_graph import Variant
 
 BASIC = ["moments", "minmax", "nonfinite", "zero_fraction"]
@@ -143,14 +144,15 @@ def test_tap_churn_under_load_never_compiles_on_a_request_thread(compiled_demo) 
 
 def test_a_compile_failure_keeps_the_old_graph_serving(compiled_demo, monkeypatch) -> None:
     graph = compiled_demo.state.host.graph
-    real = Variant.compile
+    for cls in (Variant, ProcessVariant):  # wherever the server compiles (a child's own failure: test_compile_process)
+        real = cls.compile
 
-    def failing(self: Variant, args: Any, kwargs: Any) -> Any:
-        if "fc" in self.key:
-            raise RuntimeError("injected compile failure")
-        return real(self, args, kwargs)
+        def failing(self: Any, args: Any, kwargs: Any, real: Any = real) -> Any:
+            if "fc" in self.key:
+                raise RuntimeError("injected compile failure")
+            return real(self, args, kwargs)
 
-    monkeypatch.setattr(Variant, "compile", failing)
+        monkeypatch.setattr(cls, "compile", failing)
     x = batch(2, seed=3)
     with layertap.Client(f"127.0.0.1:{compiled_demo.port}") as client:
         failures = client.stats().model_compile_failures

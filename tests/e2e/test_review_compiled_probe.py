@@ -12,7 +12,11 @@ copies of the modules, which those hooks never reach. (A first fix, a lock betwe
 compiler, left another host of the same process free to probe during the trace: the review's second round
 made the compile fail outright.) With no compiled host, probes keep the one global hook: it reaches a
 TorchScript child, which refuses a hook of its own (review, third round: module-local hooks everywhere made
-such a model fail its warm-up)."""
+such a model fail its warm-up).
+
+These servers compile in their own process (``compile_where="thread"``): a variant built by a child
+process (the default on CPU) is traced there, from a pickled hook-free copy, where no probe of the
+server's reaches it."""
 from __future__ import annotations
 
 import threading
@@ -48,7 +52,7 @@ def _global_hooks() -> int:
 
 @pytest.mark.timeout(240)
 def test_listlayers_during_a_compile_never_leaves_the_tap_set_eager(make_server) -> None:
-    srv = make_server(two_loaded(), compile_model=True)
+    srv = make_server(two_loaded(), compile_model=True, compile_where="thread")
     graph, host = srv.state.host.graph, srv.state.host
     assert graph.wait_idle(120)
     x = np.ones((4, 8), np.float32)
@@ -94,7 +98,7 @@ def test_another_host_probing_meanwhile_never_spoils_a_compile(make_server, othe
     failed (a dynamo KeyError building guards) and the tap set never compiled."""
     other = make_server(LoadedModel(_Heavy().eval(), "heavy", "factory", [InputSpec("x", torch.float32, (-1, 256))]),
                         compile_model=other_compiled)
-    srv = make_server(two_loaded(), compile_model=True)
+    srv = make_server(two_loaded(), compile_model=True, compile_where="thread")
     graph = srv.state.host.graph
     assert graph.wait_idle(120)
     if other.state.host.graph is not None:
@@ -138,7 +142,7 @@ def test_another_host_probing_meanwhile_never_spoils_a_compile(make_server, othe
 
 
 def test_a_probing_pass_hooks_only_its_own_modules(make_server) -> None:
-    srv = make_server(two_loaded(), compile_model=True)
+    srv = make_server(two_loaded(), compile_model=True, compile_where="thread")
     host = srv.state.host
     assert host.graph.wait_idle(120)
     host.layer_shapes.clear()
@@ -170,7 +174,7 @@ def _scripted() -> LoadedModel:
 
 
 def test_a_compiled_host_with_a_torchscript_child_probes_the_rest(make_server) -> None:
-    srv = make_server(_scripted(), compile_model=True)
+    srv = make_server(_scripted(), compile_model=True, compile_where="thread")
     host = srv.state.host
     assert host.graph.wait_idle(120)
     x = np.ones((3, 8), np.float32)

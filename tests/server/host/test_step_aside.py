@@ -244,7 +244,7 @@ def test_a_compiled_models_background_compile_runs_through_step_aside(make_serve
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
     srv = make_server(LoadedModel(model, "lin", "factory", [InputSpec("x", torch.float32, (-1, 8))]),
-                      compile_model=True)
+                      compile_model=True, compile_where="thread")
     assert srv.state.host.graph.wait_idle(120)
     assert seen and all(s == (True, True) for s in seen), seen
 

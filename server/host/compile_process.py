@@ -1,0 +1,449 @@
+"""A compiled variant built in another process: one AOTInductor package per tap set and input shape.
+
+Why another process: a compile is seconds to minutes of Python (dynamo's
+trace, inductor's lowering) and a C++ build. In the serving process it
+shares the GIL with every pass and every request's decode and encode; the
+best in-process schedule (:mod:`.step_aside`) still left an Infer's p99
+during a tap change at 2.7x the steady one on 2 cores (docs/benchmarks.md,
+session 15). Here a niced child process (``os.nice(19)``, one thread) exports
+the model with the taps' statistics hooks (``torch.export``, non-strict) and
+compiles it with AOTInductor; the server only loads the finished package.
+
+What crosses to the child (a pickle in a private temp dir):
+
+* the module's *skeleton*: the module tree pickled as is, except that a
+  tensor over :data:`SMALL_BYTES` goes as its shape, stride and dtype. The
+  child allocates those with ``torch.empty`` and never reads them: the
+  package is built with ``package_constants_in_so=False``, so it holds no
+  weights, and the server points every constant at the live model's own
+  tensor (``load_constants(..., user_managed=True)``: no copy). A constant
+  the server cannot name (a tensor the forward makes) comes back by value.
+* the key, the statistics function (by reference), example inputs' shapes and
+  dtypes with their free dims, and inductor's options for the mode.
+
+Guards: the package was traced for one input structure, with each free dim
+dynamic over the range export found; :meth:`Package.accepts` checks that
+structure, each tensor's dtype, device, rank, contiguity and every dim
+(fixed or in range) before a call, so a pass never reaches compiled code
+that was not built for its inputs. A tapped output's shape is read from the
+inputs' dims (the child says which input dim each free output dim is), not
+from the graph, so feeding the statistics reads nothing back from a tensor.
+
+Scope: CPU models whose skeleton pickles (classes importable by name). The
+others (CUDA, whose CUDA-graph modes AOTInductor does not replay, and
+unpicklable modules) compile in the serving process (:mod:`.compiled_graph`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from layertap.server.host.compiled_graph import GraphResult, StatsFunction, clone_tree
+
+__all__ = ["SMALL_BYTES", "Package", "ProcessVariant", "Skeleton", "skeleton_bytes"]
+
+#: Tensors at most this large travel by value in the skeleton; larger ones as placeholders.
+SMALL_BYTES = 1 << 16
+#: The wrapper's attribute that holds the model: every constant's name starts with it.
+_ROOT = "model"
+#: A free dim: ``(input index, dim)``; a fixed one: its size.
+DimRef = int | tuple[int, int]
+
+
+# -- the skeleton ----------------------------------------------------------------------------------
+def _placeholder(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, requires_grad: bool,
+                 param: bool) -> torch.Tensor:
+    t = torch.empty_strided(shape, stride, dtype=dtype)  # pages untouched: never read by the child
+    return nn.Parameter(t, requires_grad=requires_grad) if param else t
+
+
+def _by_value(data: bytes, requires_grad: bool, param: bool) -> torch.Tensor:
+    t = torch.load(io.BytesIO(data), weights_only=True)
+    return nn.Parameter(t, requires_grad=requires_grad) if param else t
+
+
+class Skeleton(pickle.Pickler):
+    """Pickles a module tree with its large tensors as placeholders (CPU, in the child)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        param = isinstance(obj, nn.Parameter)
+        t = obj.detach()
+        if t.untyped_storage().nbytes() <= SMALL_BYTES:
+            buf = io.BytesIO()
+            torch.save(t.to("cpu").clone(), buf)
+            return _by_value, (buf.getvalue(), obj.requires_grad, param)
+        return _placeholder, (tuple(t.shape), t.stride(), t.dtype, obj.requires_grad, param)
+
+
+def skeleton_bytes(module: nn.Module) -> bytes:
+    """The module's skeleton (see the module docstring); raises whatever pickling raises."""
+    buf = io.BytesIO()
+    Skeleton(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(clone_tree(module))
+    return buf.getvalue()
+
+
+# -- what the child builds ----------------------------------------------------------------------------
+@dataclass
+class _Job:
+    skeleton: str  # path of the skeleton file
+    key: tuple[str, ...]
+    stats: StatsFunction | None
+    #: Per input (positional by index, keyword by name): ``(dtype, shape)``, or None for a None argument.
+    args: list[tuple[torch.dtype, tuple[int, ...]] | None]
+    kwargs: dict[str, tuple[torch.dtype, tuple[int, ...]] | None]
+    free: dict[int | str, tuple[int, ...]]
+    options: dict[str, Any]
+    out: str  # where the package goes; its metadata beside it (``.meta``)
+
+
+@dataclass
+class _Meta:
+    """What the server needs besides the package: guards, output shapes, constants by value."""
+
+    #: Per flat input (args, then kwargs in this order): None, or ``(dtype, [size or (lo, hi)] per dim)``.
+    inputs: list[tuple[torch.dtype, list[int | tuple[int, int]]] | None]
+    kw_names: list[str]
+    #: Per tapped output: each dim's size, or the ``(input index, dim)`` it equals.
+    shapes: list[list[DimRef]]
+    #: Constants the server cannot resolve by name, by value.
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Every tensor of the model the program reads: each must be a constant the server sets.
+    used: list[str] = field(default_factory=list)
+
+
+class _Tapped(nn.Module):
+    """The model with its taps' statistics as forward hooks: what the child exports."""
+
+    def __init__(self, model: nn.Module, key: Sequence[str], stats: StatsFunction | None,
+                 record: Callable[[list[tuple[Any, ...]]], None]) -> None:
+        super().__init__()
+        #: Called with the tapped outputs' (symbolic) shapes on each forward: a function, which
+        #: export's copy of the module shares (it copies attributes, and a list with them).
+        self._record = record
+        self.model = model
+        self._n = len(key)
+        self._sink: dict[int, tuple[torch.Tensor, tuple[Any, ...]]] = {}
+        modules = dict(model.named_modules())
+        for i, layer in enumerate(key):
+            assert stats is not None
+            modules[layer].register_forward_hook(self._hook(i, stats))
+
+    def _hook(self, index: int, stats: StatsFunction) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(_module: nn.Module, _args: Any, out: Any) -> None:
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"a tapped output must be one tensor for in-graph statistics, "
+                                f"got {type(out).__name__}")
+            self._sink[index] = (stats(out.detach()), tuple(out.shape))
+        return hook
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[Any, torch.Tensor | None]:
+        out = self.model(*args, **kwargs)
+        if not self._n:
+            return out, None
+        stats = torch.stack([self._sink[i][0] for i in range(self._n)])
+        self._record([self._sink[i][1] for i in range(self._n)])
+        self._sink.clear()
+        return out, stats
+
+
+def _dim_ref(size: Any, inputs: list[torch.Tensor | None]) -> DimRef:
+    if isinstance(size, int):
+        return size
+    expr = size.node.expr
+    for i, t in enumerate(inputs):
+        for d, s in enumerate(t.shape if t is not None else ()):
+            if not isinstance(s, int) and s.node.expr == expr:
+                return (i, d)
+    raise ValueError(f"a tapped output's size {expr} is none of the inputs' sizes")
+
+
+def _output_types() -> None:
+    """Registers the output types export must flatten: a transformers model returns its ``DynamicCache``.
+
+    In the child before export, and in the server before loading a package (its output spec names the type)."""
+    if "transformers" not in sys.modules:
+        return
+    from transformers.integrations.executorch import register_dynamic_cache_export_support  # noqa: PLC0415
+
+    register_dynamic_cache_export_support()  # idempotent
+
+
+def _build(job: _Job) -> None:
+    """The child's work: export, compile, write the package and its metadata."""
+    import torch._inductor  # noqa: PLC0415 - the child's one job
+    from torch.export import Dim  # noqa: PLC0415
+
+    module = pickle.loads(Path(job.skeleton).read_bytes())
+    _output_types()
+    traced: list[list[tuple[Any, ...]]] = []
+    wrapper = _Tapped(module, job.key, job.stats, traced.append).eval()
+
+    def example(spec: tuple[torch.dtype, tuple[int, ...]] | None) -> torch.Tensor | None:
+        # 2 for a free dim: torch specializes 0 and 1; a size-1 shape of the server's gets its own package.
+        return None if spec is None else torch.zeros(spec[1], dtype=spec[0])
+
+    args = tuple(example(s) for s in job.args)
+    kwargs = {k: example(s) for k, s in job.kwargs.items()}
+
+    def dims(where: int | str, t: torch.Tensor | None) -> Any:
+        if t is None:
+            return None
+        return {d: Dim.AUTO for d in job.free.get(where, ()) if d < t.dim() and t.shape[d] >= 2} or None
+
+    dynamic: dict[str, Any] = {"args": tuple(dims(i, t) for i, t in enumerate(args))}
+    if kwargs:  # export wants the forward's parameter names that the inputs fill, no more
+        dynamic["kwargs"] = {k: dims(k, t) for k, t in kwargs.items()}
+    seen: list[torch.Tensor | None] = []
+
+    def spy(_m: nn.Module, a: Any, k: Any) -> None:  # the traced inputs, symbolic sizes included
+        seen[:] = [*a, *k.values()]
+
+    handle = wrapper.register_forward_pre_hook(spy, with_kwargs=True)
+    with torch.no_grad():
+        program = torch.export.export(wrapper, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    handle.remove()
+    shapes = [[_dim_ref(s, seen) for s in shape] for shape in (traced[-1] if traced else [])]
+    ranges = {str(sym): (_bound(r.lower, 0), _bound(r.upper, sys.maxsize))
+              for sym, r in program.range_constraints.items()}
+    flat: list[tuple[torch.dtype, list[int | tuple[int, int]]] | None] = []
+    for node in program.graph.nodes:
+        if node.op != "placeholder" or node.name not in set(program.graph_signature.user_inputs):
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            flat.append(None)
+            continue
+        flat.append((val.dtype, [s if isinstance(s, int) else ranges.get(str(s.node.expr), (2, sys.maxsize))
+                                 for s in val.shape]))
+    names = {n for n, _ in wrapper.named_parameters(remove_duplicate=False)} | \
+        {n for n, _ in wrapper.named_buffers(remove_duplicate=False)}
+    values = {k: v.detach().clone() for k, v in program.constants.items()
+              if isinstance(v, torch.Tensor) and k not in names and _resolve(wrapper, k) is None}
+    # No weights in the package, and none inlined into a kernel (inductor inlines small ones by
+    # default): every tensor of the model stays a constant the server points at its own.
+    options = {**job.options, "aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
+    torch._inductor.aoti_compile_and_package(program, package_path=job.out, inductor_configs=options)
+    meta = _Meta(flat, list(kwargs), shapes, values, sorted({*program.state_dict, *program.constants}))
+    with open(job.out + ".meta", "wb") as f:
+        pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _bound(value: Any, infinite: int) -> int:
+    """A range bound as an int (sympy's and torch's infinities become ``infinite``)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return infinite
+
+
+def _resolve(root: nn.Module, name: str) -> torch.Tensor | None:
+    """The tensor at a dotted attribute path of ``root``, or None."""
+    obj: Any = root
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The child: ``python -m layertap.server.host.compile_process JOB``."""
+    path = (argv if argv is not None else sys.argv[1:])[0]
+    try:
+        os.nice(19)  # a compile yields every core to serving
+    except OSError:
+        pass
+    torch.set_num_threads(1)
+    with open(path, "rb") as f:
+        job: _Job = pickle.load(f)
+    _build(job)
+    return 0
+
+
+# -- the server's side --------------------------------------------------------------------------------
+class Package:
+    """One loaded package: its guards, and a call that feeds the statistics' shapes from the inputs."""
+
+    def __init__(self, path: str, meta: _Meta, root: nn.Module) -> None:
+        import torch._inductor  # noqa: PLC0415
+
+        self.meta = meta
+        _output_types()
+        self.runner = torch._inductor.aoti_load_package(path)
+        constants: dict[str, torch.Tensor] = {}
+        wrapper = nn.Module()
+        wrapper.add_module(_ROOT, root)
+        fqns = self.runner.get_constant_fqns()
+        baked = sorted(set(meta.used) - set(fqns))
+        if baked:  # its compile-time value (a placeholder's garbage, or a stale copy) would serve
+            raise RuntimeError(f"the package holds the model's tensor {baked[0]!r} as a compile-time value, "
+                               "not as a constant the server can point at its own")
+        for fqn in fqns:
+            t = meta.values.get(fqn)
+            if t is None:
+                t = _resolve(wrapper, fqn)
+            if t is None:
+                raise RuntimeError(f"the package's constant {fqn!r} is none of the model's tensors")
+            constants[fqn] = t.detach()
+        self.runner.load_constants(constants, check_full_update=True, user_managed=True)
+
+    def accepts(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether these inputs have the structure, dtypes and sizes the package was built for."""
+        meta = self.meta
+        if len(args) + len(kwargs) != len(meta.inputs) or list(kwargs) != meta.kw_names:
+            return False
+        for t, spec in zip((*args, *kwargs.values()), meta.inputs, strict=True):
+            if spec is None or t is None:
+                if spec is not t:
+                    return False
+                continue
+            if not isinstance(t, torch.Tensor) or t.dtype != spec[0] or t.device.type != "cpu" \
+                    or t.dim() != len(spec[1]) or not t.is_contiguous():
+                return False
+            for size, want in zip(t.shape, spec[1], strict=True):
+                if size != want if isinstance(want, int) else not want[0] <= size <= want[1]:
+                    return False
+        return True
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> GraphResult:
+        out, stats = self.runner(*args, **kwargs)
+        flat = (*args, *kwargs.values())
+        shapes = [tuple(d if isinstance(d, int) else flat[d[0]].shape[d[1]] for d in s) for s in self.meta.shapes]
+        return out, stats, shapes
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit)\w*: ")
+
+
+def _error_line(stderr: str) -> str:
+    """The child's exception line (``Type: message``, the last one), else its last line of output."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if _EXCEPTION_LINE.match(line)]
+    return (errors or lines or ["no output"])[-1][:500]
+
+
+class ProcessVariant:
+    """The model with in-graph statistics at ``key``'s layers, its packages built by a child process.
+
+    The same face as :class:`~.compiled_graph.Variant`: ``compile`` (the compiler thread; it waits
+    on the child without holding the GIL) and ``run`` (the model thread; never compiles).
+
+    Args:
+        model: The eager module (never changed; its tensors become the packages' constants).
+        key: Layer names whose output statistics the graph computes, in stats row order.
+        skeleton: Path of the model's skeleton (:func:`skeleton_bytes`), written once per server.
+        stats: The statistics traced at each key layer's output.
+        free: Per input, the dims declared free.
+        options: Inductor's options for the mode.
+        workdir: Where packages go (deleted with the server's temp dir).
+        timeout: Seconds a child may take before it is killed and the compile fails.
+    """
+
+    def __init__(self, model: nn.Module, key: Sequence[str], skeleton: str, stats: StatsFunction | None,
+                 free: dict[int | str, tuple[int, ...]], options: dict[str, Any], workdir: str,
+                 timeout: float = 3600.0) -> None:
+        self.key = tuple(key)
+        self._model = model
+        self._skeleton = skeleton
+        self._stats = stats
+        self._free = free
+        self._options = options
+        self._workdir = workdir
+        self._timeout = timeout
+        self._packages: tuple[Package, ...] = ()
+        self._child: subprocess.Popen[str] | None = None
+        self._cancelled = False
+        #: Seconds of the last compile spent in the child, and its exit status.
+        self.child_seconds = 0.0
+
+    @property
+    def shapes_compiled(self) -> int:
+        return len(self._packages)
+
+    def compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Build, load and index a package for inputs like these.
+
+        Raises:
+            RuntimeError: The child failed or timed out (its last lines of output in the message),
+                or the package does not take its own example.
+        """
+        def spec(t: Any) -> tuple[torch.dtype, tuple[int, ...]] | None:
+            if t is None:
+                return None
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"a compiled package takes tensors and None, not {type(t).__name__}")
+            return t.dtype, tuple(t.shape)
+
+        fd, out = tempfile.mkstemp(suffix=".pt2", dir=self._workdir)
+        os.close(fd)
+        job = _Job(self._skeleton, self.key, self._stats, [spec(a) for a in args],
+                   {k: spec(v) for k, v in kwargs.items()}, self._free, self._options, out)
+        job_path = out + ".job"
+        Path(job_path).write_bytes(pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        t0 = time.monotonic()
+        try:
+            with subprocess.Popen([sys.executable, "-m", __name__, job_path], env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) as child:
+                self._child = child
+                if self._cancelled:
+                    child.kill()
+                try:
+                    _, stderr = child.communicate(timeout=self._timeout)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.communicate()
+                    raise RuntimeError(f"the compile process ran past {self._timeout:.0f} s and was killed") from None
+            if child.returncode != 0:
+                why = "it was cancelled" if self._cancelled else _error_line(stderr)
+                raise RuntimeError(f"the compile process exited with {child.returncode}: {why}")
+            meta: _Meta = pickle.loads(Path(out + ".meta").read_bytes())
+            package = Package(out, meta, self._model)
+        finally:
+            self._child = None
+            self.child_seconds = time.monotonic() - t0
+            for path in (job_path, out, out + ".meta"):  # a loaded package lives in the loader's own copy
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        if not package.accepts(args, kwargs):
+            raise RuntimeError("the fresh package's guards reject its own example")
+        self._packages = (package, *self._packages)
+
+    def cancel(self) -> None:
+        """Kills the child that compiles now, if any, and any later one (the server is closing)."""
+        self._cancelled = True
+        child = self._child
+        if child is not None:
+            with contextlib.suppress(OSError):
+                child.kill()
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> GraphResult | None:
+        """The compiled pass when some package accepts these inputs, else None (nothing ran)."""
+        for package in self._packages:
+            if package.accepts(args, kwargs):
+                return package.run(args, kwargs)
+        return None
+
+
+if __name__ == "__main__":  # run by name, so what it pickles names this module, not __main__
+    from layertap.server.host.compile_process import main as _main
+
+    sys.exit(_main())

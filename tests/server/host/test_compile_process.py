@@ -1,0 +1,176 @@
+"""Variants built by a child process (``server/host/compile_process.py``): real children, real packages."""
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from layertap.server.host.compile_process import SMALL_BYTES, ProcessVariant, skeleton_bytes
+from layertap.server.host.compiled import CompiledServing
+from layertap.server.taps.graph import GraphFeed
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(16, 64)  # 4 KiB + bias: travels by value
+        self.big = nn.Linear(64, 512)  # 128 KiB: a placeholder
+        self.fc2 = nn.Linear(512, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.big(torch.relu(self.fc1(x)))))
+
+
+def _variant(model: nn.Module, key: tuple[str, ...], tmp_path: Path) -> ProcessVariant:
+    (tmp_path / "skeleton").write_bytes(skeleton_bytes(model))
+    return ProcessVariant(model, key, str(tmp_path / "skeleton"), GraphFeed.statistics, {0: (0,)}, {},
+                          str(tmp_path))
+
+
+def _reference(t: torch.Tensor) -> np.ndarray:
+    """The eight basic statistics of ``t`` in float64 numpy (shift K = 0 is not assumed: K is read back)."""
+    x = t.detach().double().numpy().reshape(-1)
+    return np.array([(x == 0).sum(), np.isnan(x).sum(), np.isfinite(x).sum(), x.min(), x.max()])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[_Net, ProcessVariant]:
+    model = _Net().eval()
+    v = _variant(model, ("big", "fc1"), tmp_path_factory.mktemp("pkg"))
+    with torch.inference_mode():
+        v.compile((torch.zeros(2, 16),), {})
+    return model, v
+
+
+def test_the_skeleton_carries_small_tensors_and_placeholders_for_large_ones() -> None:
+    model = _Net()
+    data = skeleton_bytes(model)
+    assert len(data) < model.big.weight.numel() * 4 // 2, "the large weight crossed by value"
+    copy = pickle.loads(data)
+    assert torch.equal(copy.fc1.weight, model.fc1.weight), "a small tensor must cross by value"
+    assert copy.big.weight.shape == model.big.weight.shape and isinstance(copy.big.weight, nn.Parameter)
+    assert model.big.weight.untyped_storage().nbytes() > SMALL_BYTES >= model.fc1.weight.untyped_storage().nbytes()
+    assert not copy._forward_hooks and copy.fc1.weight is not model.fc1.weight
+
+
+def test_a_childs_package_equals_the_eager_model_on_the_live_weights(built) -> None:
+    model, v = built
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [getattr(model, n).register_forward_hook(lambda _m, _a, o, n=n: seen.__setitem__(n, o.clone()))
+             for n in ("big", "fc1")]
+    try:
+        for batch in (2, 3, 17):
+            x = torch.randn(batch, 16)
+            with torch.inference_mode():
+                result = v.run((x,), {})
+                want = model(x)
+            assert result is not None
+            out, stats, shapes = result
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+            assert shapes == [(batch, 512), (batch, 64)], "shapes read from the inputs' dims"
+            assert stats is not None and stats.dtype == torch.float64 and stats.shape == (2, 8)
+            for row, name in enumerate(("big", "fc1")):
+                zeros, nan, count, lo, hi = _reference(seen[name])
+                got = stats[row].numpy()
+                assert (got[0], got[1], got[2]) == (zeros, nan, count)
+                np.testing.assert_allclose(got[6:8], [lo, hi], rtol=1e-6)
+                k = got[5]
+                ref = seen[name].double().numpy().reshape(-1) - k
+                np.testing.assert_allclose(got[3:5], [ref.sum(), (ref * ref).sum()], rtol=1e-6, atol=1e-9)
+        # The package's constants are the model's own tensors: a change in place is seen, no reload.
+        with torch.no_grad():
+            model.fc2.bias.add_(1.0)
+        try:
+            x = torch.randn(4, 16)
+            with torch.inference_mode():
+                result = v.run((x,), {})
+                assert result is not None
+                torch.testing.assert_close(result[0], model(x), rtol=1e-5, atol=1e-5)
+        finally:
+            with torch.no_grad():
+                model.fc2.bias.sub_(1.0)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_inputs_the_package_was_not_built_for_never_reach_it(built) -> None:
+    _, v = built
+    with torch.inference_mode():
+        assert v.run((torch.zeros(4, 16, dtype=torch.float64),), {}) is None, "dtype"
+        assert v.run((torch.zeros(4, 16, 1),), {}) is None, "rank"
+        assert v.run((torch.zeros(4, 15),), {}) is None, "a fixed dim"
+        assert v.run((torch.zeros(16, 4).t(),), {}) is None, "not contiguous"
+        assert v.run((torch.zeros(1, 16),), {}) is None, "batch 1: below the traced range (torch specializes 1)"
+        assert v.run((), {"x": torch.zeros(4, 16)}) is None, "by keyword"
+        assert v.run((torch.zeros(4, 16), torch.zeros(4, 16)), {}) is None, "an extra input"
+        assert v.run((torch.zeros(4, 16),), {}) is not None
+
+
+class _Raises(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the forward refuses to be traced")
+
+
+def test_a_childs_failure_names_its_exception(tmp_path: Path) -> None:
+    v = _variant(_Raises(), (), tmp_path)
+    with pytest.raises(RuntimeError, match=r"exited with 1: ValueError: the forward refuses to be traced"):
+        v.compile((torch.zeros(2, 16),), {})
+    assert v.shapes_compiled == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["skeleton"], "the job's files were left behind"
+
+
+def test_cancel_kills_the_child_at_once(tmp_path: Path) -> None:
+    v = _variant(_Net(), ("big",), tmp_path)
+    errors: list[BaseException] = []
+
+    def compile_() -> None:
+        try:
+            v.compile((torch.zeros(2, 16),), {})
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            errors.append(exc)
+
+    t = threading.Thread(target=compile_)
+    t.start()
+    deadline = time.monotonic() + 60
+    while v._child is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert v._child is not None, "no child started"
+    started = time.monotonic()
+    v.cancel()
+    t.join(30)
+    assert not t.is_alive() and time.monotonic() - started < 10
+    assert errors and "cancelled" in str(errors[0])
+
+
+class _Locked(nn.Module):
+    """Holds a lock: its skeleton cannot be pickled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.lock = threading.Lock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_a_model_that_does_not_pickle_compiles_in_the_server_process() -> None:
+    graph = CompiledServing(_Locked().eval(), {0: (0,)})
+    assert graph.where == "process"
+    try:
+        with torch.inference_mode():
+            graph.prepare((torch.zeros(2, 8),), {})
+        assert graph.wait_idle(240)
+        assert graph.where == "thread" and graph.state(()) == "ready" and graph.compile_failures == 0
+    finally:
+        assert graph.close()
