@@ -16,8 +16,11 @@ What crosses to the child (a pickle in a private temp dir):
   child allocates those with ``torch.empty`` and never reads them: the
   package is built with ``package_constants_in_so=False``, so it holds no
   weights, and the server points every constant at the live model's own
-  tensor (``load_constants(..., user_managed=True)``: no copy). A constant
-  the server cannot name (a tensor the forward makes) comes back by value.
+  tensor (``load_constants(..., user_managed=True)``: no copy). The child
+  registers plain tensor attributes as buffers first, so each has a name the
+  server resolves; a package with a constant the server cannot resolve (a
+  tensor the forward itself makes, which AOTInductor keeps under a name of
+  its own) fails to load, and that compile counts as failed.
 * the key, the statistics function (by reference), example inputs' shapes and
   dtypes with their free dims, and inductor's options for the mode.
 
@@ -61,6 +64,8 @@ __all__ = ["SMALL_BYTES", "Package", "ProcessVariant", "Skeleton", "skeleton_byt
 SMALL_BYTES = 1 << 16
 #: The wrapper's attribute that holds the model: every constant's name starts with it.
 _ROOT = "model"
+#: The child's placeholder storages (their addresses): no package may bake one in.
+_PLACEHOLDERS: set[int] = set()
 #: A free dim: ``(input index, dim)``; a fixed one: its size.
 DimRef = int | tuple[int, int]
 
@@ -69,6 +74,7 @@ DimRef = int | tuple[int, int]
 def _placeholder(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, requires_grad: bool,
                  param: bool) -> torch.Tensor:
     t = torch.empty_strided(shape, stride, dtype=dtype)  # pages untouched: never read by the child
+    _PLACEHOLDERS.add(t.untyped_storage().data_ptr())
     return nn.Parameter(t, requires_grad=requires_grad) if param else t
 
 
@@ -115,16 +121,15 @@ class _Job:
 
 @dataclass
 class _Meta:
-    """What the server needs besides the package: guards, output shapes, constants by value."""
+    """What the server needs besides the package: guards, output shapes, the tensors it must set."""
 
     #: Per flat input (args, then kwargs in this order): None, or ``(dtype, [size or (lo, hi)] per dim)``.
     inputs: list[tuple[torch.dtype, list[int | tuple[int, int]]] | None]
     kw_names: list[str]
     #: Per tapped output: each dim's size, or the ``(input index, dim)`` it equals.
     shapes: list[list[DimRef]]
-    #: Constants the server cannot resolve by name, by value.
-    values: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: Every tensor of the model the program reads: each must be a constant the server sets.
+    #: Every tensor of the model the program reads (its parameters and buffers, and any constant over a
+    #: placeholder): each must be a constant the server sets.
     used: list[str] = field(default_factory=list)
 
 
@@ -192,6 +197,11 @@ def _build(job: _Job) -> None:
 
     module = pickle.loads(Path(job.skeleton).read_bytes())
     _output_types()
+    for sub in module.modules():  # plain tensor attributes as buffers: constants with names the server resolves
+        for name, value in list(vars(sub).items()):
+            if isinstance(value, torch.Tensor):
+                delattr(sub, name)
+                sub.register_buffer(name, value, persistent=False)
     traced: list[list[tuple[Any, ...]]] = []
     wrapper = _Tapped(module, job.key, job.stats, traced.append).eval()
 
@@ -232,15 +242,19 @@ def _build(job: _Job) -> None:
             continue
         flat.append((val.dtype, [s if isinstance(s, int) else ranges.get(str(s.node.expr), (2, sys.maxsize))
                                  for s in val.shape]))
-    names = {n for n, _ in wrapper.named_parameters(remove_duplicate=False)} | \
-        {n for n, _ in wrapper.named_buffers(remove_duplicate=False)}
-    values = {k: v.detach().clone() for k, v in program.constants.items()
-              if isinstance(v, torch.Tensor) and k not in names and _resolve(wrapper, k) is None}
     # No weights in the package, and none inlined into a kernel (inductor inlines small ones by
     # default): every tensor of the model stays a constant the server points at its own.
     options = {**job.options, "aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
     torch._inductor.aoti_compile_and_package(program, package_path=job.out, inductor_configs=options)
-    meta = _Meta(flat, list(kwargs), shapes, values, sorted({*program.state_dict, *program.constants}))
+    sig = program.graph_signature
+    # A tensor the forward made (a scale, a mask) may be baked in; the model's own tensors, and any
+    # constant over a placeholder's memory, may not.
+    lifted = {n: fqn for n, fqn in sig.inputs_to_lifted_tensor_constants.items()
+              if isinstance(c := program.constants.get(fqn), torch.Tensor)
+              and c.untyped_storage().data_ptr() in _PLACEHOLDERS}
+    named = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **lifted}
+    used = sorted(named[n.name] for n in program.graph.nodes if n.op == "placeholder" and n.name in named and n.users)
+    meta = _Meta(flat, list(kwargs), shapes, used)
     with open(job.out + ".meta", "wb") as f:
         pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -296,9 +310,7 @@ class Package:
             raise RuntimeError(f"the package holds the model's tensor {baked[0]!r} as a compile-time value, "
                                "not as a constant the server can point at its own")
         for fqn in fqns:
-            t = meta.values.get(fqn)
-            if t is None:
-                t = _resolve(wrapper, fqn)
+            t = _resolve(wrapper, fqn)
             if t is None:
                 raise RuntimeError(f"the package's constant {fqn!r} is none of the model's tensors")
             constants[fqn] = t.detach()

@@ -174,3 +174,27 @@ def test_a_model_that_does_not_pickle_compiles_in_the_server_process() -> None:
         assert graph.where == "thread" and graph.state(()) == "ready" and graph.compile_failures == 0
     finally:
         assert graph.close()
+
+
+class _PlainTensor(nn.Module):
+    """A large tensor held as a plain attribute, not a buffer: export lifts it as a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 256)
+        self.table = torch.randn(256, 128, generator=torch.Generator().manual_seed(3))  # 128 KiB: a placeholder
+        self.scale = torch.tensor(0.5)  # a small one: by value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.fc(x) @ self.table) * self.scale
+
+
+def test_a_large_plain_tensor_attribute_is_served_from_the_model_not_the_placeholder(tmp_path: Path) -> None:
+    model = _PlainTensor().eval()
+    v = _variant(model, (), tmp_path)
+    with torch.inference_mode():
+        v.compile((torch.zeros(2, 8),), {})
+        x = torch.randn(5, 8)
+        result = v.run((x,), {})
+        assert result is not None
+        torch.testing.assert_close(result[0], model(x), rtol=1e-5, atol=1e-5)
