@@ -14,8 +14,9 @@ model; batch-32 Infer through the real client, a subscriber draining every tap):
 3. eager ``serve``: the eager base against the eager model with the same tap.
 
 And in this process, on the module alone (no server): the compiled base,
-the statistics inside the graph, and the same statistics as Python hooks
-between graphs (``torch._dynamo.disable``'d hooks on the tapped modules: a
+the statistics inside the graph (dynamo variants, and on CPU the AOTInductor
+packages a child process builds, which ``serve --compile-model`` runs by
+default), and the same statistics as Python hooks between graphs (``torch._dynamo.disable``'d hooks on the tapped modules: a
 graph break at each, the reducers' plan run between the pieces).
 
     python benchmarks/compiled_serving.py --requests 40 --rounds 5
@@ -29,6 +30,7 @@ import platform
 import re
 import statistics
 import subprocess
+import tempfile
 import threading
 import time
 from typing import Any
@@ -161,7 +163,8 @@ client_address = ""
 
 def serve_compiled(args: argparse.Namespace, x: np.ndarray, fallback: str, report: list[str]) -> None:
     global client_address
-    proc, client_address = start_server("--compile-model", "--compile-fallback", fallback)
+    proc, client_address = start_server("--compile-model", "--compile-fallback", fallback,
+                                        "--compile-where", args.compile_where)
     try:
         with layertap.Client(client_address, timeout=120) as client:
             t0 = time.monotonic()
@@ -241,6 +244,17 @@ def module_level(args: argparse.Namespace, report: list[str]) -> None:
 
     base = Variant(model, (), compile_fx, 0)
     graph = Variant(model, tuple(layers), compile_fx, 1, GraphFeed.statistics)
+    packaged = {}
+    if device.type == "cpu":  # what serve --compile-model runs on CPU: packages built by a child process
+        from layertap.server.host.compile_process import ProcessVariant, skeleton_bytes
+
+        work = tempfile.mkdtemp(prefix="layertap-bench-")
+        with open(os.path.join(work, "skeleton"), "wb") as f:
+            f.write(skeleton_bytes(model))
+        for key in ((), tuple(layers)):
+            packaged[key] = ProcessVariant(model, key, os.path.join(work, "skeleton"), GraphFeed.statistics,
+                                           {0: (0,)}, {}, work)
+            packaged[key].compile((x,), {})
     hooked = clone_tree(model)
     out: list[torch.Tensor] = []
 
@@ -259,6 +273,8 @@ def module_level(args: argparse.Namespace, report: list[str]) -> None:
         hooks_fn(xd)
         assert base.run((x,), {}) is not None and graph.run((x,), {}) is not None, "a compiled entry rejects x"
         runs = {"compiled base": lambda: base.run((x,), {}), "stats in graph": lambda: graph.run((x,), {}),
+                **({"package base": lambda: packaged[()].run((x,), {}),
+                    "package stats in graph": lambda: packaged[tuple(layers)].run((x,), {})} if packaged else {}),
                 "hooks between graphs": lambda: (hooks_fn(x), out.clear()),
                 "eager, no taps": lambda: model(x)}
         med: dict[str, list[float]] = {k: [] for k in runs}
@@ -274,9 +290,11 @@ def module_level(args: argparse.Namespace, report: list[str]) -> None:
                         torch.cuda.synchronize()
                     ts.append(time.perf_counter() - t0)
                 med[name].append(statistics.median(ts))
-    b = statistics.median(med["compiled base"])
     for name, ms in med.items():
-        report.append(f"[module] {name:22s} {statistics.median(ms) * 1e3:7.2f} ms  {statistics.median(ms) / b:.3f}x")
+        against = "package base" if name.startswith("package") else "compiled base"
+        ratios = [m / b for m, b in zip(ms, med[against])]  # round by round, as they ran side by side
+        report.append(f"[module] {name:22s} {statistics.median(ms) * 1e3:7.2f} ms  {statistics.median(ratios):.3f}x "
+                      f"[{min(ratios):.3f}..{max(ratios):.3f}] of the {against}")
 
 
 def main() -> None:
@@ -290,12 +308,15 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: compiled,pending,eager,module")
     ap.add_argument("--only", default="", help="comma-separated parts to run (default: all)")
     ap.add_argument("--device", default="cpu", help="the module-level part's device (the servers pick their own)")
+    ap.add_argument("--compile-where", choices=("process", "thread"), default="process",
+                    help="the compiled servers' --compile-where (where a variant compiles)")
     args = ap.parse_args()
     parts = {"compiled", "pending", "eager", "module"}
     skip = set(filter(None, args.skip.split(","))) | (parts - set(args.only.split(",")) if args.only else set())
     torch.set_num_threads(os.cpu_count() or 1)
     x = np.random.default_rng(0).standard_normal((args.batch, 3, 32, 32)).astype(np.float32)
-    report: list[str] = [f"layertap compiled serving: demo model, batch {args.batch}, {platform.machine()}, "
+    report: list[str] = [f"layertap compiled serving (--compile-where {args.compile_where}): demo model, "
+                         f"batch {args.batch}, {platform.machine()}, "
                          f"{os.cpu_count()} CPUs, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}"]
     if "compiled" not in skip:
         serve_compiled(args, x, "eager", report)

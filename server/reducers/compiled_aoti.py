@@ -21,7 +21,7 @@ are no guards: the caller's signature (dtype, device, form) and
 autocast modes do not reach a library that dispatches nothing.
 
 Packages are cached on disk (``<inductor cache>/layertap-aoti``) under a key
-of torch's and Python's versions, the body's source, the host's CPU flags and
+of torch's and Python's versions, the source of the body's module, the host's CPU flags and
 C++ toolchain (the code is built for the native CPU) and the signature, so a
 restart loads instead of compiling (cold compile ~15-20 s on 2 cores, load
 well under a second). A package that does not load is counted and rebuilt
@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from layertap.server.reducers import compiled_kernel
 from layertap.server.reducers.compiled_kernel import BATCH, DENSE, SHIFT_SAMPLE, Signature, body_of
 
 __all__ = ["STALE_DAYS", "AotiKernel", "applies", "cache_dir", "load_or_compile", "package_path", "prune"]
@@ -117,6 +118,7 @@ def _host_build() -> str:
 def package_path(sig: Signature) -> Path:
     """The package file of a signature; modes are left out (they do not reach the library)."""
     key = "\n".join([torch.__version__, sys.version, inspect.getsource(body_of(sig.form)),
+                     inspect.getsource(compiled_kernel),  # and every function the body calls
                      inspect.getsource(_Body), str(SHIFT_SAMPLE), _host_build(),
                      sig.device.type, str(sig.dtype), sig.form])
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]

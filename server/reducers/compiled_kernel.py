@@ -28,7 +28,8 @@ from layertap.server.reducers.workspace import F64
 
 __all__ = [
     "BATCH", "DENSE", "ROWS", "SHIFT_SAMPLE", "UNCOMPILED", "Canonical", "Signature", "alias", "basic_stats_body",
-    "batched_stats_body", "body_of", "canonical_form", "kernel_function", "signature_of",
+    "batched_stats_body", "body_of", "canonical_form", "graph_stats", "kernel_function", "shift_sample",
+    "signature_of", "stats_of",
 ]
 
 DENSE, ROWS = "dense", "rows"
@@ -58,25 +59,74 @@ def basic_stats_body(x: torch.Tensor, rnd: torch.Tensor, on: torch.Tensor) -> to
     """
     if not torch.compiler.is_compiling():  # a constant True in the traced graph
         UNCOMPILED.flag = True
-    pos = torch.arange(SHIFT_SAMPLE, device=x.device) * (x.numel() // SHIFT_SAMPLE)
+    s = shift_sample(x, rnd)
+    return stats_of(x, _shift(s, on) if x.is_floating_point() else s.to(F64).mean() * on)
+
+
+def _take(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """``x.reshape(-1)[flat]`` without the view: a compiled model's activation may be laid out
+    channels_last by inductor, and a flat view of it would make inductor copy it whole."""
     if x.dim() == 1:
-        s = x[pos]
-    else:  # rows: logical order is memory order, as shift_of's gather reads it
-        s = x[pos // x.shape[1], pos % x.shape[1]]
+        return x[flat]
+    index = []
+    for size in reversed(x.shape[1:]):
+        index.append(flat % size)
+        flat = flat // size
+    return x[(flat, *reversed(index))]
+
+
+def shift_sample(x: torch.Tensor, rnd: torch.Tensor) -> torch.Tensor:
+    """The elements the shift K is the median of: ``SHIFT_SAMPLE`` evenly spaced, then ``rnd``'s (floats only).
+
+    Positions are logical (row-major) flat indices; for the kernel's 1-D ``dense`` and 2-D ``rows``
+    forms that is memory order, as shift_of's gather reads it."""
+    pos = torch.arange(SHIFT_SAMPLE, device=x.device) * (x.numel() // SHIFT_SAMPLE)
+    s = _take(x, pos)
     if x.is_floating_point():
-        s = torch.cat([s, x[rnd] if x.dim() == 1 else x[rnd // x.shape[1], rnd % x.shape[1]]])
+        s = torch.cat([s, _take(x, rnd)])
+    return s
+
+
+def _shift(s: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+    """K: the median of the sample's finite values (0 when none), times ``on``; float64, shape (1,)."""
+    ok = torch.abs(s) < math.inf
+    cnt = ok.sum()
+    v = torch.where(ok, s, math.inf)
+    # The mid-th smallest finite value (shift_of's sorted[mid]) by ranks, not
+    # a sort: inductor has no CPU sort and calls aten's, a third of a small
+    # tensor's call. Exactly the elements equal to sorted[mid] have at most
+    # mid elements below them and more than mid at or below them.
+    mid = (cnt - 1).clamp_min(0) // 2
+    below = (v.unsqueeze(0) < v.unsqueeze(1)).sum(1)
+    at_or_below = (v.unsqueeze(0) <= v.unsqueeze(1)).sum(1)
+    median = torch.where((below <= mid) & (at_or_below > mid), v, -math.inf).amax()
+    return torch.where(cnt > 0, median, 0.0).to(F64) * on
+
+
+def graph_stats(x: torch.Tensor) -> torch.Tensor:
+    """:func:`stats_of` for an activation inside a compiled model, K the mean of the finite values
+    among ``SHIFT_SAMPLE`` evenly spaced elements.
+
+    K only keeps the shifted sums well conditioned: any value near the data does, and the slots
+    say which K was used. The eager path's K, a rank median of a random sample, costs inductor
+    several serial regions and barriers per tensor; summed over a model's tapped tensors that was
+    a third of the statistics' cost in the graph."""
+    s = _take(x, torch.arange(SHIFT_SAMPLE, device=x.device) * (x.numel() // SHIFT_SAMPLE)).to(F64)
+    if x.is_floating_point():
         ok = torch.abs(s) < math.inf
-        cnt = ok.sum()
-        v = torch.where(ok, s, math.inf)
-        # The mid-th smallest finite value (shift_of's sorted[mid]) by ranks, not
-        # a sort: inductor has no CPU sort and calls aten's, a third of a small
-        # tensor's call. Exactly the elements equal to sorted[mid] have at most
-        # mid elements below them and more than mid at or below them.
-        mid = (cnt - 1).clamp_min(0) // 2
-        below = (v.unsqueeze(0) < v.unsqueeze(1)).sum(1)
-        at_or_below = (v.unsqueeze(0) <= v.unsqueeze(1)).sum(1)
-        median = torch.where((below <= mid) & (at_or_below > mid), v, -math.inf).amax()
-        k = torch.where(cnt > 0, median, 0.0).to(F64) * on
+        k = torch.where(ok, s, 0.0).sum() / ok.sum().clamp_min(1)
+    else:
+        k = s.mean()
+    return stats_of(x, k.reshape(1))
+
+
+def stats_of(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The eight basic statistics of ``x``, any rank, its sums shifted by ``k`` (float64, shape (1,)).
+
+    Every reduction is over all of x's elements, so a compiler may read them in memory order (a
+    channels_last activation inside a compiled model: ``reshape(-1)`` first would force logical order,
+    a strided scalar loop)."""
+    if x.is_floating_point():
         fin = torch.abs(x) < math.inf
         nan = (x != x).sum(dtype=F64)
         count = fin.sum(dtype=F64)
@@ -86,7 +136,6 @@ def basic_stats_body(x: torch.Tensor, rnd: torch.Tensor, on: torch.Tensor) -> to
         lo = torch.where(fin, x, math.inf).amin().to(F64)
         hi = torch.where(fin, x, -math.inf).amax().to(F64)
     else:  # integers and bool: all finite, no NaN
-        k = s.to(F64).mean() * on
         v = x.to(torch.uint8) if x.dtype == torch.bool else x
         nan = torch.zeros((), dtype=F64, device=x.device)
         count = (x == x).sum(dtype=F64)

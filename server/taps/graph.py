@@ -28,10 +28,9 @@ import torch
 
 from layertap.server.host.compiled import COMPILING, FAILED, QUEUED, READY, GraphPlan
 from layertap.server.host.model_host import ModelHost, PassContext
-from layertap.server.reducers.compiled_kernel import SHIFT_SAMPLE, basic_stats_body
+from layertap.server.reducers.compiled_kernel import graph_stats
 from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.reducers.transfer import PassBuffer
-from layertap.server.reducers.workspace import F64
 from layertap.server.stream.publisher import Piece
 from layertap.server.taps.reuse import passthrough_parents
 from layertap.server.taps.tap import Tap
@@ -78,14 +77,13 @@ class GraphFeed:
     def statistics(out: torch.Tensor) -> torch.Tensor:
         """The basic-statistics vector of a tapped output, traced into the graph.
 
-        The compiled kernel's body (:func:`~layertap.server.reducers.compiled_kernel.basic_stats_body`),
-        shift included; its shift sample draws no random positions here (the eager
-        path's does), so the moments agree with eager within float tolerance, not bit for bit.
+        :func:`~layertap.server.reducers.compiled_kernel.graph_stats`: the compiled kernel's
+        reductions with a cheaper shift K (the eager path's is a rank median of a random sample),
+        so the moments agree with eager within float tolerance, not bit for bit.
         """
-        x = out.reshape(-1)
-        rnd = torch.zeros(SHIFT_SAMPLE, dtype=torch.int64, device=x.device)
-        on = torch.ones((1,), dtype=F64, device=x.device)
-        return basic_stats_body(x, rnd, on)
+        # The tensor as it is, never reshape(-1): inductor may lay an activation out channels_last,
+        # and a flat view would make it copy the tensor and reduce it in a strided scalar loop.
+        return graph_stats(out)
 
     def in_graph(self, tap: Tap) -> bool:
         """Whether the tap's statistics can all be computed inside the compiled graph."""

@@ -696,3 +696,27 @@ def test_a_cached_package_loads_without_importing_dynamo_or_inductor(compiled: C
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e4])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_graph_stats_equal_a_float64_numpy_reference(scale: float, layout: str) -> None:
+    """The in-graph statistics (``graph_stats``: a cheap shift K, any rank, any layout) against numpy."""
+    from layertap.server.reducers.compiled_kernel import graph_stats
+
+    gen = torch.Generator().manual_seed(int(scale * 7) + len(layout))
+    x = torch.randn(6, 12, 5, 7, generator=gen) * scale + 30 * scale
+    flat = x.view(-1)
+    flat[::53] = float("nan")
+    flat[3], flat[4], flat[9] = float("inf"), float("-inf"), 0.0
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    row = graph_stats(x).numpy()
+    v = x.double().numpy().reshape(-1)
+    fin = v[np.isfinite(v)]
+    assert row[0] == (v == 0).sum() and row[1] == np.isnan(v).sum() and row[2] == fin.size
+    assert row[6] == fin.min() and row[7] == fin.max()
+    n, sy, syy, k = row[2], row[3], row[4], row[5]
+    np.testing.assert_allclose(k + sy / n, fin.mean(), rtol=1e-12)
+    np.testing.assert_allclose(syy - sy * sy / n, ((fin - fin.mean()) ** 2).sum(), rtol=1e-9)
+    assert abs(k - fin.mean()) < 4 * fin.std(), "K must lie near the data for the shifted sums to be well conditioned"
