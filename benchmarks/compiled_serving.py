@@ -246,7 +246,8 @@ def module_level(args: argparse.Namespace, report: list[str]) -> None:
     graph = Variant(model, tuple(layers), compile_fx, 1, GraphFeed.statistics)
     packaged = {}
     if device.type == "cpu":  # what serve --compile-model runs on CPU: packages built by a child process
-        from layertap.server.host.compile_process import ProcessVariant, skeleton_bytes
+        from layertap.server.host.compile_process import ProcessVariant
+        from layertap.server.host.skeleton import skeleton_bytes
 
         work = tempfile.mkdtemp(prefix="layertap-bench-")
         with open(os.path.join(work, "skeleton"), "wb") as f:

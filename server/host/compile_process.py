@@ -11,8 +11,8 @@ compiles it with AOTInductor; the server only loads the finished package.
 
 What crosses to the child (a pickle in a private temp dir):
 
-* the module's *skeleton*: the module tree pickled as is, except that a
-  tensor over :data:`SMALL_BYTES` goes as its shape, stride and dtype. The
+* the module's *skeleton* (:mod:`.skeleton`): the module tree pickled as
+  is, except that a large tensor goes as its shape, stride and dtype. The
   child allocates those with ``torch.empty`` and never reads them: the
   package is built with ``package_constants_in_so=False``, so it holds no
   weights, and the server points every constant at the live model's own
@@ -40,7 +40,6 @@ unpicklable modules) compile in the serving process (:mod:`.compiled_graph`).
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import pickle
 import re
@@ -56,53 +55,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from layertap.server.host.compiled_graph import GraphResult, StatsFunction, clone_tree
+from layertap.server.host.compiled_graph import GraphResult, StatsFunction
+from layertap.server.host.skeleton import PLACEHOLDERS
 
-__all__ = ["SMALL_BYTES", "Package", "ProcessVariant", "Skeleton", "skeleton_bytes"]
+__all__ = ["Package", "ProcessVariant", "SkeletonRefused"]
 
-#: Tensors at most this large travel by value in the skeleton; larger ones as placeholders.
-SMALL_BYTES = 1 << 16
+#: The child's exit status when it cannot unpickle the skeleton.
+SKELETON_REFUSED = 3
+
+
+class SkeletonRefused(RuntimeError):
+    """The child could not load the model's skeleton (a class only the server can import)."""
+
 #: The wrapper's attribute that holds the model: every constant's name starts with it.
 _ROOT = "model"
-#: The child's placeholder storages (their addresses): no package may bake one in.
-_PLACEHOLDERS: set[int] = set()
-#: A free dim: ``(input index, dim)``; a fixed one: its size.
-DimRef = int | tuple[int, int]
-
-
-# -- the skeleton ----------------------------------------------------------------------------------
-def _placeholder(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, requires_grad: bool,
-                 param: bool) -> torch.Tensor:
-    t = torch.empty_strided(shape, stride, dtype=dtype)  # pages untouched: never read by the child
-    _PLACEHOLDERS.add(t.untyped_storage().data_ptr())
-    return nn.Parameter(t, requires_grad=requires_grad) if param else t
-
-
-def _by_value(data: bytes, requires_grad: bool, param: bool) -> torch.Tensor:
-    t = torch.load(io.BytesIO(data), weights_only=True)
-    return nn.Parameter(t, requires_grad=requires_grad) if param else t
-
-
-class Skeleton(pickle.Pickler):
-    """Pickles a module tree with its large tensors as placeholders (CPU, in the child)."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor):
-            return NotImplemented
-        param = isinstance(obj, nn.Parameter)
-        t = obj.detach()
-        if t.untyped_storage().nbytes() <= SMALL_BYTES:
-            buf = io.BytesIO()
-            torch.save(t.to("cpu").clone(), buf)
-            return _by_value, (buf.getvalue(), obj.requires_grad, param)
-        return _placeholder, (tuple(t.shape), t.stride(), t.dtype, obj.requires_grad, param)
-
-
-def skeleton_bytes(module: nn.Module) -> bytes:
-    """The module's skeleton (see the module docstring); raises whatever pickling raises."""
-    buf = io.BytesIO()
-    Skeleton(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(clone_tree(module))
-    return buf.getvalue()
 
 
 # -- what the child builds ----------------------------------------------------------------------------
@@ -123,11 +89,15 @@ class _Job:
 class _Meta:
     """What the server needs besides the package: guards, output shapes, the tensors it must set."""
 
-    #: Per flat input (args, then kwargs in this order): None, or ``(dtype, [size or (lo, hi)] per dim)``.
-    inputs: list[tuple[torch.dtype, list[int | tuple[int, int]]] | None]
+    #: Per flat input (args, then kwargs by ``kw_names``): None, or ``(dtype, dims)``, each dim a size or
+    #: the name of the symbol it was traced as (two dims with one name must be equal).
+    inputs: list[tuple[torch.dtype, list[int | str]] | None]
+    #: Each symbol's range, inclusive.
+    ranges: dict[str, tuple[int, int]]
+    n_args: int
     kw_names: list[str]
-    #: Per tapped output: each dim's size, or the ``(input index, dim)`` it equals.
-    shapes: list[list[DimRef]]
+    #: A Python expression over the symbols: the tapped outputs' shapes, a list of tuples.
+    shapes: str
     #: Every tensor of the model the program reads (its parameters and buffers, and any constant over a
     #: placeholder): each must be a constant the server sets.
     used: list[str] = field(default_factory=list)
@@ -137,8 +107,9 @@ class _Tapped(nn.Module):
     """The model with its taps' statistics as forward hooks: what the child exports."""
 
     def __init__(self, model: nn.Module, key: Sequence[str], stats: StatsFunction | None,
-                 record: Callable[[list[tuple[Any, ...]]], None]) -> None:
+                 record: Callable[[list[tuple[Any, ...]]], None], n_args: int, kw_names: Sequence[str]) -> None:
         super().__init__()
+        self._n_args, self._kw_names = n_args, tuple(kw_names)
         #: Called with the tapped outputs' (symbolic) shapes on each forward: a function, which
         #: export's copy of the module shares (it copies attributes, and a list with them).
         self._record = record
@@ -158,8 +129,9 @@ class _Tapped(nn.Module):
             self._sink[index] = (stats(out.detach()), tuple(out.shape))
         return hook
 
-    def forward(self, *args: Any, **kwargs: Any) -> tuple[Any, torch.Tensor | None]:
-        out = self.model(*args, **kwargs)
+    def forward(self, *flat: Any) -> tuple[Any, torch.Tensor | None]:
+        """The model's inputs flat, positional then keyword (by ``kw_names``): one export signature."""
+        out = self.model(*flat[:self._n_args], **dict(zip(self._kw_names, flat[self._n_args:], strict=True)))
         if not self._n:
             return out, None
         stats = torch.stack([self._sink[i][0] for i in range(self._n)])
@@ -168,15 +140,37 @@ class _Tapped(nn.Module):
         return out, stats
 
 
-def _dim_ref(size: Any, inputs: list[torch.Tensor | None]) -> DimRef:
-    if isinstance(size, int):
-        return size
-    expr = size.node.expr
-    for i, t in enumerate(inputs):
-        for d, s in enumerate(t.shape if t is not None else ()):
-            if not isinstance(s, int) and s.node.expr == expr:
-                return (i, d)
-    raise ValueError(f"a tapped output's size {expr} is none of the inputs' sizes")
+def _input_dims(t: torch.Tensor) -> list[int | str]:
+    """A traced input's dims: sizes, or symbol names (an expression of other sizes is not supported)."""
+    dims: list[int | str] = []
+    for size in t.shape:
+        if isinstance(size, int) or size.node.expr.is_number:  # specialized: a fixed size
+            dims.append(int(size))
+        elif size.node.expr.is_Symbol:
+            dims.append(str(size.node.expr))
+        else:
+            raise ValueError(f"an input's size is traced as {size.node.expr}, an expression of other sizes")
+    return dims
+
+
+def _shape_code(shapes: list[tuple[Any, ...]], symbols: set[str]) -> str:
+    """The tapped outputs' shapes as one Python expression over the inputs' symbols."""
+    from torch.utils._sympy.printers import PythonPrinter  # noqa: PLC0415
+
+    printer = PythonPrinter()
+    out = []
+    for shape in shapes:
+        dims = []
+        for size in shape:
+            if isinstance(size, int):
+                dims.append(str(size))
+                continue
+            free = {str(sym) for sym in size.node.expr.free_symbols}
+            if not free <= symbols:
+                raise ValueError(f"a tapped output's size {size.node.expr} depends on more than the inputs' sizes")
+            dims.append(printer.doprint(size.node.expr))
+        out.append("(" + "".join(f"{d}, " for d in dims) + ")")
+    return "[" + ", ".join(out) + "]"
 
 
 def _output_types() -> None:
@@ -187,7 +181,7 @@ def _output_types() -> None:
         return
     from transformers.integrations.executorch import register_dynamic_cache_export_support  # noqa: PLC0415
 
-    register_dynamic_cache_export_support()  # idempotent
+    register_dynamic_cache_export_support()  # type: ignore[no-untyped-call]  # idempotent
 
 
 def _build(job: _Job) -> None:
@@ -195,7 +189,11 @@ def _build(job: _Job) -> None:
     import torch._inductor  # noqa: PLC0415 - the child's one job
     from torch.export import Dim  # noqa: PLC0415
 
-    module = pickle.loads(Path(job.skeleton).read_bytes())
+    try:
+        module = pickle.loads(Path(job.skeleton).read_bytes())
+    except Exception as exc:  # noqa: BLE001 - a class this process cannot import: the server compiles it
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        raise SystemExit(SKELETON_REFUSED) from None
     _output_types()
     for sub in module.modules():  # plain tensor attributes as buffers: constants with names the server resolves
         for name, value in list(vars(sub).items()):
@@ -203,45 +201,38 @@ def _build(job: _Job) -> None:
                 delattr(sub, name)
                 sub.register_buffer(name, value, persistent=False)
     traced: list[list[tuple[Any, ...]]] = []
-    wrapper = _Tapped(module, job.key, job.stats, traced.append).eval()
+    names = list(job.kwargs)
+    wrapper = _Tapped(module, job.key, job.stats, traced.append, len(job.args), names).eval()
 
     def example(spec: tuple[torch.dtype, tuple[int, ...]] | None) -> torch.Tensor | None:
         # 2 for a free dim: torch specializes 0 and 1; a size-1 shape of the server's gets its own package.
         return None if spec is None else torch.zeros(spec[1], dtype=spec[0])
 
-    args = tuple(example(s) for s in job.args)
-    kwargs = {k: example(s) for k, s in job.kwargs.items()}
+    flat = [example(spec) for spec in (*job.args, *job.kwargs.values())]
+    wheres: list[int | str] = [*range(len(job.args)), *names]
 
     def dims(where: int | str, t: torch.Tensor | None) -> Any:
         if t is None:
             return None
         return {d: Dim.AUTO for d in job.free.get(where, ()) if d < t.dim() and t.shape[d] >= 2} or None
 
-    dynamic: dict[str, Any] = {"args": tuple(dims(i, t) for i, t in enumerate(args))}
-    if kwargs:  # export wants the forward's parameter names that the inputs fill, no more
-        dynamic["kwargs"] = {k: dims(k, t) for k, t in kwargs.items()}
     seen: list[torch.Tensor | None] = []
 
-    def spy(_m: nn.Module, a: Any, k: Any) -> None:  # the traced inputs, symbolic sizes included
-        seen[:] = [*a, *k.values()]
+    def spy(_m: nn.Module, a: Any) -> None:  # the traced inputs, symbolic sizes included
+        seen[:] = list(a)
 
-    handle = wrapper.register_forward_pre_hook(spy, with_kwargs=True)
+    handle = wrapper.register_forward_pre_hook(spy)
     with torch.no_grad():
-        program = torch.export.export(wrapper, args, kwargs, dynamic_shapes=dynamic, strict=False)
+        # One var-positional parameter: its specs are one tuple, inside the tuple of parameters.
+        specs = tuple(dims(w, t) for w, t in zip(wheres, flat, strict=True))
+        program = torch.export.export(wrapper, tuple(flat), dynamic_shapes=(specs,), strict=False)
     handle.remove()
-    shapes = [[_dim_ref(s, seen) for s in shape] for shape in (traced[-1] if traced else [])]
+    inputs: list[tuple[torch.dtype, list[int | str]] | None] = [
+        None if t is None else (t.dtype, _input_dims(t)) for t in seen]
+    symbols = {d for spec in inputs if spec is not None for d in spec[1] if isinstance(d, str)}
     ranges = {str(sym): (_bound(r.lower, 0), _bound(r.upper, sys.maxsize))
-              for sym, r in program.range_constraints.items()}
-    flat: list[tuple[torch.dtype, list[int | tuple[int, int]]] | None] = []
-    for node in program.graph.nodes:
-        if node.op != "placeholder" or node.name not in set(program.graph_signature.user_inputs):
-            continue
-        val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            flat.append(None)
-            continue
-        flat.append((val.dtype, [s if isinstance(s, int) else ranges.get(str(s.node.expr), (2, sys.maxsize))
-                                 for s in val.shape]))
+              for sym, r in program.range_constraints.items() if str(sym) in symbols}
+    shapes = _shape_code(traced[-1] if traced else [], symbols)
     # No weights in the package, and none inlined into a kernel (inductor inlines small ones by
     # default): every tensor of the model stays a constant the server points at its own.
     options = {**job.options, "aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
@@ -251,10 +242,10 @@ def _build(job: _Job) -> None:
     # constant over a placeholder's memory, may not.
     lifted = {n: fqn for n, fqn in sig.inputs_to_lifted_tensor_constants.items()
               if isinstance(c := program.constants.get(fqn), torch.Tensor)
-              and c.untyped_storage().data_ptr() in _PLACEHOLDERS}
+              and c.untyped_storage().data_ptr() in PLACEHOLDERS}
     named = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **lifted}
     used = sorted(named[n.name] for n in program.graph.nodes if n.op == "placeholder" and n.name in named and n.users)
-    meta = _Meta(flat, list(kwargs), shapes, used)
+    meta = _Meta(inputs, ranges, len(job.args), names, shapes, used)
     with open(job.out + ".meta", "wb") as f:
         pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -315,30 +306,53 @@ class Package:
                 raise RuntimeError(f"the package's constant {fqn!r} is none of the model's tensors")
             constants[fqn] = t.detach()
         self.runner.load_constants(constants, check_full_update=True, user_managed=True)
+        symbols = sorted({d for spec in meta.inputs if spec is not None for d in spec[1] if isinstance(d, str)})
+        # The child's own expression (its temp dir is private to this server): evaluated once per pass.
+        self._shapes: Callable[..., list[tuple[int, ...]]] = eval(
+            f"lambda {', '.join(symbols)}: {meta.shapes}", {"__builtins__": {}})
+        self._sizes: dict[str, int] = {}
 
-    def accepts(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether these inputs have the structure, dtypes and sizes the package was built for."""
+    def flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+        """The inputs in the package's order, when they have the structure, dtypes and sizes it was built
+        for (dims traced as one symbol equal, each within its range); else None. Compiled code checks
+        nothing itself: an input it was not built for would be read out of bounds."""
         meta = self.meta
-        if len(args) + len(kwargs) != len(meta.inputs) or list(kwargs) != meta.kw_names:
-            return False
-        for t, spec in zip((*args, *kwargs.values()), meta.inputs, strict=True):
+        if len(args) != meta.n_args or len(kwargs) != len(meta.kw_names):
+            return None
+        try:
+            flat = [*args, *(kwargs[name] for name in meta.kw_names)]
+        except KeyError:
+            return None
+        sizes: dict[str, int] = {}
+        for t, spec in zip(flat, meta.inputs, strict=True):
             if spec is None or t is None:
                 if spec is not t:
-                    return False
+                    return None
                 continue
             if not isinstance(t, torch.Tensor) or t.dtype != spec[0] or t.device.type != "cpu" \
                     or t.dim() != len(spec[1]) or not t.is_contiguous():
-                return False
+                return None
             for size, want in zip(t.shape, spec[1], strict=True):
-                if size != want if isinstance(want, int) else not want[0] <= size <= want[1]:
-                    return False
-        return True
+                if isinstance(want, int):
+                    if size != want:
+                        return None
+                elif sizes.setdefault(want, size) != size:
+                    return None
+        for name, size in sizes.items():
+            lo, hi = meta.ranges.get(name, (2, sys.maxsize))
+            if not lo <= size <= hi:
+                return None
+        self._sizes = sizes
+        return flat
 
-    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> GraphResult:
-        out, stats = self.runner(*args, **kwargs)
-        flat = (*args, *kwargs.values())
-        shapes = [tuple(d if isinstance(d, int) else flat[d[0]].shape[d[1]] for d in s) for s in self.meta.shapes]
-        return out, stats, shapes
+    def accepts(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether these inputs are ones the package was built for (see :meth:`flat`)."""
+        return self.flat(args, kwargs) is not None
+
+    def run(self, flat: list[Any]) -> GraphResult:
+        """One pass on inputs :meth:`flat` accepted (its sizes are the shapes' symbols)."""
+        out, stats = self.runner(*flat)
+        return out, stats, self._shapes(**self._sizes)
 
 
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit)\w*: ")
@@ -427,6 +441,8 @@ class ProcessVariant:
                     child.kill()
                     child.communicate()
                     raise RuntimeError(f"the compile process ran past {self._timeout:.0f} s and was killed") from None
+            if child.returncode == SKELETON_REFUSED and not self._cancelled:
+                raise SkeletonRefused(_error_line(stderr))
             if child.returncode != 0:
                 why = "it was cancelled" if self._cancelled else _error_line(stderr)
                 raise RuntimeError(f"the compile process exited with {child.returncode}: {why}")
@@ -453,8 +469,9 @@ class ProcessVariant:
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> GraphResult | None:
         """The compiled pass when some package accepts these inputs, else None (nothing ran)."""
         for package in self._packages:
-            if package.accepts(args, kwargs):
-                return package.run(args, kwargs)
+            flat = package.flat(args, kwargs)
+            if flat is not None:
+                return package.run(flat)
         return None
 
 

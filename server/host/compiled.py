@@ -51,9 +51,10 @@ from typing import Any, Protocol
 import torch
 
 from layertap.server.host import probe
-from layertap.server.host.compile_process import ProcessVariant, skeleton_bytes
+from layertap.server.host.compile_process import ProcessVariant, SkeletonRefused
 from layertap.server.host.compiled_graph import GraphResult, StatsFunction, Variant
 from layertap.server.host.model_thread import in_own_thread
+from layertap.server.host.skeleton import skeleton_bytes
 from layertap.server.host.step_aside import PASSES, step_aside
 
 __all__ = ["COMPILE_MODES", "CUDA_GRAPHS_VERIFIED", "WHERE", "CompiledServing", "GraphPlan", "GraphTaps",
@@ -439,6 +440,8 @@ class CompiledServing:
 
         A skeleton that does not pickle (a class defined in a function, a lock...) switches this
         server to compiling in its own process, for this compile and every later one."""
+        if self._closed:
+            raise RuntimeError("the server is closing")
         if self._workdir is None:
             try:
                 skeleton = skeleton_bytes(self._module)
@@ -459,8 +462,15 @@ class CompiledServing:
             variant = ProcessVariant(self._module, slot.key, os.path.join(self._workdir, "skeleton"), stats,
                                      self._free, self._patches, self._workdir)
         self._child = variant
+        if self._closed:  # close() read _child before it was set: it cannot have cancelled this one
+            variant.cancel()
         try:
             variant.compile(job.args, job.kwargs)
+        except SkeletonRefused as exc:  # the child cannot import the model's classes (a file factory's)
+            self.where = "thread"
+            log.warning("the compile process cannot load the model (%s); compiling in this process", exc)
+            in_own_thread(step_aside(self._compile_here), job)
+            return
         finally:
             self._child = None
         slot.variant = variant

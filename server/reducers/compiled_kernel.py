@@ -111,10 +111,12 @@ def graph_stats(x: torch.Tensor) -> torch.Tensor:
     say which K was used. The eager path's K, a rank median of a random sample, costs inductor
     several serial regions and barriers per tensor; summed over a model's tapped tensors that was
     a third of the statistics' cost in the graph."""
+    if x.dim() == 0:
+        x = x.reshape(1)
     s = _take(x, torch.arange(SHIFT_SAMPLE, device=x.device) * (x.numel() // SHIFT_SAMPLE)).to(F64)
     if x.is_floating_point():
         ok = torch.abs(s) < math.inf
-        k = torch.where(ok, s, 0.0).sum() / ok.sum().clamp_min(1)
+        k = (torch.where(ok, s, 0.0) / ok.sum().clamp_min(1)).sum()  # divided first: no overflow near max
     else:
         k = s.mean()
     return stats_of(x, k.reshape(1))

@@ -5,14 +5,16 @@ import pickle
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from layertap.server.host.compile_process import SMALL_BYTES, ProcessVariant, skeleton_bytes
+from layertap.server.host.compile_process import ProcessVariant
 from layertap.server.host.compiled import CompiledServing
+from layertap.server.host.skeleton import SMALL_BYTES, skeleton_bytes
 from layertap.server.taps.graph import GraphFeed
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,9 +32,10 @@ class _Net(nn.Module):
         return self.fc2(torch.relu(self.big(torch.relu(self.fc1(x)))))
 
 
-def _variant(model: nn.Module, key: tuple[str, ...], tmp_path: Path) -> ProcessVariant:
+def _variant(model: nn.Module, key: tuple[str, ...], tmp_path: Path,
+             free: dict[int | str, tuple[int, ...]] | None = None) -> ProcessVariant:
     (tmp_path / "skeleton").write_bytes(skeleton_bytes(model))
-    return ProcessVariant(model, key, str(tmp_path / "skeleton"), GraphFeed.statistics, {0: (0,)}, {},
+    return ProcessVariant(model, key, str(tmp_path / "skeleton"), GraphFeed.statistics, free or {0: (0,)}, {},
                           str(tmp_path))
 
 
@@ -198,3 +201,101 @@ def test_a_large_plain_tensor_attribute_is_served_from_the_model_not_the_placeho
         result = v.run((x,), {})
         assert result is not None
         torch.testing.assert_close(result[0], model(x), rtol=1e-5, atol=1e-5)
+
+
+class _Sum(nn.Module):
+    """Two inputs whose batch dims export traces as one symbol."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, *, scale: torch.Tensor | None = None) -> Any:
+        out = self.fc(x) + (y if y is not None else 0)
+        return out * scale if scale is not None else out
+
+
+def test_inputs_traced_as_one_size_must_agree_or_the_package_is_not_called(tmp_path: Path) -> None:
+    model = _Sum().eval()
+    v = _variant(model, ("fc",), tmp_path, {0: (0,), 1: (0,)})
+    with torch.inference_mode():
+        v.compile((torch.zeros(2, 8), torch.zeros(2, 8)), {})
+        assert v.run((torch.zeros(5000, 8), torch.zeros(2, 8)), {}) is None, "out-of-bounds reads"
+        assert v.run((torch.zeros(3, 8), torch.zeros(4, 8)), {}) is None
+        x, y = torch.randn(6, 8), torch.randn(6, 8)
+        result = v.run((x, y), {})
+        assert result is not None
+        torch.testing.assert_close(result[0], model(x, y), rtol=1e-5, atol=1e-5)
+
+
+def test_keyword_and_none_inputs_compile_and_any_keyword_order_is_served(tmp_path: Path) -> None:
+    model = _Sum().eval()
+    v = _variant(model, ("fc",), tmp_path, {0: (0,), "y": (0,), "scale": (0,)})
+    with torch.inference_mode():
+        v.compile((torch.zeros(2, 8),), {"y": None, "scale": torch.zeros(2, 8)})
+        x, s = torch.randn(4, 8), torch.randn(4, 8)
+        result = v.run((x,), {"scale": s, "y": None})
+        assert result is not None
+        torch.testing.assert_close(result[0], model(x, scale=s), rtol=1e-5, atol=1e-5)
+        assert v.run((x,), {"scale": s, "y": torch.zeros(4, 8)}) is None, "None was traced: a tensor is not it"
+        assert v.run((x,), {"scale": s}) is None
+
+
+class _Shrinks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)  # no padding: (s - 2)
+        self.flat = nn.Flatten()  # 4 * (s - 2)^2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.flat(self.conv(x))
+
+
+def test_tapped_output_sizes_computed_from_input_sizes_are_read_back(tmp_path: Path) -> None:
+    model = _Shrinks().eval()
+    (tmp_path / "skeleton").write_bytes(skeleton_bytes(model))
+    v = ProcessVariant(model, ("conv", "flat"), str(tmp_path / "skeleton"), GraphFeed.statistics, {0: (0, 2, 3)}, {},
+                       str(tmp_path))
+    with torch.inference_mode():
+        v.compile((torch.zeros(2, 3, 9, 9),), {})
+        result = v.run((torch.randn(3, 3, 7, 6),), {})
+    assert result is not None
+    assert result[2] == [(3, 4, 5, 4), (3, 80)]
+
+
+def test_a_model_the_child_cannot_import_compiles_in_the_server_process() -> None:
+    """A file factory's model: its class lives in a module only the server registered."""
+    import sys
+    import types
+
+    mod = types.ModuleType("layertap_test_unimportable")
+    exec("import torch\nclass Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+         "        self.fc = torch.nn.Linear(8, 8)\n    def forward(self, x):\n        return self.fc(x)\n", mod.__dict__)
+    sys.modules[mod.__name__] = mod
+    try:
+        graph = CompiledServing(mod.Net().eval(), {0: (0,)})
+        try:
+            with torch.inference_mode():
+                graph.prepare((torch.zeros(2, 8),), {})
+            assert graph.wait_idle(240)
+            assert graph.where == "thread" and graph.state(()) == "ready" and graph.compile_failures == 0
+        finally:
+            assert graph.close()
+    finally:
+        del sys.modules[mod.__name__]
+
+
+def test_close_while_a_child_compiles_kills_it_and_removes_the_work_dir() -> None:
+    graph = CompiledServing(_Net().eval(), {0: (0,)})
+    with torch.inference_mode():
+        graph.prepare((torch.zeros(2, 16),), {})
+    deadline = time.monotonic() + 60
+    while graph._child is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert graph._child is not None
+    workdir = graph._workdir
+    started = time.monotonic()
+    assert graph.close(30)
+    assert time.monotonic() - started < 15
+    assert workdir is not None and not Path(workdir).exists()
+    assert graph.state(()) != "ready"

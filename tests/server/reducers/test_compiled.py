@@ -720,3 +720,20 @@ def test_graph_stats_equal_a_float64_numpy_reference(scale: float, layout: str) 
     np.testing.assert_allclose(k + sy / n, fin.mean(), rtol=1e-12)
     np.testing.assert_allclose(syy - sy * sy / n, ((fin - fin.mean()) ** 2).sum(), rtol=1e-9)
     assert abs(k - fin.mean()) < 4 * fin.std(), "K must lie near the data for the shifted sums to be well conditioned"
+
+
+def test_graph_stats_of_edge_tensors() -> None:
+    from layertap.server.reducers.compiled_kernel import graph_stats
+
+    row = graph_stats(torch.tensor(3.0)).numpy()  # a 0-d output
+    assert row[2] == 1 and row[6] == row[7] == 3.0
+    big = graph_stats(torch.full((4, 8), 1.5e308, dtype=torch.float64)).numpy()
+    assert np.isfinite(big[5]) and big[3] == 0 and big[4] == 0 and big[6] == big[7] == 1.5e308
+    alt = torch.tensor([1.7e308, -1.7e308] * 20, dtype=torch.float64)
+    r = graph_stats(alt).numpy()
+    assert np.isfinite(r[5]) and r[2] == 40
+    none = graph_stats(torch.full((40,), float("nan"))).numpy()
+    assert none[1] == 40 and none[2] == 0 and none[3] == 0 and none[4] == 0
+    ints = graph_stats(torch.arange(100, dtype=torch.int32).reshape(10, 10)).numpy()
+    assert ints[2] == 100 and ints[6] == 0 and ints[7] == 99
+    np.testing.assert_allclose(ints[5] + ints[3] / 100, 49.5)
