@@ -19,6 +19,12 @@ What a pass runs (model thread, under the model lock, :meth:`CompiledServing.ser
 * A failed compile is counted and logged; the last variant keeps serving and
   the taps it lacks see no pass (their state says so) until the tap set
   changes again.
+* Where a variant compiles (``where``): on a CPU model, a niced child process
+  builds an AOTInductor package (:mod:`.compile_process`), so no compile
+  shares the serving process's GIL and tracer state; otherwise (a CUDA
+  model, ``--compile-where thread``, a model the child cannot load) dynamo
+  compiles on this process's compiler thread, stepping aside for passes
+  (:mod:`.step_aside`).
 
 Shape policy: each declared free dimension (``-1``: the batch, a token
 model's sequence) is traced dynamic (``maybe_mark_dynamic``), so one entry
