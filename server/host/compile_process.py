@@ -309,7 +309,7 @@ class Package:
         symbols = sorted({d for spec in meta.inputs if spec is not None for d in spec[1] if isinstance(d, str)})
         # The child's own expression (its temp dir is private to this server): evaluated once per pass.
         self._shapes: Callable[..., list[tuple[int, ...]]] = eval(
-            f"lambda {', '.join(symbols)}: {meta.shapes}", {"__builtins__": {}})
+            f"lambda {', '.join(symbols)}: {meta.shapes}", {"__builtins__": {}, "max": max, "min": min, "abs": abs})
         self._sizes: dict[str, int] = {}
 
     def flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
@@ -456,6 +456,10 @@ class ProcessVariant:
                     os.unlink(path)
         if not package.accepts(args, kwargs):
             raise RuntimeError("the fresh package's guards reject its own example")
+        try:  # the shapes' expression runs in every pass: it must run here first, or the compile fails
+            package._shapes(**package._sizes)
+        except Exception as exc:  # noqa: BLE001 - a printed expression this evaluation cannot run
+            raise RuntimeError(f"the tapped outputs' shapes cannot be computed: {type(exc).__name__}: {exc}") from None
         self._packages = (package, *self._packages)
 
     def cancel(self) -> None:
