@@ -25,12 +25,15 @@ What crosses to the child (a pickle in a private temp dir):
   dtypes with their free dims, and inductor's options for the mode.
 
 Guards: the package was traced for one input structure, with each free dim
-dynamic over the range export found; :meth:`Package.accepts` checks that
-structure, each tensor's dtype, device, rank, contiguity and every dim
-(fixed or in range) before a call, so a pass never reaches compiled code
-that was not built for its inputs. A tapped output's shape is read from the
-inputs' dims (the child says which input dim each free output dim is), not
-from the graph, so feeding the statistics reads nothing back from a tensor.
+dynamic over the range export found; :meth:`Package.flat` checks that
+structure (keywords by name, None inputs), each tensor's dtype, device, rank,
+contiguity and every dim (fixed, or in range, and equal to every other dim
+traced as the same symbol) before a call, so a pass never reaches compiled
+code that was not built for its inputs: AOTInductor checks nothing and would
+read out of bounds. A tapped output's shape is computed from the input sizes
+(the child prints each dim as an expression of the inputs' symbols, run once
+at load), not read from the graph, so feeding the statistics reads nothing
+back from a tensor.
 
 Scope: CPU models whose skeleton pickles (classes importable by name). The
 others (CUDA, whose CUDA-graph modes AOTInductor does not replay, and
