@@ -452,10 +452,9 @@ class CompiledServing:
             try:
                 skeleton = skeleton_bytes(self._module)
             except Exception as exc:  # noqa: BLE001 - pickling raises many types
-                self.where = "thread"
-                log.warning("the model cannot be sent to a compile process (%s: %s); compiling in this process",
-                            type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
-                in_own_thread(step_aside(self._compile_here), job)
+                first = str(exc).splitlines()[0][:200] if str(exc) else ""
+                self._compile_in_thread_from_now(job, f"the model cannot be sent to a compile process "
+                                                      f"({type(exc).__name__}: {first})")
                 return
             workdir = tempfile.mkdtemp(prefix="layertap-compile-")
             with open(os.path.join(workdir, "skeleton"), "wb") as f:
@@ -473,13 +472,17 @@ class CompiledServing:
         try:
             variant.compile(job.args, job.kwargs)
         except SkeletonRefused as exc:  # the child cannot import the model's classes (a file factory's)
-            self.where = "thread"
-            log.warning("the compile process cannot load the model (%s); compiling in this process", exc)
-            in_own_thread(step_aside(self._compile_here), job)
+            self._compile_in_thread_from_now(job, f"the compile process cannot load the model ({exc})")
             return
         finally:
             self._child = None
         slot.variant = variant
+
+    def _compile_in_thread_from_now(self, job: _Job, why: str) -> None:
+        """This compile, and every later one, in this process (the model cannot go to a child)."""
+        self.where = "thread"
+        log.warning("%s; compiling in this process", why)
+        in_own_thread(step_aside(self._compile_here), job)
 
     def _evict(self, keep: _Slot) -> None:
         with self._lock:
