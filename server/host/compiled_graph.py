@@ -105,7 +105,9 @@ def _stats_hook(index: int, sink: dict[int, Any], stats: StatsFunction) -> Calla
     def hook(_module: nn.Module, _args: Any, out: Any) -> None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"a tapped output must be one tensor for in-graph statistics, got {type(out).__name__}")
-        sink[index] = (stats(out.detach()), out.shape)
+        # A module's output is often its parent's too (a Sequential's last block): one read for both.
+        same = next((v[0] for v in sink.values() if v[2] is out), None)
+        sink[index] = (stats(out.detach()) if same is None else same, out.shape, out)
 
     return hook
 

@@ -119,19 +119,37 @@ def graph_stats(x: torch.Tensor) -> torch.Tensor:
         k = (torch.where(ok, s, 0.0) / ok.sum().clamp_min(1)).sum()  # divided first: no overflow near max
     else:
         k = s.mean()
-    return stats_of(x, k.reshape(1))
+    return stats_of(x, k.reshape(1), counts=_count_dtype(x.numel()))
 
 
-def stats_of(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def _count_dtype(n: int | torch.SymInt) -> torch.dtype:
+    """int32 lanes for the counts when every count fits: a mask adds to them in two instructions,
+    where float64 lanes take a conversion into two vectors and two adds (a quarter of the
+    statistics' cost in the graph).
+
+    A symbolic size gets int32 only while exporting, where the bound becomes part of the
+    program's ranges and the server's guards send a larger input elsewhere; a compile in this
+    process (dynamo) would turn it into an assertion that fails the pass, so it counts in int64.
+    """
+    if isinstance(n, int):
+        return torch.int32 if n < 2**31 else torch.int64
+    if torch.compiler.is_exporting():
+        torch._check(n < 2**31)  # type: ignore[no-untyped-call]
+        return torch.int32
+    return torch.int64
+
+
+def stats_of(x: torch.Tensor, k: torch.Tensor, counts: torch.dtype = F64) -> torch.Tensor:
     """The eight basic statistics of ``x``, any rank, its sums shifted by ``k`` (float64, shape (1,)).
 
     Every reduction is over all of x's elements, so a compiler may read them in memory order (a
     channels_last activation inside a compiled model: ``reshape(-1)`` first would force logical order,
-    a strided scalar loop)."""
+    a strided scalar loop). ``counts`` is the dtype the three counts accumulate in (exact: an
+    integer type must hold ``x.numel()``)."""
     if x.is_floating_point():
         fin = torch.abs(x) < math.inf
-        nan = (x != x).sum(dtype=F64)
-        count = fin.sum(dtype=F64)
+        nan = (x != x).sum(dtype=counts).to(F64)
+        count = fin.sum(dtype=counts).to(F64)
         # x - K only overflows for float64 x near its range limit; that inf is
         # kept (std -> inf) as in the eager path, since fin is x's own mask.
         y = torch.where(fin, x.to(F64) - k, 0.0)
@@ -140,11 +158,11 @@ def stats_of(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     else:  # integers and bool: all finite, no NaN
         v = x.to(torch.uint8) if x.dtype == torch.bool else x
         nan = torch.zeros((), dtype=F64, device=x.device)
-        count = (x == x).sum(dtype=F64)
+        count = (x == x).sum(dtype=counts).to(F64)
         y = x.to(F64) - k
         lo = v.amin().to(F64)
         hi = v.amax().to(F64)
-    zeros = (x == 0).sum(dtype=F64)
+    zeros = (x == 0).sum(dtype=counts).to(F64)
     return torch.stack([zeros, nan, count, y.sum(), (y * y).sum(), k.reshape(()), lo, hi])
 
 

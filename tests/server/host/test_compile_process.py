@@ -297,3 +297,34 @@ def test_close_while_a_child_compiles_kills_it_and_removes_the_work_dir() -> Non
     assert time.monotonic() - started < 15
     assert workdir is not None and not Path(workdir).exists()
     assert graph.state(()) != "ready"
+
+
+def test_the_exported_program_reduces_a_shared_output_once_and_bounds_the_counts(tmp_path: Path) -> None:
+    # What the child exports: one set of reductions for a tensor two taps share, and int32 counts,
+    # whose bound (numel < 2**31) becomes the batch dim's range, so the package's guards hold it.
+    from torch.export import Dim
+
+    from layertap.server.host.compile_process import _Tapped
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 4096), nn.Sequential(nn.ReLU(), nn.Linear(4096, 4096))).eval()
+    wrapper = _Tapped(model, ("1", "1.1"), GraphFeed.statistics, lambda _shapes: None, 1, []).eval()
+    with torch.no_grad():
+        program = torch.export.export(wrapper, (torch.zeros(2, 16),), dynamic_shapes=(({0: Dim.AUTO},),),
+                                      strict=False)
+    amins = [n for n in program.graph.nodes if n.op == "call_function" and "amin" in str(n.target)]
+    assert len(amins) == 1, f"{len(amins)} min reductions for one shared tensor"
+    (bounds,) = program.range_constraints.values()
+    assert (bounds.lower, bounds.upper) == (2, (2**31 - 1) // 4096), bounds
+    v = _variant(model, ("1", "1.1"), tmp_path)
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        v.compile((torch.zeros(2, 16),), {})
+        result = v.run((x,), {})
+        assert result is not None and result[1] is not None
+        assert torch.equal(result[1][0], result[1][1])
+        ref = model(x).double().numpy().reshape(-1)
+        assert result[1][0, 2].item() == ref.size and result[1][0, 0].item() == (ref == 0).sum()
+        np.testing.assert_allclose(result[1][0, 6:8].numpy(), [ref.min(), ref.max()], rtol=1e-6)
+        big = torch.zeros((2**31 - 1) // 4096 + 1, 16, device="meta")  # sizes only: guards read no data
+        assert v._packages[0].flat((big,), {}) is None, "a batch whose counts overflow int32 reached the package"

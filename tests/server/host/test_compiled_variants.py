@@ -159,3 +159,29 @@ def test_unverified_cuda_graph_modes_are_refused_on_cuda_with_the_reason() -> No
     assert check_mode("max-autotune-no-cudagraphs", torch.device("cuda", 0)) is None
     assert check_mode("default", torch.device("cpu")) is None
     assert "expected one of" in (check_mode("fast", torch.device("cpu")) or "")
+
+
+def test_a_layer_whose_output_is_its_parents_too_is_reduced_once() -> None:
+    # A Sequential's last block returns the Sequential's own output: both taps read one tensor, and
+    # the graph reduces it once (two reductions of it cost 4 of the demo model's 10 tensors again).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.ReLU(), nn.Linear(16, 16))).eval()
+    calls: list[torch.Size] = []
+
+    def stats(out: torch.Tensor) -> torch.Tensor:
+        calls.append(out.shape)
+        return graph_stats(out)
+
+    v = Variant(model, ("1", "1.1", "0"), compile_fx, 7, graph_stats)
+    x = torch.randn(4, 8)
+    with torch.inference_mode():
+        compiled = v.compile((x.clone(),), {})
+        assert compiled[1] is not None and torch.equal(compiled[1][0], compiled[1][1])
+        # The entry function itself, eager, what dynamo traced (a counting function of its own:
+        # dynamo would guard on the list it appends to).
+        _out, got, shapes = Variant(model, ("1", "1.1", "0"), compile_fx, 8, stats).fn((x,), {})
+        assert len(calls) == 2, "the shared output was reduced twice"
+        assert got is not None and torch.equal(got[0], got[1]) and list(shapes) == [(4, 16)] * 3
+        torch.testing.assert_close(got[0], graph_stats(model(x)), rtol=0, atol=0)
+        torch.testing.assert_close(got[2], graph_stats(model[0](x)), rtol=0, atol=0)
+        torch.testing.assert_close(compiled[1], got, rtol=1e-9, atol=1e-9)
