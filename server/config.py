@@ -76,7 +76,7 @@ class ServerConfig:
     #: ``compile_where`` where a variant compiles.
     compile_model: bool = False
     compile_mode: str = "default"
-    compile_fallback: str = "eager"
+    compile_fallback: str = "pending"
     compile_variants: int = 4
     #: Where a variant compiles: ``process`` (a niced child builds an AOTInductor package; CPU models)
     #: or ``thread`` (dynamo on this process's compiler thread; what a CUDA model always uses).

@@ -100,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inductor mode for --compile-model: default, max-autotune-no-cudagraphs (reduce-overhead "
                         "and max-autotune use CUDA graphs, refused on CUDA until verified)")
     p.add_argument("--compile-fallback", choices=("eager", "pending"), default=d.compile_fallback,
-                   help="while a tap's graph compiles: eager (its passes run the eager model, the tap is active at "
-                        "once) or pending (the previous graph serves, the tap starts when its graph is ready)")
+                   help="while a tap's graph compiles: pending (default: the previous graph serves, the tap "
+                        "starts when its graph is ready) or eager (its passes run the eager model, the tap is active "
+                        "at once, at the eager model's latency)")
     p.add_argument("--compile-where", choices=("process", "thread"), default=d.compile_where,
                    help="where a variant compiles: process (default: a niced child process builds an AOTInductor "
                         "package, so serving keeps the GIL and its cores) or thread (dynamo in the server's own "

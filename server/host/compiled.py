@@ -11,9 +11,11 @@ What a pass runs (model thread, under the model lock, :meth:`CompiledServing.ser
   statistics are just not read) runs the pass compiled, its guards checked
   by us (:mod:`.compiled_graph`): a request never compiles.
 * None ready: the key's variant is queued for the background compiler, and
-  meanwhile (``fallback``) either the eager module serves the pass with the
-  taps' hooks (``eager``: the taps are active at once) or the last variant
-  that served keeps serving and the new taps wait (``pending``). A new
+  meanwhile (``fallback``) either the last variant that served keeps serving
+  and the new taps wait (``pending``, the default: a tap change leaves the
+  latency as it was) or the eager module serves the pass with the taps'
+  hooks (``eager``: the taps are active at once, at the eager model's
+  latency, 1.5-2.4x the compiled one on the demo model). A new
   input shape that no compiled entry accepts runs eager once and compiles in
   the background, up to ``max_shapes`` per variant.
 * A failed compile is counted and logged; the last variant keeps serving and
@@ -171,7 +173,7 @@ class CompiledServing:
 
     def __init__(self, module: torch.nn.Module, free_dims: dict[int | str, tuple[int, ...]] | None = None, *,
                  mode: str = "default", max_variants: int = 4, max_shapes: int = 4,
-                 fallback: str = "eager", where: str = "process") -> None:
+                 fallback: str = "pending", where: str = "process") -> None:
         if mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile mode {mode!r}")
         if fallback not in FALLBACKS:

@@ -226,7 +226,7 @@ class ModelHost:
         #: Serves Infer passes compiled (``serve --compile-model``); None: eager only.
         self.graph: CompiledServing | None = None
 
-    def compile_model(self, *, mode: str = "default", fallback: str = "eager", max_variants: int = 4,
+    def compile_model(self, *, mode: str = "default", fallback: str = "pending", max_variants: int = 4,
                       where: str = "process") -> None:
         """Serve Infer passes from compiled variants (:mod:`.compiled`); the untapped graph compiles now,
         in the background. Explain, captures, replays and Generate keep the eager module."""

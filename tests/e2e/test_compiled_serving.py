@@ -41,7 +41,8 @@ def compiled_demo():
     from layertap.server.app import start_server
     from layertap.server.config import ServerConfig
 
-    srv = start_server(ServerConfig(port=0, metrics_port=0, compile_reducers=False, compile_model=True))
+    srv = start_server(ServerConfig(port=0, metrics_port=0, compile_reducers=False, compile_model=True,
+                                    compile_fallback="eager"))
     assert srv.state.host.graph.wait_idle(COMPILE_WAIT)
     yield srv
     _close(srv)
@@ -185,7 +186,7 @@ def test_taps_on_a_compiled_transformer_equal_eager(make_server, llama_dir) -> N
         model(x)
     for h in handles:
         h.remove()
-    srv = make_server(model=f"hf:{path}", compile_model=True)
+    srv = make_server(model=f"hf:{path}", compile_model=True, compile_fallback="eager")
     graph = srv.state.host.graph
     try:
         with layertap.Client(f"127.0.0.1:{srv.port}") as client, \

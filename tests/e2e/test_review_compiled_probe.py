@@ -52,7 +52,8 @@ def _global_hooks() -> int:
 
 @pytest.mark.timeout(240)
 def test_listlayers_during_a_compile_never_leaves_the_tap_set_eager(make_server) -> None:
-    srv = make_server(two_loaded(), compile_model=True, compile_where="thread")
+    srv = make_server(two_loaded(), compile_model=True, compile_where="thread",
+                      compile_fallback="eager")
     graph, host = srv.state.host.graph, srv.state.host
     assert graph.wait_idle(120)
     x = np.ones((4, 8), np.float32)
@@ -98,7 +99,8 @@ def test_another_host_probing_meanwhile_never_spoils_a_compile(make_server, othe
     failed (a dynamo KeyError building guards) and the tap set never compiled."""
     other = make_server(LoadedModel(_Heavy().eval(), "heavy", "factory", [InputSpec("x", torch.float32, (-1, 256))]),
                         compile_model=other_compiled)
-    srv = make_server(two_loaded(), compile_model=True, compile_where="thread")
+    srv = make_server(two_loaded(), compile_model=True, compile_where="thread",
+                      compile_fallback="eager")
     graph = srv.state.host.graph
     assert graph.wait_idle(120)
     if other.state.host.graph is not None:
@@ -142,7 +144,8 @@ def test_another_host_probing_meanwhile_never_spoils_a_compile(make_server, othe
 
 
 def test_a_probing_pass_hooks_only_its_own_modules(make_server) -> None:
-    srv = make_server(two_loaded(), compile_model=True, compile_where="thread")
+    srv = make_server(two_loaded(), compile_model=True, compile_where="thread",
+                      compile_fallback="eager")
     host = srv.state.host
     assert host.graph.wait_idle(120)
     host.layer_shapes.clear()
@@ -174,7 +177,8 @@ def _scripted() -> LoadedModel:
 
 
 def test_a_compiled_host_with_a_torchscript_child_probes_the_rest(make_server) -> None:
-    srv = make_server(_scripted(), compile_model=True, compile_where="thread")
+    srv = make_server(_scripted(), compile_model=True, compile_where="thread",
+                      compile_fallback="eager")
     host = srv.state.host
     assert host.graph.wait_idle(120)
     x = np.ones((3, 8), np.float32)

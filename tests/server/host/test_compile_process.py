@@ -169,7 +169,7 @@ class _Locked(nn.Module):
 
 def _assert_compiles_in_the_server_process(model: nn.Module) -> None:
     """Its untapped graph (input (-1, 8)) compiles, in the thread, without a failure."""
-    graph = CompiledServing(model.eval(), {0: (0,)})
+    graph = CompiledServing(model.eval(), {0: (0,)}, fallback="eager")
     assert graph.where == "process"
     try:
         with torch.inference_mode():
@@ -284,7 +284,7 @@ def test_a_model_the_child_cannot_import_compiles_in_the_server_process() -> Non
 
 
 def test_close_while_a_child_compiles_kills_it_and_removes_the_work_dir() -> None:
-    graph = CompiledServing(_Net().eval(), {0: (0,)})
+    graph = CompiledServing(_Net().eval(), {0: (0,)}, fallback="eager")
     with torch.inference_mode():
         graph.prepare((torch.zeros(2, 16),), {})
     deadline = time.monotonic() + 60

@@ -46,7 +46,7 @@ def test_in_graph_statistics_on_cuda_equal_eager(mode: str, monkeypatch: pytest.
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     model = build_demo_model(0).cuda().eval()
-    serving = CompiledServing(model, {0: (0,)}, mode=mode)
+    serving = CompiledServing(model, {0: (0,)}, mode=mode, fallback="eager")
     serving.taps = taps = _Taps()
     gen = torch.Generator(device="cuda").manual_seed(0)
     xs = [torch.randn(8, 3, 32, 32, device="cuda", generator=gen) for _ in range(4)]

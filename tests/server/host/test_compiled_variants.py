@@ -106,7 +106,7 @@ class _Taps:
 
 def test_tap_changes_compile_in_the_background_and_the_lru_caps_the_variants() -> None:
     model = _mlp()
-    serving = CompiledServing(model, {0: (0,)}, max_variants=2)
+    serving = CompiledServing(model, {0: (0,)}, max_variants=2, fallback="eager")
     serving.taps = taps = _Taps()
     x = torch.randn(4, 8)
     try:
