@@ -43,6 +43,7 @@ unpicklable modules) compile in the serving process (:mod:`.compiled_graph`).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
 import re
@@ -58,7 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layertap.server.host.compiled_graph import GraphResult, StatsFunction
+from layertap.server.host.compiled_graph import COUNT32_LIMIT, GraphResult, SinkEntry, StatsFunction, sink_entry
 from layertap.server.host.skeleton import PLACEHOLDERS
 
 __all__ = ["Package", "ProcessVariant", "SkeletonRefused"]
@@ -118,7 +119,7 @@ class _Tapped(nn.Module):
         self._record = record
         self.model = model
         self._n = len(key)
-        self._sink: dict[int, tuple[torch.Tensor, tuple[Any, ...], torch.Tensor]] = {}
+        self._sink: dict[int, SinkEntry] = {}
         modules = dict(model.named_modules())
         for i, layer in enumerate(key):
             assert stats is not None
@@ -129,9 +130,8 @@ class _Tapped(nn.Module):
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"a tapped output must be one tensor for in-graph statistics, "
                                 f"got {type(out).__name__}")
-            # A module's output is often its parent's too (a Sequential's last block): one read for both.
-            same = next((v[0] for v in self._sink.values() if v[2] is out), None)
-            self._sink[index] = (stats(out.detach()) if same is None else same, tuple(out.shape), out)
+            got, _, _, version = sink_entry(self._sink.values(), out, stats)
+            self._sink[index] = (got, tuple(out.shape), out, version)
         return hook
 
     def forward(self, *flat: Any) -> tuple[Any, torch.Tensor | None]:
@@ -320,12 +320,12 @@ class Package:
         # The child's own expression (its temp dir is private to this server): evaluated once per pass.
         self._shapes: Callable[..., list[tuple[int, ...]]] = eval(
             f"lambda {', '.join(symbols)}: {meta.shapes}", {"__builtins__": {}, "max": max, "min": min, "abs": abs})
-        self._sizes: dict[str, int] = {}
+        self._out_shapes: list[tuple[int, ...]] = []
 
     def flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
         """The inputs in the package's order, when they have the structure, dtypes and sizes it was built
-        for (dims traced as one symbol equal, each within its range); else None. Compiled code checks
-        nothing itself: an input it was not built for would be read out of bounds."""
+        for (dims traced as one symbol equal, each within its range, every tapped tensor's count in int32
+        range); else None. Compiled code checks nothing itself: it would read out of bounds, or overflow."""
         meta = self.meta
         if len(args) != meta.n_args or len(kwargs) != len(meta.kw_names):
             return None
@@ -352,7 +352,10 @@ class Package:
             lo, hi = meta.ranges.get(name, (2, sys.maxsize))
             if not lo <= size <= hi:
                 return None
-        self._sizes = sizes
+        shapes = self._shapes(**sizes)
+        if any(math.prod(shape) >= COUNT32_LIMIT for shape in shapes):  # its counts are int32 lanes
+            return None
+        self._out_shapes = shapes
         return flat
 
     def accepts(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -362,7 +365,7 @@ class Package:
     def run(self, flat: list[Any]) -> GraphResult:
         """One pass on inputs :meth:`flat` accepted (its sizes are the shapes' symbols)."""
         out, stats = self.runner(*flat)
-        return out, stats, self._shapes(**self._sizes)
+        return out, stats, self._out_shapes
 
 
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit)\w*: ")
@@ -464,12 +467,12 @@ class ProcessVariant:
             for path in (job_path, out, out + ".meta"):  # a loaded package lives in the loader's own copy
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-        if not package.accepts(args, kwargs):
-            raise RuntimeError("the fresh package's guards reject its own example")
-        try:  # the shapes' expression runs in every pass: it must run here first, or the compile fails
-            package._shapes(**package._sizes)
+        try:  # the guards run the shapes' expression in every pass: it must run here first, or the compile fails
+            accepted = package.accepts(args, kwargs)
         except Exception as exc:  # noqa: BLE001 - a printed expression this evaluation cannot run
             raise RuntimeError(f"the tapped outputs' shapes cannot be computed: {type(exc).__name__}: {exc}") from None
+        if not accepted:
+            raise RuntimeError("the fresh package's guards reject its own example")
         self._packages = (package, *self._packages)
 
     def cancel(self) -> None:

@@ -33,13 +33,17 @@ from __future__ import annotations
 
 import copy
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["GraphResult", "StatsFunction", "Variant", "clone_tree"]
+__all__ = ["COUNT32_LIMIT", "GraphResult", "SinkEntry", "StatsFunction", "Variant", "clone_tree", "sink_entry"]
+
+#: A tapped tensor's element count from which its statistics in a graph count in int64, not int32
+#: (``reducers.compiled_kernel.graph_stats``); a package's guards keep its inputs under it.
+COUNT32_LIMIT = 2**31
 
 #: Every hook dict of an ``nn.Module``: a clone starts with each empty.
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
@@ -101,13 +105,31 @@ def _entry_function(name: str, tree: nn.Module, n: int, sink: dict[int, Any]) ->
 StatsFunction = Callable[[torch.Tensor], torch.Tensor]
 
 
+def _version(t: torch.Tensor) -> int | None:
+    # A dynamo trace reads a version as an unknown size, so it cannot say two are equal, and an
+    # inference tensor has none: neither shares.
+    return None if torch.compiler.is_dynamo_compiling() or t.is_inference() else t._version
+
+
+#: One tap's entry in a pass's sink: ``(statistics, shape, output, output's version)``.
+SinkEntry = tuple[torch.Tensor, Any, torch.Tensor, "int | None"]
+
+
+def sink_entry(seen: Iterable[SinkEntry], out: torch.Tensor, stats: StatsFunction) -> SinkEntry:
+    """A tapped output's sink entry: its statistics traced, or an earlier tap's of this very tensor.
+
+    A module's output is often its parent's too (a Sequential's last block): one read for both.
+    Not after an in-place change (an inplace ReLU returns its input): its version moved on."""
+    version = _version(out)
+    same = None if version is None else next((v[0] for v in seen if v[2] is out and v[3] == version), None)
+    return stats(out.detach()) if same is None else same, out.shape, out, version
+
+
 def _stats_hook(index: int, sink: dict[int, Any], stats: StatsFunction) -> Callable[[nn.Module, Any, Any], None]:
     def hook(_module: nn.Module, _args: Any, out: Any) -> None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"a tapped output must be one tensor for in-graph statistics, got {type(out).__name__}")
-        # A module's output is often its parent's too (a Sequential's last block): one read for both.
-        same = next((v[0] for v in sink.values() if v[2] is out), None)
-        sink[index] = (stats(out.detach()) if same is None else same, out.shape, out)
+        sink[index] = sink_entry(sink.values(), out, stats)
 
     return hook
 

@@ -23,6 +23,7 @@ from typing import NamedTuple, cast
 
 import torch
 
+from layertap.server.host.compiled_graph import COUNT32_LIMIT
 from layertap.server.reducers.kernels import _SHIFT_SAMPLE as SHIFT_SAMPLE
 from layertap.server.reducers.workspace import F64
 
@@ -127,16 +128,13 @@ def _count_dtype(n: int | torch.SymInt) -> torch.dtype:
     where float64 lanes take a conversion into two vectors and two adds (a quarter of the
     statistics' cost in the graph).
 
-    A symbolic size gets int32 only while exporting, where the bound becomes part of the
-    program's ranges and the server's guards send a larger input elsewhere; a compile in this
-    process (dynamo) would turn it into an assertion that fails the pass, so it counts in int64.
+    A symbolic size gets int32 only while exporting: the server's guards on a package
+    (``compile_process.Package.flat``) refuse an input whose tapped tensor would reach
+    ``COUNT32_LIMIT`` elements. A compile in this process (dynamo) has no such guard: int64.
     """
     if isinstance(n, int):
-        return torch.int32 if n < 2**31 else torch.int64
-    if torch.compiler.is_exporting():
-        torch._check(n < 2**31)  # type: ignore[no-untyped-call]
-        return torch.int32
-    return torch.int64
+        return torch.int32 if n < COUNT32_LIMIT else torch.int64
+    return torch.int32 if torch.compiler.is_exporting() else torch.int64
 
 
 def stats_of(x: torch.Tensor, k: torch.Tensor, counts: torch.dtype = F64) -> torch.Tensor:

@@ -300,31 +300,84 @@ def test_close_while_a_child_compiles_kills_it_and_removes_the_work_dir() -> Non
 
 
 def test_the_exported_program_reduces_a_shared_output_once_and_bounds_the_counts(tmp_path: Path) -> None:
-    # What the child exports: one set of reductions for a tensor two taps share, and int32 counts,
-    # whose bound (numel < 2**31) becomes the batch dim's range, so the package's guards hold it.
+    # What the child exports: one set of reductions for a tensor two taps share. Its counts are
+    # int32 lanes, so the server's guards refuse an input whose tapped tensor reaches 2**31 elements
+    # (here 2**31 / 786432 = 2730.7 rows: no whole-number range export could have recorded).
     from torch.export import Dim
 
     from layertap.server.host.compile_process import _Tapped
 
+    width = 3 * 2**18
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 4096), nn.Sequential(nn.ReLU(), nn.Linear(4096, 4096))).eval()
+    model = nn.Sequential(nn.Linear(1, 16), nn.Sequential(nn.ReLU(), nn.Linear(16, width))).eval()
     wrapper = _Tapped(model, ("1", "1.1"), GraphFeed.statistics, lambda _shapes: None, 1, []).eval()
     with torch.no_grad():
-        program = torch.export.export(wrapper, (torch.zeros(2, 16),), dynamic_shapes=(({0: Dim.AUTO},),),
+        program = torch.export.export(wrapper, (torch.zeros(2, 1),), dynamic_shapes=(({0: Dim.AUTO},),),
                                       strict=False)
     amins = [n for n in program.graph.nodes if n.op == "call_function" and "amin" in str(n.target)]
     assert len(amins) == 1, f"{len(amins)} min reductions for one shared tensor"
-    (bounds,) = program.range_constraints.values()
-    assert (bounds.lower, bounds.upper) == (2, (2**31 - 1) // 4096), bounds
     v = _variant(model, ("1", "1.1"), tmp_path)
-    x = torch.randn(3, 16)
+    x = torch.randn(3, 1)
     with torch.inference_mode():
-        v.compile((torch.zeros(2, 16),), {})
+        v.compile((torch.zeros(2, 1),), {})
         result = v.run((x,), {})
         assert result is not None and result[1] is not None
         assert torch.equal(result[1][0], result[1][1])
         ref = model(x).double().numpy().reshape(-1)
         assert result[1][0, 2].item() == ref.size and result[1][0, 0].item() == (ref == 0).sum()
         np.testing.assert_allclose(result[1][0, 6:8].numpy(), [ref.min(), ref.max()], rtol=1e-6)
-        big = torch.zeros((2**31 - 1) // 4096 + 1, 16, device="meta")  # sizes only: guards read no data
-        assert v._packages[0].flat((big,), {}) is None, "a batch whose counts overflow int32 reached the package"
+        package = v._packages[0]
+        assert package.flat((torch.zeros(2**31 // width, 1),), {}) is not None
+        assert package.flat((torch.zeros(2**31 // width + 1, 1),), {}) is None, "int32 counts would overflow"
+    # Changed in place between the two hooks (an inplace ReLU returns its input): reduced again.
+    inplace = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True)).eval()
+    w = _Tapped(inplace, ("0", "1"), GraphFeed.statistics, lambda _shapes: None, 1, []).eval()
+    with torch.no_grad():
+        xi = torch.randn(3, 16)
+        program = torch.export.export(w, (torch.zeros(3, 16),), strict=False)
+        _out, got = program.module()(xi)
+        pre = inplace[0](xi)
+    assert got[0, 6] < 0 <= got[1, 6], "the ReLU's tap reported the Linear's minimum"
+    post = torch.relu(pre).double()
+    torch.testing.assert_close(got[1, 6:8], torch.stack([post.min(), post.max()]))
+    torch.testing.assert_close(got[0, 6:8], torch.stack([pre.min(), pre.max()]).double())
+
+
+class _Block(nn.Module):
+    """torchvision's BasicBlock: an inplace ReLU and an in-place residual add on bn2's output."""
+
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        out += x
+        return self.relu(out)
+
+
+def test_a_parent_that_changes_its_childs_output_in_place_gets_its_own_statistics(tmp_path: Path) -> None:
+    # The block returns bn2's very tensor, changed in place after bn2's hook: two reductions, each right.
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block()).eval()
+    key = ("0.bn2", "0", "0.bn1")
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [model.get_submodule(k).register_forward_hook(lambda _m, _a, o, k=k: seen.__setitem__(k, o.clone()))
+             for k in key]
+    x = torch.randn(3, 4, 6, 6)
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    v = _variant(model, key, tmp_path)
+    with torch.inference_mode():
+        v.compile((torch.zeros(2, 4, 6, 6),), {})
+        result = v.run((x,), {})
+    assert result is not None and result[1] is not None
+    for row, k in enumerate(key):
+        ref = seen[k].double()
+        assert result[1][row, 0].item() == (ref == 0).sum().item(), k
+        np.testing.assert_allclose(result[1][row, 6:8].numpy(), [ref.min().item(), ref.max().item()],
+                                   rtol=1e-5, atol=1e-6, err_msg=k)
