@@ -130,8 +130,7 @@ class _Tapped(nn.Module):
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"a tapped output must be one tensor for in-graph statistics, "
                                 f"got {type(out).__name__}")
-            got, _, _, version = sink_entry(self._sink.values(), out, stats)
-            self._sink[index] = (got, tuple(out.shape), out, version)
+            self._sink[index] = sink_entry(self._sink.values(), out, stats)
         return hook
 
     def forward(self, *flat: Any) -> tuple[Any, torch.Tensor | None]:
@@ -156,6 +155,11 @@ def _input_dims(t: torch.Tensor) -> list[int | str]:
         else:
             raise ValueError(f"an input's size is traced as {size.node.expr}, an expression of other sizes")
     return dims
+
+
+def _symbols(inputs: list[tuple[torch.dtype, list[int | str]] | None]) -> set[str]:
+    """The symbols the inputs' free dims were traced as."""
+    return {d for spec in inputs if spec is not None for d in spec[1] if isinstance(d, str)}
 
 
 def _shape_code(shapes: list[tuple[Any, ...]], symbols: set[str]) -> str:
@@ -234,7 +238,7 @@ def _build(job: _Job) -> None:
     handle.remove()
     inputs: list[tuple[torch.dtype, list[int | str]] | None] = [
         None if t is None else (t.dtype, _input_dims(t)) for t in seen]
-    symbols = {d for spec in inputs if spec is not None for d in spec[1] if isinstance(d, str)}
+    symbols = _symbols(inputs)
     ranges = {str(sym): (_bound(r.lower, 0), _bound(r.upper, sys.maxsize))
               for sym, r in program.range_constraints.items() if str(sym) in symbols}
     shapes = _shape_code(traced[-1] if traced else [], symbols)
@@ -316,16 +320,15 @@ class Package:
                 raise RuntimeError(f"the package's constant {fqn!r} is none of the model's tensors")
             constants[fqn] = t.detach()
         self.runner.load_constants(constants, check_full_update=True, user_managed=True)
-        symbols = sorted({d for spec in meta.inputs if spec is not None for d in spec[1] if isinstance(d, str)})
         # The child's own expression (its temp dir is private to this server): evaluated once per pass.
         self._shapes: Callable[..., list[tuple[int, ...]]] = eval(
-            f"lambda {', '.join(symbols)}: {meta.shapes}", {"__builtins__": {}, "max": max, "min": min, "abs": abs})
-        self._out_shapes: list[tuple[int, ...]] = []
+            f"lambda {', '.join(sorted(_symbols(meta.inputs)))}: {meta.shapes}",
+            {"__builtins__": {}, "max": max, "min": min, "abs": abs})
 
-    def flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
-        """The inputs in the package's order, when they have the structure, dtypes and sizes it was built
-        for (dims traced as one symbol equal, each within its range, every tapped tensor's count in int32
-        range); else None. Compiled code checks nothing itself: it would read out of bounds, or overflow."""
+    def flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], list[tuple[int, ...]]] | None:
+        """The inputs in the package's order and the tapped outputs' shapes, when the inputs have the structure,
+        dtypes and sizes it was built for (dims traced as one symbol equal, each within its range, every tapped
+        tensor's count in int32 range); else None. Compiled code checks nothing: it would read out of bounds."""
         meta = self.meta
         if len(args) != meta.n_args or len(kwargs) != len(meta.kw_names):
             return None
@@ -355,17 +358,16 @@ class Package:
         shapes = self._shapes(**sizes)
         if any(math.prod(shape) >= COUNT32_LIMIT for shape in shapes):  # its counts are int32 lanes
             return None
-        self._out_shapes = shapes
-        return flat
+        return flat, shapes
 
     def accepts(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether these inputs are ones the package was built for (see :meth:`flat`)."""
         return self.flat(args, kwargs) is not None
 
-    def run(self, flat: list[Any]) -> GraphResult:
-        """One pass on inputs :meth:`flat` accepted (its sizes are the shapes' symbols)."""
+    def run(self, flat: list[Any], shapes: list[tuple[int, ...]]) -> GraphResult:
+        """One pass on what :meth:`flat` returned."""
         out, stats = self.runner(*flat)
-        return out, stats, self._out_shapes
+        return out, stats, shapes
 
 
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit)\w*: ")
@@ -486,9 +488,9 @@ class ProcessVariant:
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> GraphResult | None:
         """The compiled pass when some package accepts these inputs, else None (nothing ran)."""
         for package in self._packages:
-            flat = package.flat(args, kwargs)
-            if flat is not None:
-                return package.run(flat)
+            call = package.flat(args, kwargs)
+            if call is not None:
+                return package.run(*call)
         return None
 
 

@@ -15,7 +15,7 @@ What a pass runs (model thread, under the model lock, :meth:`CompiledServing.ser
   and the new taps wait (``pending``, the default: a tap change leaves the
   latency as it was) or the eager module serves the pass with the taps'
   hooks (``eager``: the taps are active at once, at the eager model's
-  latency, 1.5-2.4x the compiled one on the demo model). A new
+  latency, 1.4-3.1x the compiled one on the demo model). A new
   input shape that no compiled entry accepts runs eager once and compiles in
   the background, up to ``max_shapes`` per variant.
 * A failed compile is counted and logged; the last variant keeps serving and

@@ -76,13 +76,17 @@ def _take(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     return x[(flat, *reversed(index))]
 
 
+def _evenly_spaced(x: torch.Tensor) -> torch.Tensor:
+    """``SHIFT_SAMPLE`` elements of ``x`` evenly spaced in logical (row-major) order."""
+    return _take(x, torch.arange(SHIFT_SAMPLE, device=x.device) * (x.numel() // SHIFT_SAMPLE))
+
+
 def shift_sample(x: torch.Tensor, rnd: torch.Tensor) -> torch.Tensor:
     """The elements the shift K is the median of: ``SHIFT_SAMPLE`` evenly spaced, then ``rnd``'s (floats only).
 
     Positions are logical (row-major) flat indices; for the kernel's 1-D ``dense`` and 2-D ``rows``
     forms that is memory order, as shift_of's gather reads it."""
-    pos = torch.arange(SHIFT_SAMPLE, device=x.device) * (x.numel() // SHIFT_SAMPLE)
-    s = _take(x, pos)
+    s = _evenly_spaced(x)
     if x.is_floating_point():
         s = torch.cat([s, _take(x, rnd)])
     return s
@@ -114,7 +118,7 @@ def graph_stats(x: torch.Tensor) -> torch.Tensor:
     a third of the statistics' cost in the graph."""
     if x.dim() == 0:
         x = x.reshape(1)
-    s = _take(x, torch.arange(SHIFT_SAMPLE, device=x.device) * (x.numel() // SHIFT_SAMPLE)).to(F64)
+    s = _evenly_spaced(x).to(F64)
     if x.is_floating_point():
         ok = torch.abs(s) < math.inf
         k = (torch.where(ok, s, 0.0) / ok.sum().clamp_min(1)).sum()  # divided first: no overflow near max
