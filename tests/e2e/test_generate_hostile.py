@@ -104,8 +104,9 @@ def test_a_request_capture_of_a_flattened_moe_tensor_holds_only_its_rows(make_se
 
 def test_captures_count_against_the_servers_capture_limits(make_server, tmp_path) -> None:
     path, _ = hf_models.save("llama", tmp_path, **LONG)
-    # The prefill's capture (1 x 3 x 16 float32, 192 bytes) is over the budget; a decode step's (64) is not.
-    server = make_server(model=f"hf:{path}", max_concurrent_captures=1, capture_budget_bytes=100)
+    # The prefill's capture (1 x 3 x 16 float32, 192 bytes) is over the budget; a decode step's (64) is
+    # not, nor are two (the first may still be held, on its way to the client, when the second is made).
+    server = make_server(model=f"hf:{path}", max_concurrent_captures=1, capture_budget_bytes=150)
     stub = stub_of(server)
     budget = server.state.capture_budget
     holder = stub.Generate(request([5, 6, 7], max_new_tokens=400, capture=["model.layers.0"]), timeout=60)
@@ -114,7 +115,7 @@ def test_captures_count_against_the_servers_capture_limits(make_server, tmp_path
         list(stub.Generate(request([1, 2], max_new_tokens=2, capture=["model.layers.0"]), timeout=30))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     holder.cancel()
-    assert wait_for(lambda: server.state.captures.active == 0, timeout=30)
+    assert wait_for(lambda: server.state.captures.active == 0 and budget.held == 0, timeout=30)
     responses = list(stub.Generate(request([5, 6, 7], max_new_tokens=3, capture=["model.layers.0"]), timeout=30))
     steps = [r for r in responses if r.tokens]
     assert [len(r.captures) for r in steps] == [0, 1, 1]
