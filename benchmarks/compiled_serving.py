@@ -227,7 +227,7 @@ def serve_eager(args: argparse.Namespace, x: np.ndarray, report: list[str]) -> N
 
 def module_level(args: argparse.Namespace, report: list[str]) -> None:
     """Compiled base, statistics in the graph, statistics as hooks between graphs: the module alone."""
-    from layertap.server.host.compiled_graph import Variant, clone_tree
+    from layertap.server.compile.variant import Variant, clone_tree
     from layertap.server.host.demo_model import build_demo_model
     from layertap.server.reducers.plan import ReducerPlan, build_reducers
     from layertap.server.taps.graph import GraphFeed
@@ -246,8 +246,8 @@ def module_level(args: argparse.Namespace, report: list[str]) -> None:
     graph = Variant(model, tuple(layers), compile_fx, 1, GraphFeed.statistics)
     packaged = {}
     if device.type == "cpu":  # what serve --compile-model runs on CPU: packages built by a child process
-        from layertap.server.host.compile_process import ProcessVariant
-        from layertap.server.host.skeleton import skeleton_bytes
+        from layertap.server.compile.process import ProcessVariant
+        from layertap.server.compile.skeleton import skeleton_bytes
 
         work = tempfile.mkdtemp(prefix="layertap-bench-")
         with open(os.path.join(work, "skeleton"), "wb") as f:

@@ -41,13 +41,16 @@ import numpy as np
 import torch
 from _serving import BASIC, SELECTOR, save_llama
 
+from layertap.server.compile.stats import CompiledStats
 from layertap.server.host.model_host import PHASE_DECODE, PHASE_PREFILL, ModelHost, RequestRows
 from layertap.server.host.sources import load_model
-from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.stream.broker import Broker
 from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
+
+#: This benchmark's compiled statistics kernel, handed to its engines (a server's comes from app.py).
+STATS = CompiledStats(enabled=False)
 
 CONFIG = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8,
           "num_key_value_heads": 8, "vocab_size": 8192, "max_position_embeddings": 256, "eos_token_id": None,
@@ -65,7 +68,7 @@ class Rig:
         directory = tempfile.mkdtemp()
         save_llama(directory, CONFIG)
         self.host = ModelHost(load_model(f"hf:{directory}"))
-        self.engine = TapEngine(self.host, Broker(), rng=random.Random(0))
+        self.engine = TapEngine(self.host, Broker(), rng=random.Random(0), stats=STATS)
         self.hook_seconds = 0.0
         self.engine.sinks.on_hook_time = self._hook_time  # type: ignore[method-assign]
         self.steps = steps
@@ -135,7 +138,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the issue's runs use 1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    COMPILED_STATS.set_enabled(True)  # as `layertap serve` runs the reducers
+    STATS.set_enabled(True)  # as `layertap serve` runs the reducers
     rig = Rig(args.steps)
     engine = rig.engine
     publish = engine.publisher.publish
@@ -169,7 +172,7 @@ def main() -> None:
     }
     for row in rows.values():  # warm-up, and the reducers' kernel compiled before timing
         row()
-    COMPILED_STATS.wait_idle(300)
+    STATS.wait_idle(300)
     cells: dict[str, list[Cells]] = {k: [] for k in rows}
     for r in range(args.rounds):
         for name in (list(rows) if r % 2 == 0 else list(rows)[::-1]):

@@ -28,8 +28,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the shared strategies live with the tests
 
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
-from support.hostile import RPCS, SHARES, Case  # noqa: E402
+from support.hostile import Case  # noqa: E402
 from support.hostile_check import LogWatch, Target, server_config  # noqa: E402
+from support.rpc_table import RPCS, SHARES  # noqa: E402
 
 from layertap.server.app import start_server  # noqa: E402
 

@@ -43,9 +43,9 @@ for s in $STEPS; do
     tests) step "CUDA tests" 150 python3 -m pytest -q -p no:cacheprovider -o addopts= \
              tests/server/reducers/test_no_sync.py tests/e2e/test_generate.py tests/e2e/test_sequence_stats.py ;;
     # Issue 29: in-graph tap statistics on CUDA, with CUDA graphs (reduce-overhead); when this passes,
-    # set host.compiled.CUDA_GRAPHS_VERIFIED. Then the compiled-serving module figures on the GPU.
+    # set compile.modes.CUDA_GRAPHS_VERIFIED. Then the compiled-serving module figures on the GPU.
     compiled) step "compiled taps on CUDA" 300 python3 -m pytest -q -p no:cacheprovider -o addopts= \
-             tests/server/host/test_compiled_cuda.py
+             tests/server/compile/test_compiled_cuda.py
               step "compiled_serving.py module-level (CUDA)" 240 python3 benchmarks/compiled_serving.py \
              --only module --device cuda --rounds 3 ;;
     overhead) step "overhead.py ResNet-50 bf16" 170 python3 benchmarks/overhead.py --model resnet50 \

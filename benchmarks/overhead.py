@@ -42,17 +42,20 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from layertap.server.compile.stats import CompiledStats
 from layertap.server.host.allocator import tune_malloc
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.priority import DEFAULT_TELEMETRY_NICE, set_telemetry_nice
 from layertap.server.host.sources import load_model
 from layertap.server.reducers import workspace
-from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.stream.broker import Broker
 from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
+
+#: This benchmark's compiled statistics kernel, handed to its engines (a server's comes from app.py).
+STATS = CompiledStats(enabled=False)
 
 sample_sort = workspace.sort_ascending
 
@@ -118,9 +121,9 @@ def main() -> None:
         host.module = host.module.to(memory_format=torch.channels_last)
     broker = Broker(default_queue_size=4)
     set_telemetry_nice(0)  # e0's engine: its host-transfer thread starts at the model thread's priority
-    engine_nice0 = TapEngine(host, broker, max_taps=1000)
+    engine_nice0 = TapEngine(host, broker, max_taps=1000, stats=STATS)
     set_telemetry_nice(DEFAULT_TELEMETRY_NICE)
-    engine = TapEngine(host, broker, max_taps=1000)
+    engine = TapEngine(host, broker, max_taps=1000, stats=STATS)
     sub = broker.subscribe(None, queue_size=4)  # a live subscriber (drops are fine)
     layers = block_level(host.module)
     shape = [args.batch if d == -1 else d for d in host.inputs[0].shape]
@@ -165,12 +168,12 @@ def main() -> None:
     if not args.no_compile:
         def with_compiled(install: Callable[[], Callable[[], None]]) -> Callable[[], Callable[[], None]]:
             def installed() -> Callable[[], None]:
-                COMPILED_STATS.set_enabled(True)
+                STATS.set_enabled(True)
                 remove = install()
 
                 def undo() -> None:
                     remove()
-                    COMPILED_STATS.set_enabled(False)
+                    STATS.set_enabled(False)
                 return undo
             return installed
 
@@ -236,11 +239,11 @@ def main() -> None:
         remove = variants[name]()
         try:
             step_time()
-            COMPILED_STATS.wait_idle(600)
+            STATS.wait_idle(600)
             step_time()
         finally:
             remove()
-    first_calls = COMPILED_STATS.counters()
+    first_calls = STATS.counters()
     ratios: dict[str, list[float]] = {k: [] for k in variants}
     base_times: list[float] = []
     for _ in range(args.repeats):
@@ -264,10 +267,10 @@ def main() -> None:
     for name, rs in ratios.items():
         print(f"{name:52s} {statistics.median(rs):6.2f}x  [{min(rs):.2f}..{max(rs):.2f}]")
     if compiled_variants:
-        timed = {k: v - first_calls[k] for k, v in COMPILED_STATS.counters().items()}
-        print(f"compiled kernel: {len(COMPILED_STATS.states())} signatures {set(COMPILED_STATS.states().values())}; "
+        timed = {k: v - first_calls[k] for k, v in STATS.counters().items()}
+        print(f"compiled kernel: {len(STATS.states())} signatures {set(STATS.states().values())}; "
               f"during timing {timed}")
-    COMPILED_STATS.close()
+    STATS.close()
     engine.close()
     engine_nice0.close()
 

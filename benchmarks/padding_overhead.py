@@ -37,12 +37,15 @@ from collections.abc import Callable
 
 import torch
 
+from layertap.server.compile.kernel import DENSE, Signature
+from layertap.server.compile.stats import CompiledStats
 from layertap.server.host.padding import PassPadding
 from layertap.server.host.sources import load_model
-from layertap.server.reducers.compiled import COMPILED_STATS
-from layertap.server.reducers.compiled_kernel import DENSE, Signature
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.spec import parse_reducer_names
+
+#: This benchmark's compiled statistics kernel, handed to its engines (a server's comes from app.py).
+STATS = CompiledStats(enabled=False)
 
 BASIC = "moments,minmax,zero_fraction,nonfinite"
 
@@ -81,7 +84,7 @@ def per_pass(rounds: int) -> None:
         host = ModelHost(load_model(f"hf:{directory}"))
     hooks, sinks = HookTime(), Sinks()
     sinks.add(hooks)
-    engine = TapEngine(host, Broker(), rng=random.Random(0), sinks=sinks)
+    engine = TapEngine(host, Broker(), rng=random.Random(0), sinks=sinks, stats=STATS)
     ids, padded = bench.make_inputs(8, 128)
     variants = {"padded, left out": (padded, False), "padded, keep_padding": (padded, True),
                 "no padding": (torch.ones_like(padded), False)}
@@ -94,7 +97,7 @@ def per_pass(rounds: int) -> None:
         return engine.create(spec, forever=True).id
 
     first = tap(False)
-    while COMPILED_STATS.counters()["compiled_calls"] < 8:
+    while STATS.counters()["compiled_calls"] < 8:
         run(padded)
         time.sleep(1)
     engine.delete(first)
@@ -137,13 +140,13 @@ def main() -> None:
     print(f"torch {torch.__version__}; (8, 128, 256) float32, {BASIC}; mask: 960 of 1024 positions valid; "
           f"CPU us per call, {args.blocks} interleaved blocks x {args.calls} calls")
     for compiled in (False, True):
-        COMPILED_STATS.set_enabled(compiled)
+        STATS.set_enabled(compiled)
         with torch.inference_mode():
             if compiled:
-                COMPILED_STATS.compile_ahead(Signature(torch.device("cpu"), torch.float32, DENSE, grad=False,
+                STATS.compile_ahead(Signature(torch.device("cpu"), torch.float32, DENSE, grad=False,
                                                        inference=True, autocast=None))
                 deadline = time.monotonic() + 600
-                while COMPILED_STATS.counters()["compiled_calls"] < 2 and time.monotonic() < deadline:
+                while STATS.counters()["compiled_calls"] < 2 and time.monotonic() < deadline:
                     plan.run(t)
                     plan.run(PassPadding(mask).cut()(t))  # type: ignore[misc]
                     time.sleep(1)
@@ -156,7 +159,7 @@ def main() -> None:
                 rows["padding left out"] += cpu_us(lambda: plan.run(cut(t)), args.calls)
                 rows["index_select"] += cpu_us(lambda: cut(t), args.calls)
                 rows["host, per pass"] += cpu_us(lambda: PassPadding(mask).cut(), args.calls)
-        print(f"{'compiled (AOTInductor)' if compiled else 'eager'}: {COMPILED_STATS.counters()}")
+        print(f"{'compiled (AOTInductor)' if compiled else 'eager'}: {STATS.counters()}")
         for name, v in rows.items():
             v.sort()
             print(f"  {name:18s} median {statistics.median(v):8.1f}  p10 {v[len(v) // 10]:8.1f}  "

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -16,6 +16,9 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from layertap.server.codec import DTYPE_BY_NAME
+from layertap.server.compile.modes import check_mode
+from layertap.server.compile.serving import CompiledServing
+from layertap.server.compile.stats import CompiledStats
 from layertap.server.config import MODEL_DTYPES, ServerConfig
 from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.errors import LayertapServerError
@@ -29,15 +32,14 @@ from layertap.server.export.pipeline import PipelineCollector
 from layertap.server.export.sink import MetricsSink
 from layertap.server.export.snapshots import SnapshotStore
 from layertap.server.export.streams import StreamsCollector
+from layertap.server.generate.generator import Generator
 from layertap.server.host.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, trim_free_memory, tune_malloc
-from layertap.server.host.compiled import check_mode
-from layertap.server.host.generate import Generator
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.model_thread import in_own_thread
 from layertap.server.host.priority import set_telemetry_nice
 from layertap.server.host.sources import LoadedModel, ModelLoadError, load_model
+from layertap.server.host.step_aside import Passes
 from layertap.server.record.wiring import start_recorder
-from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.rpc.admission import PrincipalAdmission, StreamAdmission, rpc_limit
 from layertap.server.rpc.auth import OPEN_SERVICES, Authenticator, arriving_principal
 from layertap.server.rpc.health import HealthServicer
@@ -49,6 +51,7 @@ from layertap.server.rpc.state import ServerState, StateCell
 from layertap.server.rpc.telemetry import TelemetryService
 from layertap.server.rpc.telemetry import add_to_server as add_telemetry_service
 from layertap.server.rpc.transport import SERVER_OPTIONS
+from layertap.server.running import STOP_STEP_SECONDS, LayertapServer
 from layertap.server.stream.broker import Broker
 from layertap.server.stream.publisher import Publisher
 from layertap.server.stream.sinks import Sinks
@@ -66,9 +69,6 @@ SERVICE_NAMES = (
     inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
     telemetry_pb2.DESCRIPTOR.services_by_name["TelemetryService"].full_name,
 )
-#: Seconds each shutdown step after the gRPC drain (metrics server, host-transfer
-#: thread, expiry thread) may take before the process exits without it.
-STOP_STEP_SECONDS = 3.0
 #: Seconds between two trims of glibc's free memory in a served process (see _reap).
 TRIM_EVERY = 10.0
 #: The main port's pool for the open services (Health, no token): strangers'
@@ -86,116 +86,36 @@ def pick_device(name: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@dataclass
-class LayertapServer:
-    """A running server; ``stop()`` shuts it down gracefully."""
+@dataclass(frozen=True)
+class ProcessCompilation:
+    """What compiling shares across every server and agent of one process, built here and handed on.
 
-    grpc_server: grpc.Server
-    state: ServerState
-    port: int
-    health: HealthServicer
-    metrics_port: int | None = None
-    auth: Authenticator | None = None
-    tls: TlsFiles | None = None
-    #: Admission of long streams (``--max-streams``).
-    streams: StreamAdmission | None = None
-    #: Per-principal budgets and the open services' pool.
-    principals: PrincipalAdmission | None = None
-    #: The plaintext Health-only listener (``--health-address``) and its port.
-    health_server: grpc.Server | None = None
-    health_port: int | None = None
-    listener_health: HealthServicer | None = None
-    listener_pool: OpenPool | None = None
-    #: Shutdown steps after the gRPC drain, run in reverse order: (what, how).
-    _closers: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
-    _stopped: threading.Event = field(default_factory=threading.Event)
-    _finished: threading.Event = field(default_factory=threading.Event)
-    _stop_lock: threading.Lock = field(default_factory=threading.Lock)
-    #: The shutdown step in progress, named in the watchdog's log line.
-    _step: str = "not started"
+    One per process because torch's state is: inductor's caches, and the fx
+    tracers that patch ``nn.Module.__call__`` for every module while a compile
+    runs (:mod:`~layertap.server.host.step_aside`). So two servers in one
+    process see each other's passes, and a kernel compiled for one serves both.
+    """
 
-    @property
-    def address(self) -> str:
-        return f"{self.state.config.host}:{self.port}"
+    #: Passes running now: a background compile steps aside while they do.
+    passes: Passes
+    #: The reducers' compiled basic-statistics kernel, off until a server turns it on.
+    stats: CompiledStats
 
-    def stop(self, grace: float | None = None) -> None:
-        """Stop accepting work, drain in-flight RPCs for ``grace`` seconds, close.
 
-        Then stop the health listener, the metrics server and the threads,
-        each bounded by ``STOP_STEP_SECONDS``, so a SIGTERM ends in bounded
-        time with every step logged (or logged as abandoned).
-        """
-        with self._stop_lock:  # exactly one caller runs the steps
-            first = not self._stopped.is_set()
-            self._stopped.set()
-        if not first:
-            # A second stop() (SIGTERM racing a `with` exit) returns only once
-            # the first has finished, so the interpreter never exits mid-step.
-            self._finished.wait()
-            return
-        try:
-            # The health listener's servicer follows this one: probes read
-            # NOT_SERVING on either port for the whole drain.
-            self._step = "health NOT_SERVING"
-            self.health.enter_graceful_shutdown()
-            # End Subscribe streams first: they never finish on their own, so the
-            # grace period would otherwise always run out on them.
-            self._step = "closing subscriber streams"
-            self.state.broker.close()
-            if self.state.generator is not None:
-                # Generations would run on through the grace period: they end now, UNAVAILABLE.
-                self._step = "ending generations"
-                self.state.generator.close()
-            self._step = "draining gRPC calls"
-            self.grpc_server.stop(self.state.config.grace_seconds if grace is None else grace).wait()
-            if self.health_server is not None:
-                self._step = "stopping the health listener"
-                self.health_server.stop(0).wait()
-                log.info("health listener stopped")
-            for servicer in (self.health, self.listener_health):
-                if servicer is not None:
-                    servicer.close()
-            for what, close in reversed(self._closers):
-                self._step = f"stopping the {what}"
-                _run_bounded(what, close, STOP_STEP_SECONDS)
-            self._step = "done"
-            log.info("shutdown complete")
-        finally:
-            self._finished.set()
+@functools.cache
+def process_compilation() -> ProcessCompilation:
+    """This process's :class:`ProcessCompilation`, made on first use."""
+    passes = Passes()
+    return ProcessCompilation(passes, CompiledStats(enabled=False, passes=passes))
 
-    @property
-    def step(self) -> str:
-        """The shutdown step in progress (``not started``, ..., ``done``)."""
-        return self._step
 
-    def finished(self, timeout: float | None = None) -> bool:
-        """Whether ``stop()`` has finished, waiting up to ``timeout`` seconds."""
-        return self._finished.wait(timeout)
+def wait_compiles(timeout: float) -> bool:
+    """Whether this process's background kernel compiles are idle within ``timeout`` seconds.
 
-    def reload(self) -> None:
-        """SIGHUP: re-read the token file and the certificates; a bad file keeps the old ones."""
-        if self.auth is not None:
-            self.auth.reload()
-        if self.tls is not None:
-            self.tls.reload()
-
-    def wait(self) -> None:
-        """Block until the server is stopped and ``stop()`` has finished.
-
-        gRPC terminates as soon as its calls drain; the rest of ``stop()`` (the
-        metrics server, the host-transfer thread) runs on the signal handler's
-        thread and must finish before the caller returns and the interpreter
-        kills daemon threads mid-step.
-        """
-        self.grpc_server.wait_for_termination()
-        if self._stopped.is_set():
-            self._finished.wait()
-
-    def __enter__(self) -> LayertapServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop(0)
+    ``layertap serve`` exits at once (``os._exit``) when they are not: the
+    compiler thread is joined at exit and a compile cannot be interrupted.
+    """
+    return process_compilation().stats.wait_idle(timeout)
 
 
 def _load_host(config: ServerConfig, loaded: LoadedModel | None) -> ModelHost:
@@ -204,7 +124,8 @@ def _load_host(config: ServerConfig, loaded: LoadedModel | None) -> ModelHost:
                             input_shape=config.input_shape, input_dtype=config.input_dtype, inputs=config.inputs,
                             model_args=config.model_args, hf_class=config.hf_class,
                             trust_remote_code=config.trust_remote_code)
-    return ModelHost(loaded, device=pick_device(config.device), dtype=DTYPE_BY_NAME[config.dtype])
+    return ModelHost(loaded, device=pick_device(config.device), dtype=DTYPE_BY_NAME[config.dtype],
+                     passes=process_compilation().passes)
 
 
 def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host: ModelHost | None = None,
@@ -240,22 +161,28 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
         host = in_own_thread(_load_host, config, loaded)
         host.warm_up()
     loaded = host.loaded
+    shared = process_compilation()
+    if host.model_thread.passes is None:
+        host.model_thread.passes = shared.passes  # a caller's host (a training agent's)
+    graph: CompiledServing | None = None
     if config.compile_model:
         why_not = check_mode(config.compile_mode, host.device)
         if why_not is None and (host.training or not loaded.hooks_supported):
             why_not = "--compile-model serves a hosted model's Infer passes; this model is not one"
         if why_not is not None:
             raise ModelLoadError(why_not)
-        host.compile_model(mode=config.compile_mode, fallback=config.compile_fallback,
-                           max_variants=config.compile_variants, where=config.compile_where)
+        graph = CompiledServing(host.module, host.free_dims(), mode=config.compile_mode,
+                                fallback=config.compile_fallback, max_variants=config.compile_variants,
+                                where=config.compile_where, passes=shared.passes)
+        host.attach_graph(graph)
     # One process-wide switch: inductor's caches are process-wide too.
-    COMPILED_STATS.set_enabled(config.compile_reducers)
+    shared.stats.set_enabled(config.compile_reducers)
     version = server_version()
     sinks = Sinks()
     broker = Broker(default_queue_size=config.subscriber_queue, max_subscribers=config.max_subscribers, sinks=sinks,
                     queue_bytes=config.subscriber_queue_bytes, budget_bytes=config.subscribers_budget_bytes)
     taps = TapEngine(host, publisher=Publisher(broker, sinks), max_taps=config.max_taps,
-                     transfer_bytes=config.transfer_queue_bytes)
+                     transfer_bytes=config.transfer_queue_bytes, stats=shared.stats, graph=graph)
     metrics = snapshots = None
     if config.metrics_port is None:
         registry = None
@@ -274,13 +201,14 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
     if metrics is not None:
         metrics.baselines_unsaved.set_function(drift.unsaved)
     if registry is not None:
-        if host.graph is not None:
-            registry.register(CompiledModelCollector(loaded.name, host.graph.counters))
+        if graph is not None:
+            registry.register(CompiledModelCollector(loaded.name, graph.counters))
         registry.register(PipelineCollector(loaded.name, transfer=taps.transfer.stats,
                                             baseline_skipped=drift.skipped_passes,
-                                            compiled=COMPILED_STATS.counters if config.compile_reducers else None))
+                                            compiled=shared.stats.counters if config.compile_reducers else None))
     state = ServerState(config=config, host=host, version=version, taps=taps, broker=broker,
-                        drift=drift, metrics=metrics, snapshots=snapshots, registry=registry)
+                        drift=drift, metrics=metrics, snapshots=snapshots, registry=registry,
+                        passes=shared.passes, compiled_stats=shared.stats, graph=graph)
     drift.load()
     state.recorder = start_recorder(config, taps, drift, registry, loaded.name)
     if not host.training and loaded.hooks_supported:
@@ -386,8 +314,8 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
         running._closers.append(("health listener's pool", listener_pool.close))
     running._closers.append(("host-transfer thread", state.taps.close))
     running._closers.append(("model thread", state.host.model_thread.close))
-    if state.host.graph is not None:
-        running._closers.append(("model compiler", state.host.graph.close))
+    if state.graph is not None:
+        running._closers.append(("model compiler", state.graph.close))
     if state.recorder is not None:
         running._closers.append(("flight recorder", state.recorder.close))
     if state.registry is not None:
@@ -431,30 +359,6 @@ def start_server(config: ServerConfig, loaded: LoadedModel | None = None, *, hos
     log.info("serving %s (%s) on %s:%d, device=%s dtype=%s", state.host.loaded.name,
              state.host.loaded.source, config.host, port, state.host.device, config.dtype)
     return running
-
-
-def _run_bounded(what: str, step: Callable[[], None], timeout: float) -> None:
-    """Run one shutdown step on its own thread, waiting ``timeout`` seconds at most.
-
-    A stuck step (a callback that never returns) must not keep a SIGTERMed
-    process alive; it is logged and abandoned instead.
-    """
-    ok: list[bool] = []
-
-    def run() -> None:
-        try:
-            step()
-            ok.append(True)
-        except Exception:  # shutdown must finish
-            log.exception("error stopping the %s", what)
-
-    thread = threading.Thread(target=run, name="layertap-stop", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        log.warning("%s did not stop within %.1fs; exiting without it", what, timeout)
-    elif ok:
-        log.info("%s stopped", what)
 
 
 def _scrape_check(auth: Authenticator | None):  # type: ignore[no-untyped-def]

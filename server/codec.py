@@ -18,7 +18,10 @@ from __future__ import annotations
 import math
 import sys
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Final
 
 import numpy as np
 import torch
@@ -33,14 +36,14 @@ DataType = tensor_pb2.DataType
 #: The server's one dtype table: tensor.proto's DataType -> torch dtype, by
 #: name (DATA_TYPE_FLOAT32 is torch.float32), in the enum's order. A DataType
 #: added to the proto without a torch dtype of its name fails here, at import.
-TORCH_BY_WIRE: dict[tensor_pb2.DataType.ValueType, torch.dtype] = {
+TORCH_BY_WIRE: Final[Mapping[tensor_pb2.DataType.ValueType, torch.dtype]] = MappingProxyType({
     value: getattr(torch, name.removeprefix("DATA_TYPE_").lower())
     for name, value in DataType.items()
     if value != tensor_pb2.DATA_TYPE_UNSPECIFIED
-}
+})
 WIRE_BY_TORCH: dict[torch.dtype, tensor_pb2.DataType.ValueType] = {v: k for k, v in TORCH_BY_WIRE.items()}
 #: ``"float32"`` -> ``torch.float32``: the names the server's flags and messages use.
-DTYPE_BY_NAME: dict[str, torch.dtype] = {str(t).removeprefix("torch."): t for t in TORCH_BY_WIRE.values()}
+DTYPE_BY_NAME: Final[Mapping[str, torch.dtype]] = MappingProxyType({str(t).removeprefix("torch."): t for t in TORCH_BY_WIRE.values()})
 
 #: Smallest tensor decoded as a view of the request's bytes rather than a copy.
 VIEW_MIN_BYTES = 4096

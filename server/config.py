@@ -71,7 +71,7 @@ class ServerConfig:
     #: compiled in the background; False (``--no-compile``): eager torch ops only.
     compile_reducers: bool = True
     #: Serve Infer from torch.compile'd variants of the model (``--compile-model``), with in-graph tap
-    #: statistics; see host.compiled. ``compile_mode`` is inductor's mode, ``compile_fallback`` what
+    #: statistics; see compile.serving. ``compile_mode`` is inductor's mode, ``compile_fallback`` what
     #: serves a tapped pass while its graph compiles (eager or pending), ``compile_variants`` the cap,
     #: ``compile_where`` where a variant compiles.
     compile_model: bool = False

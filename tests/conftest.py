@@ -16,6 +16,24 @@ TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent
 sys.path.insert(0, str(TESTS_DIR))
 
+#: The tiers: ``unit`` (in process, no server), ``e2e`` (real servers on loopback), ``slow`` (compiles,
+#: drift calibration, DDP, Prometheus). Every test carries exactly one, set by its module's ``pytestmark``:
+#: a module with any slow test is slow as a whole, so ``-m unit`` never runs one.
+TIERS = ("unit", "e2e", "slow")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Fails the run when a test carries no tier or more than one (before ``-m`` selects)."""
+    wrong = []
+    for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            wrong.append(f"{item.nodeid}: {tiers or 'no tier'}")
+    if wrong:
+        raise pytest.UsageError("every test needs exactly one tier marker (unit, e2e or slow):\n  "
+                                + "\n  ".join(wrong[:20]))
+
 
 @pytest.fixture
 def make_server():

@@ -13,6 +13,10 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 #: Source tree -> the import name it installs as (see setup.py).
 TREES = {REPO / "client": "layertap", REPO / "server": "layertap.server"}
@@ -210,3 +214,70 @@ def test_the_design_doc_names_every_module_and_only_real_ones() -> None:
     assert "server/taps/engine.py" in named and "client/_client.py" in named, "the layout parser is broken"
     assert sorted(real - named) == [], "modules docs/design.md's layout leaves out"
     assert sorted(named - real) == [], "modules docs/design.md's layout names that do not exist"
+
+
+#: Calls that build a mutable container (as literals do).
+_CONTAINERS = {"dict", "list", "set", "defaultdict", "OrderedDict", "Counter", "deque", "WeakValueDictionary",
+               "WeakKeyDictionary", "WeakSet"}
+
+
+def _folder(module: str) -> str:
+    """The folder a module lives in: ``layertap.server.taps`` for ``layertap.server.taps.engine``."""
+    return module.rpartition(".")[0]
+
+
+def _project_classes(known: dict[str, Path]) -> set[str]:
+    return {node.name for path in known.values() for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef)}
+
+
+def module_level_mutables(path: Path, classes: set[str]) -> set[str]:
+    """Names a module binds at its top level to a mutable instance: a project class's, a dict, a list or a set.
+
+    ``Final`` names are left out: the annotation says the binding is not a place to share state through.
+    """
+    out: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.AnnAssign):
+            if "Final" in ast.unparse(node.annotation) or node.value is None:
+                continue
+            targets, value = [node.target], node.value
+        elif isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        else:
+            continue
+        mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp))
+        if isinstance(value, ast.Call):
+            func = value.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            mutable = name in _CONTAINERS or name in classes
+        if mutable:
+            out.update(t.id for t in targets if isinstance(t, ast.Name))
+    return out
+
+
+def shared_mutables() -> list[str]:
+    """``importer: module.NAME`` for each module-level mutable instance imported from another folder."""
+    known = _modules()
+    classes = _project_classes(known)
+    mutables = {m: module_level_mutables(p, classes) for m, p in known.items()}
+    found: list[str] = []
+    for module, path in known.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in known and not node.level:
+                if _folder(node.module) == _folder(module):
+                    continue
+                found += [f"{module}: {node.module}.{a.name}" for a in node.names if a.name in mutables[node.module]]
+    return sorted(found)
+
+
+def test_no_module_level_mutable_instance_crosses_folders() -> None:
+    """Process-wide state is made by ``app.py`` and handed on (``ProcessCompilation``), never imported."""
+    assert shared_mutables() == []
+
+
+def test_the_mutable_instance_check_sees_one(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("from typing import Final\nclass Passes: ...\nPASSES = Passes()\nTABLE = {}\n"
+                      "NAMES: Final = frozenset()\nLIMIT: Final = Passes()\nMAX = 3\n_ON: dict[int, int] = {}\n")
+    assert module_level_mutables(module, {"Passes"}) == {"PASSES", "TABLE", "_ON"}

@@ -13,11 +13,15 @@ import dataclasses
 import typing
 from pathlib import Path
 
+import pytest
+
 import layertap
 from layertap import _convert, _results
 from layertap._results import RESULTS
 from layertap._types import DEFAULT_REDUCERS
 from layertap.v1 import telemetry_pb2 as pb
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
 _ONEOF = pb.ReducerResult.DESCRIPTOR.oneofs_by_name["value"].fields
@@ -43,7 +47,7 @@ READS = {
     "server/reducers/spec.py": ({"histogram", "quantiles", "per_channel"},
                                 "validates the parameters of the reducers that take them"),
     # Presentation: a new kind is simply not shown until given a column or a tag.
-    "client/_cli_view.py": ({"moments", "minmax", "abs_max", "zero_fraction", "nonfinite", "norm", "quantiles",
+    "client/cli/view.py": ({"moments", "minmax", "abs_max", "zero_fraction", "nonfinite", "norm", "quantiles",
                              "latency"}, "the watch table's columns read these results"),
     "client/_tensorboard.py": ({"moments", "minmax", "zero_fraction", "nonfinite", "histogram", "latency"},
                                "the TensorBoard scalars and histogram read these results"),

@@ -8,11 +8,11 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from layertap._cli_input import DEFAULT_VOCAB_SIZE
+from layertap.cli.input import DEFAULT_VOCAB_SIZE
 from layertap.server.config import MODEL_DTYPES, ServerConfig, check_exposure
 
 if TYPE_CHECKING:
-    from layertap.server.app import LayertapServer
+    from layertap.server.running import LayertapServer
 
 log = logging.getLogger("layertap.server")
 

@@ -9,7 +9,7 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from layertap.server.app import LayertapServer
+    from layertap.server.running import LayertapServer
 
 __all__ = ["SHUTDOWN_MARGIN", "install_signal_handlers"]
 
@@ -17,7 +17,7 @@ log = logging.getLogger("layertap.server")
 
 #: Seconds past ``--grace`` after which a signalled server exits whatever is
 #: stuck: room for the steps after the drain, each bounded by
-#: app.STOP_STEP_SECONDS (3 s; six of them today) and a little more.
+#: running.STOP_STEP_SECONDS (3 s; six of them today) and a little more.
 SHUTDOWN_MARGIN = 20.0
 
 

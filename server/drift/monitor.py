@@ -54,6 +54,7 @@ from layertap.server.drift.rates import DEFAULT_FALSE_ALARM_RATE, check_rate
 from layertap.server.drift.reload import BaselineReload
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.table import LayerTable
+from layertap.server.drift.tap_control import TapControl
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.drift.window import SlidingWindow
 from layertap.server.errors import AlreadyExists, InvalidField, NotFound, Unsupported
@@ -62,7 +63,6 @@ from layertap.server.host.model_host import PassContext
 from layertap.server.limits import check_name
 from layertap.server.reducers.spec import default_feature_axis
 from layertap.server.stream.sinks import Sink, TapView
-from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.selectors import select_layers
 from layertap.server.taps.tap import SERVER_OWNER
 from layertap.v1 import telemetry_pb2 as pb
@@ -87,14 +87,15 @@ class ScoreListener(Protocol):
 class DriftMonitor(Sink, BaselineReload):
     """Owns baseline taps, their builders and windows; a sink of the tap engine."""
 
-    def __init__(self, engine: TapEngine, *, on_score: ScoreListener | None = None,
+    def __init__(self, control: TapControl, *, on_score: ScoreListener | None = None,
                  baseline_dir: str | None = None, default_window: int = 50,
                  on_load_error: Callable[[str], None] | None = None,
                  on_save_error: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE) -> None:
-        """Create the monitor (a sink of ``engine``).
+        """Create the monitor (a sink of the tap engine).
 
         Args:
+            control: The tap engine, as drift may use it: baseline taps made, reshaped, removed.
             on_score: Called with every new score of a layer (and None while its
                 baseline collects); the app points it at the metrics' store, so
                 drift knows nothing of export.
@@ -104,7 +105,7 @@ class DriftMonitor(Sink, BaselineReload):
             false_alarm_rate: Per-window false alarms of the calibrated alarms, split across their layers.
         """
         self.false_alarm_rate = check_rate(false_alarm_rate)
-        self.engine = engine
+        self.control = control
         self._on_score = on_score
         self.baseline_dir = baseline_dir
         self.default_window = default_window
@@ -150,7 +151,7 @@ class DriftMonitor(Sink, BaselineReload):
     # -- requests ------------------------------------------------------------
     def set_baseline(self, req: pb.SetBaselineRequest) -> tuple[str, list[str]]:
         """Create (or replace) the baseline tap; returns its id and layers."""
-        host = self.engine.host
+        host = self.control.host
         layers = select_layers(req.selector, host.layer_names)
         passes = req.passes or DEFAULT_PASSES
         if passes > MAX_PASSES:
@@ -175,11 +176,11 @@ class DriftMonitor(Sink, BaselineReload):
         per_channel = not req.derive and all(self._channels(layer) is not None for layer in layers)
         spec = pb.TapSpec(name=tap_id, selector=req.selector, point=point, sampling=req.sampling,
                           reducers=layer_reducers(per_channel=per_channel), derive=req.derive)
-        existing = {t.id for t in self.engine.all_taps()}
+        existing = {t.id for t in self.control.all_taps()}
         if tap_id in existing:
             if tap_id not in self._own:
                 raise AlreadyExists(f"name: a tap named {tap_id!r} exists and is not a baseline; pick another name")
-            self.engine.delete(tap_id, reason="replaced")
+            self.control.delete(tap_id, reason="replaced")
         entries = {layer: LayerEntry(tap_id, layer, POINT_NAMES[point], passes, window, thresholds,
                                  builder=BaselineBuilder(tap_id, layer, POINT_NAMES[point], passes=passes, window=window),
                                  hold=req.hold, per_channel=per_channel, derive=req.derive, fixed=fixed)
@@ -187,7 +188,7 @@ class DriftMonitor(Sink, BaselineReload):
         with self._lock:
             self._layers.update({(tap_id, layer): {FORWARD: e} for layer, e in entries.items()})
         try:
-            tap = self.engine.create(spec, forever=True)
+            tap = self.control.create(spec, forever=True)
         except Exception:
             with self._lock:
                 for layer in layers:
@@ -208,7 +209,7 @@ class DriftMonitor(Sink, BaselineReload):
         with self._lock:
             entries = self._all()
         if selector:
-            keep = set(select_layers(selector, self.engine.host.layer_names))
+            keep = set(select_layers(selector, self.control.host.layer_names))
             entries = [e for e in entries if e.layer in keep]
         return [e.drift_message() for e in entries]
 
@@ -256,7 +257,7 @@ class DriftMonitor(Sink, BaselineReload):
                 except ValueError as exc:
                     raise Unsupported(f"builders: {exc}; collect more passes first", field="builders") from None
         else:
-            known = {name: self._channels(name) for name in self.engine.host.layer_names}
+            known = {name: self._channels(name) for name in self.control.host.layer_names}
             for i, data in enumerate(req.frozen):
                 b = frozen_from_bytes(data, f"frozen[{i}]", known)
                 self._check_layer(entries, b.layer, b.point, f"frozen[{i}]")
@@ -463,7 +464,7 @@ class DriftMonitor(Sink, BaselineReload):
             with self._lock:
                 phases = list(self._layers.get((entry.tap, entry.layer), {}).values())
             try:
-                self.engine.set_layer_reducers(entry.tap, entry.layer, phases_reducers(phases), tap=entry.handle)
+                self.control.set_layer_reducers(entry.tap, entry.layer, phases_reducers(phases), tap=entry.handle)
             except NotFound:  # deleted or replaced: on_tap_removed forgot the entry and its file
                 return False
         return True
@@ -490,8 +491,8 @@ class DriftMonitor(Sink, BaselineReload):
                         log.error("cannot remove baseline file %s: %s", path, exc)
 
     def _channels(self, layer: str) -> int | None:
-        shapes = self.engine.host.layer_shapes.get(layer)
+        shapes = self.control.host.layer_shapes.get(layer)
         if shapes is None or not shapes.outputs or len(shapes.outputs[0]) < 2:
             return None
         shape = shapes.outputs[0]
-        return int(shape[default_feature_axis(len(shape), tokens=self.engine.token_model)])
+        return int(shape[default_feature_axis(len(shape), tokens=self.control.token_model)])

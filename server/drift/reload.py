@@ -18,8 +18,8 @@ from layertap.server.drift.baseline import Baseline
 from layertap.server.drift.files import load_baselines
 from layertap.server.drift.layer import LayerEntry, layer_reducers
 from layertap.server.drift.table import LayerTable
+from layertap.server.drift.tap_control import TapControl
 from layertap.server.host.hooks import POINT_BY_NAME
-from layertap.server.taps.engine import TapEngine
 from layertap.v1 import telemetry_pb2 as pb
 
 __all__ = ["BaselineReload"]
@@ -30,7 +30,7 @@ log = logging.getLogger("layertap.server")
 class BaselineReload:
     """``load()``: every saved baseline back on a tap of its own."""
 
-    engine: TapEngine
+    control: TapControl
     baseline_dir: str | None
     _on_load_error: Callable[[str], None] | None
     _lock: threading.Lock
@@ -47,7 +47,7 @@ class BaselineReload:
         """Reload saved baselines and recreate their taps; returns how many."""
         if not self.baseline_dir:
             return 0
-        known = {name: self._channels(name) for name in self.engine.host.layer_names}
+        known = {name: self._channels(name) for name in self.control.host.layer_names}
         baselines, errors = load_baselines(self.baseline_dir, known)
         for err in errors:
             log.error("baseline refused: %s", err)
@@ -68,7 +68,7 @@ class BaselineReload:
                         tap_id, b.layer, point, b.passes, b.window, b.thresholds, phase=b.phase,
                         per_channel=b.channel_mean is not None)
             try:
-                tap = self.engine.create(spec, forever=True, trusted_selector=True)
+                tap = self.control.create(spec, forever=True, trusted_selector=True)
                 self._own.add(tap_id)
             except Exception as exc:  # noqa: BLE001 - one bad group must not stop start-up
                 msg = f"{tap_id}: cannot recreate its tap: {exc}"

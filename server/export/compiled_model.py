@@ -18,7 +18,7 @@ __all__ = ["CompiledModelCollector"]
 
 
 class CompiledModelCollector(Collector):
-    """Exports :meth:`~layertap.server.host.compiled.CompiledServing.counters`.
+    """Exports :meth:`~layertap.server.compile.serving.CompiledServing.counters`.
 
     Args:
         model: Value of the ``model`` label.

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from types import MappingProxyType
+from typing import Any, Final, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -43,10 +44,10 @@ _T = TypeVar("_T")
 
 #: ``Point`` value -> API name (``POINT_GRAD_OUTPUT`` -> ``"grad_output"``), derived
 #: from the proto enum so a point added to the API needs no second table.
-POINT_NAMES: dict[int, str] = {
+POINT_NAMES: Final[Mapping[int, str]] = MappingProxyType({
     value: name.removeprefix("POINT_").lower() for name, value in pb.Point.items() if value != pb.POINT_UNSPECIFIED
-}
-POINT_BY_NAME: dict[str, int] = {v: k for k, v in POINT_NAMES.items()}
+})
+POINT_BY_NAME: Final[Mapping[str, int]] = MappingProxyType({v: k for k, v in POINT_NAMES.items()})
 
 
 class ParamGrad(NamedTuple):

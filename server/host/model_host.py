@@ -29,12 +29,13 @@ from torch import nn
 from layertap.server.codec import dtype_name
 from layertap.server.errors import InvalidField, LimitExceeded, Unsupported
 from layertap.server.host import probe
-from layertap.server.host.compiled import CompiledServing
+from layertap.server.host.graph_slot import GraphServing
 from layertap.server.host.hooks import CallArgs, HookRegistry, ParamGrad
 from layertap.server.host.inputs import ModelInputs, as_positional, bind_inputs
 from layertap.server.host.model_thread import ModelThread, PassLock
 from layertap.server.host.padding import declares_mask, host_mask
 from layertap.server.host.sources import InputSpec, LoadedModel
+from layertap.server.host.step_aside import Passes
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -178,8 +179,10 @@ class ModelHost:
     """Hosts one model on one device and runs its forward passes one at a time."""
 
     def __init__(self, loaded: LoadedModel, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, training: bool = False) -> None:
+                 dtype: torch.dtype = torch.float32, training: bool = False, passes: Passes | None = None) -> None:
         """Args:
+            passes: The process's pass registry (``app.py`` makes it): background compiles step aside
+                while this host's model thread runs a pass. None: nothing compiles beside it.
             training: The model belongs to a training loop: it is not moved or
                 cast, ``run`` is refused (it would change its state), and
                 parameter gradients are read when the loop says they are ready
@@ -204,7 +207,7 @@ class ModelHost:
         self.masked = declares_mask(self.inputs)
         self._lock = PassLock()
         #: Runs the server's own passes (Infer, captures, replays, Explain): see model_thread.
-        self.model_thread = ModelThread()
+        self.model_thread = ModelThread(passes=passes)
         self._counter = itertools.count()
         self._current: PassContext | None = None
         # Copy-on-write under its own small lock: observers can leave from
@@ -224,17 +227,19 @@ class ModelHost:
         self._probe_armed = loaded.hooks_supported
         self._last_probe = -math.inf
         #: Serves Infer passes compiled (``serve --compile-model``); None: eager only.
-        self.graph: CompiledServing | None = None
+        self.graph: GraphServing | None = None
 
-    def compile_model(self, *, mode: str = "default", fallback: str = "pending", max_variants: int = 4,
-                      where: str = "process") -> None:
-        """Serve Infer passes from compiled variants (:mod:`.compiled`); the untapped graph compiles now,
-        in the background. Explain, captures, replays and Generate keep the eager module."""
+    def free_dims(self) -> dict[int | str, tuple[int, ...]]:
+        """Each input's free dims (size -1), by position and by name: what a compiled graph keeps dynamic."""
         free: dict[int | str, tuple[int, ...]] = {}
         for i, spec in enumerate(self.inputs):
             free[i] = free[spec.name] = tuple(d for d, size in enumerate(spec.shape) if size == -1)
-        self.graph = CompiledServing(self.module, free, mode=mode, fallback=fallback, max_variants=max_variants,
-                                     where=where)
+        return free
+
+    def attach_graph(self, graph: GraphServing) -> None:
+        """Serve Infer passes from compiled variants (``app.py`` builds them); the untapped graph compiles
+        now, in the background. Explain, captures, replays and Generate keep the eager module."""
+        self.graph = graph
         if any(d < -1 for spec in self.inputs for d in spec.shape):
             return  # no example to compile ahead from: the first pass queues it
         # Free dims as 2: torch specializes sizes 0 and 1, a traced 2 stays dynamic.
@@ -244,16 +249,11 @@ class ModelHost:
         example = ModelInputs.positional(list(zeros.values())) if len(zeros) == 1 else ModelInputs((), zeros)
         if not self.loaded.keywords:
             example = as_positional(example, self.inputs)
-        self.graph.prepare(example.args, example.kwargs)
+        graph.prepare(example.args, example.kwargs)
 
     def graph_stats(self) -> dict[str, int]:
         """The compiled-serving fields of ``GetServerStatsResponse`` (none when serving eager)."""
-        g = self.graph
-        if g is None:
-            return {}
-        return {"compiled_passes": g.compiled_passes, "eager_passes": g.eager_passes, "model_compiles": g.compiles,
-                "model_compile_failures": g.compile_failures,
-                "request_thread_compiles": g.request_thread_compiles, "compiled_variants": g.variants}
+        return {} if self.graph is None else self.graph.serving_stats()
 
     # -- introspection -------------------------------------------------------
     @property

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from layertap.server.errors import Unavailable
-from layertap.server.host.step_aside import PASSES
+from layertap.server.host.step_aside import Passes
 
 __all__ = ["ModelThread", "PassLock", "in_own_thread"]
 
@@ -97,8 +97,11 @@ class ModelThread:
         name: The thread's name (shows in ``py-spy`` and thread dumps).
     """
 
-    def __init__(self, name: str = "layertap-model") -> None:
+    def __init__(self, name: str = "layertap-model", passes: Passes | None = None) -> None:
         self._name = name
+        #: Where this thread's calls register, so a background compile steps aside while they run
+        #: (``app.py`` hands every host the process's one :class:`Passes`); None: nothing compiles here.
+        self.passes = passes
         self._lock = threading.Lock()
         self._ident: int | None = None
         self.calls = 0
@@ -141,9 +144,10 @@ class ModelThread:
             self._queued -= 1
         return self._run(fn, *args)
 
-    @staticmethod
-    def _run(fn: Callable[..., _T], *args: object) -> _T:
-        with PASSES.model_call():  # a background compile steps aside until it ends (host.step_aside)
+    def _run(self, fn: Callable[..., _T], *args: object) -> _T:
+        if self.passes is None:
+            return fn(*args)
+        with self.passes.model_call():  # a background compile steps aside until it ends (host.step_aside)
             return fn(*args)
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ Two ways to hook, because each has a cost the other avoids:
   a variant traced on the compiler thread while a process-wide probe was live,
   on this host or on any other host of the process, rejected every later pass
   or failed to compile. The variants trace hook-free copies of the modules
-  (``compiled_graph.clone_tree``), which local hooks never reach. A module
+  (``compile.variant.clone_tree``), which local hooks never reach. A module
   that refuses a hook (a ScriptModule) is skipped: its shapes stay unknown.
 """
 

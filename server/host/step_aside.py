@@ -4,8 +4,8 @@ Why one at a time: torch's tracers keep process-wide state (proxy_tensor's
 current make_fx tracer, fx's ``current_meta``, a patched
 ``nn.Module.__call__``), so two compiles on two threads can break each
 other. Seen on a cold inductor cache, where the reducers' kernel export
-(``reducers.compiled_aoti``) and a compiled model's variant
-(``host.compiled``) overlapped: the variant failed with "s33 is not tracked
+(``compile.aoti``) and a compiled model's variant
+(``compile.serving``) overlapped: the variant failed with "s33 is not tracked
 with proxy for _ModuleStackTracer"; with compiles one at a time the same
 run passed. In an earlier such run an Infer on the eager fallback failed
 with ``KeyError: 'custom'``, the key fx's process-wide annotation context
@@ -70,7 +70,7 @@ from torch.fx.experimental.proxy_tensor import PythonKeyTracer as _PythonKeyTrac
 from torch.fx.experimental.proxy_tensor import _ModuleStackTracer
 from torch.nn import Module as _Module
 
-__all__ = ["MAX_WAIT", "PASSES", "RUN_SLICE", "Passes", "step_aside"]
+__all__ = ["MAX_WAIT", "RUN_SLICE", "Passes", "step_aside"]
 
 _T = TypeVar("_T")
 
@@ -206,7 +206,6 @@ class Passes:
 
 
 #: The process's serving work (``host.model_thread.ModelThread`` marks each call, ``rpc.inference`` each Infer).
-PASSES = Passes()
 #: ``nn.Module.__call__`` as torch defines it; fx's tracers replace it while they trace.
 _CALL = _Module.__call__
 #: Held by the background compile running now: one at a time per process (reentrant: a compile that
@@ -234,7 +233,7 @@ def _leave_on_return(passes: Passes, held: list[int]) -> Callable[[FrameType, st
     return local
 
 
-def step_aside(fn: Callable[..., _T], passes: Passes = PASSES, max_wait: float = MAX_WAIT,
+def step_aside(fn: Callable[..., _T], passes: Passes, max_wait: float = MAX_WAIT,
                run_slice: float = RUN_SLICE) -> Callable[..., _T]:
     """``fn`` as a background compile: after any other's, and waiting while serving work runs (see the module)."""
     @functools.wraps(fn)

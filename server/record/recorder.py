@@ -47,10 +47,10 @@ from layertap.server.host.priority import telemetry_thread
 from layertap.server.record.replay import Share, anomalous_rows, replay
 from layertap.server.record.retention import InputRetention
 from layertap.server.record.store import IncidentStore, StoredTensor, new_id
+from layertap.server.record.tap_events import TapEvents
 from layertap.server.record.triggers import Firing, RateLimit, check_triggers, enabled, evaluate, interval_of
 from layertap.server.stream.sinks import Sink, TapView
 from layertap.server.stream.summary_wire import Place, timestamp
-from layertap.server.taps.engine import TapEngine
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -74,17 +74,17 @@ class Recorder(Sink):
     """Triggers, input retention, replay and the incident ring, for one server.
 
     Args:
-        engine: The tap engine (its host runs the replays, its broker tells subscribers).
+        taps: The tap engine, as the recorder may use it: its host runs the replays, its events tell subscribers.
         store: The on-disk ring.
         record_bytes: Host memory for retained inputs; 0 records incidents without input or replay.
         drift: Where the mean trigger finds a layer's baseline.
     """
 
-    def __init__(self, engine: TapEngine, store: IncidentStore, *, record_bytes: int = 0,
+    def __init__(self, taps: TapEvents, store: IncidentStore, *, record_bytes: int = 0,
                  drift: DriftMonitor | None = None, registry: CollectorRegistry | None = None,
                  model_name: str = "", clock: Callable[[], float] = time.monotonic) -> None:
-        self.engine = engine
-        self.host = engine.host
+        self.taps = taps
+        self.host = taps.host
         self.store = store
         self.drift = drift
         self.retention = InputRetention(record_bytes) if record_bytes > 0 else None
@@ -263,7 +263,7 @@ class Recorder(Sink):
         if self._incidents is not None:
             for name in rec.triggers:
                 self._incidents.labels(self._model, tap.id, name).inc()
-        self.engine.publisher.event(tap, "incident", rec.id)
+        self.taps.event(tap, "incident", rec.id)
         log.warning("incident %s: tap %s, triggers %s, layers %s, rows %s, replay %s", rec.id, tap.id,
                     ",".join(rec.triggers), ",".join(firing.layers), list(rec.rows),
                     "matches" if rec.replay_matches else f"differs/absent ({rec.replay_note[:200]})")

@@ -29,9 +29,9 @@ from collections.abc import Callable
 
 import torch
 
-from layertap.server.reducers.compiled import COMPILED_STATS
-from layertap.server.reducers.compiled_kernel import SHIFT_SAMPLE, batched_stats_body
+from layertap.server.reducers.kernel_slot import StatsKernel
 from layertap.server.reducers.kernels import StatNeeds, fused_basic_stats
+from layertap.server.reducers.stats_body import SHIFT_SAMPLE, batched_stats_body
 from layertap.server.reducers.workspace import F64, Workspace
 
 __all__ = ["BATCH_DTYPES", "MAX_BATCH_BYTES", "MAX_BATCH_NUMEL", "PassBatch", "Row", "batched_basic_stats"]
@@ -44,11 +44,11 @@ MAX_BATCH_BYTES = 16 << 20
 BATCH_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
-def batched_basic_stats(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def batched_basic_stats(x: torch.Tensor, generator: torch.Generator, kernel: StatsKernel | None = None) -> torch.Tensor:
     """Row-wise basic statistics of a ``(rows, n)`` tensor of a :data:`BATCH_DTYPES` dtype, ``n > SHIFT_SAMPLE``.
 
-    The compiled kernel once its signature is ready (:mod:`.compiled`), else
-    the same body eagerly. Each row draws its own random shift positions.
+    ``kernel``'s compiled kernel once its signature is ready, else the same
+    body eagerly (:mod:`.stats_body`). Each row draws its own random shift positions.
 
     Returns:
         ``(rows, BASIC_WIDTH)`` float64, each row laid out as
@@ -60,10 +60,10 @@ def batched_basic_stats(x: torch.Tensor, generator: torch.Generator) -> torch.Te
         # Alone in its group: the per-tensor kernel, the same vector (a batch kernel compiled for
         # several rows would take one row as a guard miss, and costs more for one).
         ws = Workspace(x[0], generator)
-        out = COMPILED_STATS.stats(ws, _ALL)
+        out = kernel.stats(ws, _ALL) if kernel is not None else None
         return (out if out is not None else fused_basic_stats(ws, _ALL))[None]
     rnd = torch.randint(0, n, (rows, SHIFT_SAMPLE), generator=generator, device=x.device)
-    out = COMPILED_STATS.batch_stats(x, rnd)
+    out = kernel.batch_stats(x, rnd) if kernel is not None else None
     if out is not None:
         return out
     on = _ON.get(x.device)
@@ -77,7 +77,7 @@ def batched_basic_stats(x: torch.Tensor, generator: torch.Generator) -> torch.Te
     return torch.cat([batched_stats_body(x[i:i + step], rnd[i:i + step], on) for i in range(0, rows, step)])
 
 
-#: The shift switch, on, per device (see ``compiled_kernel``).
+#: The shift switch, on, per device (see ``compile.kernel``).
 _ON: dict[torch.device, torch.Tensor] = {}
 #: Every basic statistic: a batch fills every slot, whatever its plans read.
 _ALL = StatNeeds(zeros=True, nan=True, count=True, sums=True, shifted=True, minmax=True)
@@ -106,8 +106,10 @@ class PassBatch:
     tensor in place later in the same pass.
     """
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, kernel: StatsKernel | None = None) -> None:
         self.seed = seed
+        #: The compiled statistics kernel (``app.py``'s); None: eager.
+        self.kernel = kernel
         #: Each group's copies and their rows, in row order.
         self._groups: dict[_Group, list[tuple[torch.Tensor, Row]]] = {}
         self._bytes = 0
@@ -154,7 +156,7 @@ class PassBatch:
                 with torch.inference_mode():
                     # Row-major, each row in the tensor's logical order (a view of a contiguous stack).
                     stacked = (torch.stack(tensors) if len(tensors) > 1 else tensors[0][None]).reshape(len(tensors), -1)
-                    add_rows(keys, batched_basic_stats(stacked, self._generator(group[0])))
+                    add_rows(keys, batched_basic_stats(stacked, self._generator(group[0]), self.kernel))
             except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
                 failed([k for row_keys in keys for k in row_keys], exc)
 

@@ -15,6 +15,8 @@ baselines skip it); a -Inf logit alone (a masked class) has probability 0.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import MappingProxyType
+from typing import Final
 
 import torch
 
@@ -24,7 +26,7 @@ from layertap.v1 import telemetry_pb2 as pb
 __all__ = ["DERIVE_NAMES", "Derivation", "derivation", "derive", "entropy", "log_probs", "top1_prob"]
 
 #: The wire value of each derivation by its name (``entropy``, ``top1_prob``): client, CLI, labels.
-DERIVE_NAMES = {pb.DERIVE_ENTROPY: "entropy", pb.DERIVE_TOP1_PROB: "top1_prob"}
+DERIVE_NAMES: Final = MappingProxyType({pb.DERIVE_ENTROPY: "entropy", pb.DERIVE_TOP1_PROB: "top1_prob"})
 
 Derivation = Callable[[torch.Tensor], torch.Tensor]
 

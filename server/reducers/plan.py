@@ -20,8 +20,8 @@ import torch
 from layertap.server.limits import MAX_REDUCERS_PER_TAP, MAX_SAMPLED_ELEMENTS
 from layertap.server.reducers.base import Reducer
 from layertap.server.reducers.basic import BASIC_REDUCERS, BasicReducer
-from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.distribution import HistogramReducer, PerChannelReducer, QuantilesReducer
+from layertap.server.reducers.kernel_slot import StatsKernel
 from layertap.server.reducers.kernels import BASIC_WIDTH, StatNeeds, fused_basic_stats
 from layertap.server.reducers.latency import LatencyReducer
 from layertap.server.reducers.logits import LogitsReducer
@@ -108,9 +108,11 @@ class ReducerPlan:
             model's dropout or data order.
     """
 
-    def __init__(self, reducers: Sequence[Reducer], seed: int = 0) -> None:
+    def __init__(self, reducers: Sequence[Reducer], seed: int = 0, kernel: StatsKernel | None = None) -> None:
         self.reducers: tuple[Reducer, ...] = tuple(reducers)
         self.seed = seed
+        #: The compiled basic-statistics kernel (the tap engine's, from ``app.py``); None: always eager.
+        self.kernel = kernel
         needs = StatNeeds()
         for r in self.reducers:
             needs = needs | r.needs
@@ -149,7 +151,7 @@ class ReducerPlan:
     def nonfinite_only(self) -> ReducerPlan | None:
         """The sub-plan to run on unsampled passes: just ``nonfinite``, or None."""
         kept = [r for r in self.reducers if r.kind == pb.REDUCER_KIND_NONFINITE]
-        return ReducerPlan(kept, self.seed) if kept else None
+        return ReducerPlan(kept, self.seed, self.kernel) if kept else None
 
     def folded(self) -> ReducerPlan:
         """The plan for ``(valid, ...)`` tensors a tap folded from ``(batch, tokens, ...)`` (``host.padding``).
@@ -163,7 +165,7 @@ class ReducerPlan:
         if self._folded is None:
             if any(isinstance(r, PerChannelReducer) for r in self.reducers):
                 self._folded = ReducerPlan([r.folded() if isinstance(r, PerChannelReducer) else r
-                                            for r in self.reducers], self.seed)
+                                            for r in self.reducers], self.seed, self.kernel)
             else:
                 self._folded = self
         return self._folded
@@ -221,7 +223,7 @@ class ReducerPlan:
         ws = Workspace(x, self._generator(x.device), self._share_xd)
         if self._needs_any:
             # The compiled kernel once its signature is ready, else eager.
-            basic = COMPILED_STATS.stats(ws, self._needs)
+            basic = self.kernel.stats(ws, self._needs) if self.kernel is not None else None
             ws.basic = basic if basic is not None else fused_basic_stats(ws, self._needs)
             if self.basic_layout is not None:
                 return ws.basic

@@ -9,7 +9,9 @@ no second table.
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple, get_args
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Final, Literal, NamedTuple, get_args
 
 import numpy as np
 
@@ -75,7 +77,7 @@ REDUCER_NAMES: dict[str, int] = {name: kind for kind, name in KIND_NAMES.items()
 #: ``ReducerSpec`` fields holding parameters; each is named after its kind.
 ParamField = Literal["histogram", "quantiles", "per_channel"]
 PARAM_FIELDS: tuple[ParamField, ...] = get_args(ParamField)
-PARAM_OF_KIND: dict[int, ParamField] = {REDUCER_NAMES[f]: f for f in PARAM_FIELDS}
+PARAM_OF_KIND: Final[Mapping[int, ParamField]] = MappingProxyType({REDUCER_NAMES[f]: f for f in PARAM_FIELDS})
 
 
 class SpecError(ValueError):

@@ -1,5 +1,5 @@
 """``InferenceService.Generate``: checks the request, owns its inline taps and
-captures, and streams the generator's steps (:mod:`layertap.server.host.generate`).
+captures, and streams the generator's steps (:mod:`layertap.server.generate.generator`).
 
 Summaries of the call's inline taps travel through the broker like any
 stream tap's (a slow client loses them, counted in ``dropped``); tokens never
@@ -19,7 +19,7 @@ import grpc
 
 from layertap.server.codec import TORCH_BY_WIRE, tensor_to_proto
 from layertap.server.errors import InvalidField, LayerNotFound, Unsupported
-from layertap.server.host.generation_request import FINISH_STOP, Finished, GenerationRequest, Reserve, Sampling, StepEvent
+from layertap.server.generate.request import FINISH_STOP, Finished, GenerationRequest, Reserve, Sampling, StepEvent
 from layertap.server.rpc.auth import require
 from layertap.server.rpc.ownership import create_owned
 from layertap.server.rpc.state import ServerState

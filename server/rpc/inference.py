@@ -10,7 +10,6 @@ import grpc
 from layertap.server.codec import flatten_outputs, tensor_from_proto, tensor_to_proto, wire_dtype
 from layertap.server.errors import InvalidField, LimitExceeded, grpc_errors, status_for
 from layertap.server.host.inputs import ModelInputs
-from layertap.server.host.step_aside import PASSES
 from layertap.server.rpc.generate import generate
 from layertap.server.rpc.state import ServerState, StateBacked
 from layertap.v1 import inference_pb2 as ipb
@@ -50,7 +49,7 @@ class InferenceService(StateBacked, inference_pb2_grpc.InferenceServiceServicer)
         status = "OK"
         try:
             # Serving work from here to the response: a background compile waits meanwhile (host.step_aside).
-            with PASSES.serving():
+            with self.state.passes.serving():
                 return self._infer(request)
         except Exception as exc:
             status = status_for(exc)[0].name

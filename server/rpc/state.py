@@ -6,13 +6,16 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
+from layertap.server.compile.serving import CompiledServing
+from layertap.server.compile.stats import CompiledStats
 from layertap.server.config import ServerConfig
 from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.errors import Unavailable
 from layertap.server.export.health import ServerMetrics
 from layertap.server.export.snapshots import SnapshotStore
-from layertap.server.host.generate import Generator
+from layertap.server.generate.generator import Generator
 from layertap.server.host.model_host import ModelHost
+from layertap.server.host.step_aside import Passes
 from layertap.server.record.recorder import Recorder
 from layertap.server.stream.broker import Broker
 from layertap.server.taps.capture_limits import CaptureBudget, CaptureLimits, CaptureSlots
@@ -37,6 +40,12 @@ class ServerState:
     #: Runs Generate requests; None when the model cannot generate (``cannot_generate`` says why).
     generator: Generator | None = None
     cannot_generate: str = ""
+    #: The process's pass registry: Infer's serving work makes a background compile wait.
+    passes: Passes = field(default_factory=Passes)
+    #: The process's compiled basic-statistics kernel (``app.process_compilation``).
+    compiled_stats: CompiledStats | None = None
+    #: Compiled serving of the model (``--compile-model``); None: eager only.
+    graph: CompiledServing | None = None
     captures: CaptureSlots = field(init=False)
     capture_limits: CaptureLimits = field(init=False)
     #: Bytes every capture's live clones hold together, against ``--capture-budget-bytes``.

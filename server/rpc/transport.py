@@ -8,6 +8,8 @@ HTTP/2 rapid reset in docs/benchmarks.md ("session 9: HTTP/2 abuse").
 
 from __future__ import annotations
 
+from typing import Final
+
 __all__ = ["HEALTH_LISTENER_OPTIONS", "SERVER_OPTIONS"]
 
 #: SETTINGS_MAX_CONCURRENT_STREAMS the server announces on each connection.
@@ -30,13 +32,13 @@ HEALTH_MAX_STREAMS_PER_CONNECTION = 8
 KEEPALIVE_TIME_MS = 60_000
 KEEPALIVE_TIMEOUT_MS = 20_000
 
-SERVER_OPTIONS: list[tuple[str, int]] = [
+SERVER_OPTIONS: Final[tuple[tuple[str, int], ...]] = (
     ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-]
-HEALTH_LISTENER_OPTIONS: list[tuple[str, int]] = [
+)
+HEALTH_LISTENER_OPTIONS: Final[tuple[tuple[str, int], ...]] = (
     ("grpc.max_concurrent_streams", HEALTH_MAX_STREAMS_PER_CONNECTION),
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-]
+)

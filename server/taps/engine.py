@@ -31,6 +31,9 @@ from typing import Any
 
 import torch
 
+from layertap.server.compile.kernel import BATCH, DENSE, Signature
+from layertap.server.compile.serving import CompiledServing
+from layertap.server.compile.stats import CompiledStats
 from layertap.server.errors import AlreadyExists, InvalidField, LimitExceeded, NotFound, Unsupported, echo
 from layertap.server.host.hooks import POINT_NAMES, CallArgs, ParamGrad
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
@@ -38,8 +41,6 @@ from layertap.server.host.padding import PaddingCut, PassPadding
 from layertap.server.host.rows import RequestCut, find_request
 from layertap.server.limits import check_name, check_ttl
 from layertap.server.reducers.batched import BATCH_DTYPES, PassBatch, Row
-from layertap.server.reducers.compiled import COMPILED_STATS
-from layertap.server.reducers.compiled_kernel import BATCH, DENSE, Signature
 from layertap.server.reducers.derive import derivation as derive_fn
 from layertap.server.reducers.derive import derive
 from layertap.server.reducers.latency import LayerTimer
@@ -48,12 +49,12 @@ from layertap.server.reducers.spec import TOKEN_MODEL_SOURCES, SpecError
 from layertap.server.reducers.transfer import DEFAULT_TRANSFER_BYTES, HostTransfer, PassBuffer
 from layertap.server.stream.broker import Broker
 from layertap.server.stream.publisher import Piece, Publisher
-from layertap.server.stream.sinks import Sinks
+from layertap.server.stream.sinks import Sinks, TapView
 from layertap.server.taps.graph import GraphFeed
 from layertap.server.taps.reuse import PassReuse, passthrough_parents
 from layertap.server.taps.sampling import Clock, Sampler
 from layertap.server.taps.selectors import MAX_SELECTOR_BYTES, select_layers
-from layertap.server.taps.tap import SERVER_OWNER, Tap
+from layertap.server.taps.tap import SERVER_OWNER, Tap, check_phases
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")
@@ -63,39 +64,23 @@ DEFAULT_TTL_SECONDS = 600.0
 FORWARD_POINTS = (pb.POINT_OUTPUT, pb.POINT_INPUT)
 
 
-def check_phases(spec: pb.TapSpec, field_prefix: str = "spec") -> frozenset[int] | None:
-    """The phases a spec names, or None when it names none (every pass).
-
-    A phase named twice counts once: ``phases`` is a set, and refusing a
-    repeat would only make callers deduplicate.
-
-    Raises:
-        InvalidField: An unknown ``Phase`` value, naming ``spec.phases[i]``.
-    """
-    if not spec.phases:
-        return None
-    known = set(pb.Phase.values())
-    for i, phase in enumerate(spec.phases):
-        if phase not in known:
-            raise InvalidField(f"{field_prefix}.phases[{i}]",
-                               f"unknown phase {phase}; use PHASE_UNSPECIFIED (plain forwards), PHASE_PREFILL "
-                               "or PHASE_DECODE")
-    return frozenset(spec.phases)
-
-
 class TapEngine:
     """Owns every tap on a model host; is the host's pass observer.
 
     Args:
         publisher: Where pass values and tap events go; the app builds it. Without
             one the engine makes its own from ``broker`` and ``sinks``.
+        stats: The compiled basic-statistics kernel its plans use (``app.py``'s); None: eager.
+        graph: The host's compiled serving (``serve --compile-model``), fed the taps' in-graph statistics.
     """
 
     def __init__(self, host: ModelHost, broker: Broker | None = None, *, clock: Clock = time.monotonic,
                  wall: Clock = time.time, max_taps: int = 64, rng: random.Random | None = None,
                  transfer_queue: int = 64, sinks: Sinks | None = None,
-                 transfer_bytes: int = DEFAULT_TRANSFER_BYTES, publisher: Publisher | None = None) -> None:
+                 transfer_bytes: int = DEFAULT_TRANSFER_BYTES, publisher: Publisher | None = None,
+                 stats: CompiledStats | None = None, graph: CompiledServing | None = None) -> None:
         self.host = host
+        self.stats = stats
         self.publisher = publisher if publisher is not None else Publisher(broker, sinks)
         self.clock = clock
         self.wall = wall
@@ -111,7 +96,7 @@ class TapEngine:
         self._hook_seconds = 0.0
         self.reducer_errors = 0
         #: Model thread only: the pass's small tensors, reduced together when it ends (``reducers.batched``).
-        self._batch = PassBatch()
+        self._batch = PassBatch(kernel=stats)
         #: Whether small tensors are batched (benchmarks turn it off to compare).
         self.batch_small = True
         # Bounded in bytes too: one pass of wide taps holds megabytes of values.
@@ -123,9 +108,9 @@ class TapEngine:
         #: Model thread only: the current pass's index and padding, made at the first tap that leaves it out.
         self._padding: tuple[int, PassPadding | None] = (-1, None)
         #: Feeds compiled passes' in-graph statistics to the taps (``serve --compile-model``).
-        self.graph_feed = GraphFeed(host, self.all_taps, self._pass_buffer)
-        if host.graph is not None:
-            host.graph.taps = self.graph_feed
+        self.graph_feed = GraphFeed(host, self.all_taps, self._pass_buffer, graph)
+        if graph is not None:
+            graph.taps = self.graph_feed
         host.add_observer(self)
 
     @property
@@ -184,7 +169,7 @@ class TapEngine:
             check_name(spec.name, f"{field_prefix}.name")
         sampler = Sampler(spec.sampling, clock=self.clock, rng=self._rng, field=f"{field_prefix}.sampling")
         self.sinks.check_spec(spec, durable=kind == pb.TAP_KIND_DURABLE, field_prefix=field_prefix)
-        plan = self._foldable(ReducerPlan(reducers), spec)
+        plan = self._foldable(ReducerPlan(reducers, kernel=self.stats), spec)
         if plan.timed and point != pb.POINT_OUTPUT:
             raise InvalidField(f"{field_prefix}.point", "the latency reducer times a module's forward: "
                                                        "use point output")
@@ -226,12 +211,12 @@ class TapEngine:
             self._taps[tap_id] = tap
             self._update_reuse()
         self.publisher.tap_created(tap)
-        if plan.needs_basic_stats:
+        if plan.needs_basic_stats and self.stats is not None:
             # Compile ahead for what the hooked layers produce in a server pass
             # (the model's dtype, dense, inference mode), so the first passes
             # already run compiled; other signatures are queued when first seen.
             for form in (DENSE, BATCH) if self.host.dtype in BATCH_DTYPES else (DENSE,):
-                COMPILED_STATS.compile_ahead(Signature(self.host.device, self.host.dtype, form,
+                self.stats.compile_ahead(Signature(self.host.device, self.host.dtype, form,
                                                        grad=False, inference=True, autocast=None))
         log.info("tap %s created: kind=%s layers=%d point=%s", tap_id, pb.TapKind.Name(kind), len(layers), POINT_NAMES[point])
         return tap
@@ -258,7 +243,8 @@ class TapEngine:
         """
         current: Tap = tap if tap is not None else self.get(tap_id)
         try:
-            plan = ReducerPlan(build_reducers(reducers, f"{tap_id}.{layer}.reducers", tokens=self.token_model))
+            plan = ReducerPlan(build_reducers(reducers, f"{tap_id}.{layer}.reducers", tokens=self.token_model),
+                               kernel=self.stats)
         except SpecError as exc:
             raise InvalidField(exc.field, exc.message) from None
         plan = self._foldable(plan, current.spec)
@@ -287,6 +273,10 @@ class TapEngine:
         if tap is None:
             raise NotFound(f"no tap {echo(tap_id)}; list taps with ListTaps / client.taps()")
         return tap
+
+    def event(self, tap: TapView, kind: str, message: str) -> None:
+        """Tells the tap's subscribers now (a sink's event: the recorder's incidents)."""
+        self.publisher.event(tap, kind, message)
 
     def all_taps(self) -> list[Tap]:
         with self._lock:

@@ -1,6 +1,6 @@
 """The taps' side of a compiled pass: which layers need in-graph statistics, and feeding them on.
 
-A tap runs inside the compiled graph (:mod:`layertap.server.host.compiled`)
+A tap runs inside the compiled graph (:mod:`layertap.server.compile.serving`)
 when all it asks of a pass is the basic statistics of a layer's output
 tensor: point ``output``, basic reducers only (per layer too), no latency
 timer, no derived quantity, no Generate request binding, every pass
@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 import torch
 
-from layertap.server.host.compiled import COMPILING, FAILED, QUEUED, READY, GraphPlan
+from layertap.server.compile.kernel import graph_stats
+from layertap.server.compile.serving import COMPILING, FAILED, QUEUED, READY, CompiledServing, GraphPlan
 from layertap.server.host.model_host import ModelHost, PassContext
-from layertap.server.reducers.compiled_kernel import graph_stats
 from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.reducers.transfer import PassBuffer
 from layertap.server.stream.publisher import Piece
@@ -44,17 +44,20 @@ def _basic(plan: ReducerPlan | None) -> bool:
 
 
 class GraphFeed:
-    """Implements :class:`~layertap.server.host.compiled.GraphTaps` for a tap engine (model thread).
+    """Implements :class:`~layertap.server.compile.serving.GraphTaps` for a tap engine (model thread).
 
     Args:
         host: The model host.
         taps: The engine's live taps.
         pass_buffer: The engine's buffer and pieces of the current pass (the buffer made on first use).
+        graph: The host's compiled serving; None: every tap is served eager.
     """
 
     def __init__(self, host: ModelHost, taps: Callable[[], list[Tap]],
-                 pass_buffer: Callable[[], tuple[PassBuffer, list[Piece[Tap]]]]) -> None:
+                 pass_buffer: Callable[[], tuple[PassBuffer, list[Piece[Tap]]]],
+                 graph: CompiledServing | None = None) -> None:
         self._host = host
+        self._graph = graph
         self._taps = taps
         self._pass_buffer = pass_buffer
         self._index: tuple[tuple[str, ...], dict[str, int]] = ((), {})
@@ -77,7 +80,7 @@ class GraphFeed:
     def statistics(out: torch.Tensor) -> torch.Tensor:
         """The basic-statistics vector of a tapped output, traced into the graph.
 
-        :func:`~layertap.server.reducers.compiled_kernel.graph_stats`: the compiled kernel's
+        :func:`~layertap.server.compile.kernel.graph_stats`: the compiled kernel's
         reductions with a cheaper shift K (the eager path's is a rank median of a random sample),
         so the moments agree with eager within float tolerance, not bit for bit.
         """
@@ -142,7 +145,7 @@ class GraphFeed:
 
     def serving(self, tap: Tap) -> pb.TapServing.ValueType:
         """The tap's ``TapServing`` state now."""
-        graph = self._host.graph
+        graph = self._graph
         if graph is None or not self.in_graph(tap):
             return pb.TAP_SERVING_EAGER
         key = self._key([t for t in self._taps() if not t.disabled and self.in_graph(t)])

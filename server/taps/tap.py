@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from layertap.server.errors import InvalidField
 from layertap.server.host.hooks import HookHandle
 from layertap.server.host.padding import PaddingCut
 from layertap.server.host.rows import RequestCut
@@ -84,3 +85,23 @@ class Tap:
         if self.expires_wall is not None:
             msg.expires_at.CopyFrom(timestamp(self.expires_wall))
         return msg
+
+
+def check_phases(spec: pb.TapSpec, field_prefix: str = "spec") -> frozenset[int] | None:
+    """The phases a spec names, or None when it names none (every pass).
+
+    A phase named twice counts once: ``phases`` is a set, and refusing a
+    repeat would only make callers deduplicate.
+
+    Raises:
+        InvalidField: An unknown ``Phase`` value, naming ``spec.phases[i]``.
+    """
+    if not spec.phases:
+        return None
+    known = set(pb.Phase.values())
+    for i, phase in enumerate(spec.phases):
+        if phase not in known:
+            raise InvalidField(f"{field_prefix}.phases[{i}]",
+                               f"unknown phase {phase}; use PHASE_UNSPECIFIED (plain forwards), PHASE_PREFILL "
+                               "or PHASE_DECODE")
+    return frozenset(spec.phases)

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from layertap.server.app import LayertapServer, start_server
+from layertap.server.app import process_compilation, start_server
+from layertap.server.compile.kernel import BATCH, DENSE, Signature
 from layertap.server.config import ServerConfig, check_exposure
 from layertap.server.host.model_host import ModelHost, PassContext
 from layertap.server.host.sources import LoadedModel
 from layertap.server.reducers.batched import BATCH_DTYPES
-from layertap.server.reducers.compiled import COMPILED_STATS
-from layertap.server.reducers.compiled_kernel import BATCH, DENSE, Signature
+from layertap.server.running import LayertapServer
 from layertap.server.train.labels import LabelledRegistry
 from layertap.server.train.names import is_compiled, unwrap
 from layertap.server.train.ranks import Rank
@@ -86,7 +86,7 @@ class Agent:
         self.steps.close()
         self.server.stop(0)
         if self.compiles:
-            COMPILED_STATS.background = True
+            process_compilation().stats.background = True
 
     def __enter__(self) -> Agent:
         return self
@@ -100,13 +100,14 @@ class Agent:
 
 def _compile_before_training(device: torch.device, dtype: torch.dtype) -> None:
     """The statistics kernels for the parameters' dtype, now, while no step draws
-    random numbers; on CPU they serve gradients in every mode (compiled_aoti)."""
+    random numbers; on CPU they serve gradients in every mode (compile.aoti)."""
     started = time.monotonic()
     sig = Signature(device, dtype, DENSE, grad=True, inference=False, autocast=None)
-    ready = COMPILED_STATS.compile_now(sig, timeout=COMPILE_TIMEOUT)
+    stats = process_compilation().stats
+    ready = stats.compile_now(sig, timeout=COMPILE_TIMEOUT)
     if dtype in BATCH_DTYPES:  # the small tensors' kernel too, run at each pass's end (reducers.batched)
         batch = Signature(device, dtype, BATCH, grad=False, inference=True, autocast=None)
-        ready = COMPILED_STATS.compile_now(batch, timeout=COMPILE_TIMEOUT) and ready
+        ready = stats.compile_now(batch, timeout=COMPILE_TIMEOUT) and ready
     log.info("layertap.attach: statistics kernel for %s %s %s in %.1f s; the training process never compiles "
              "in the background", device, dtype, "ready" if ready else "NOT ready (eager)", time.monotonic() - started)
 
@@ -189,7 +190,7 @@ def attach(
     training_host = ModelHost(loaded, device=device, dtype=dtype, training=True)
     training_host.rank = (rank.rank, rank.world_size)
     if config.compile_reducers:
-        COMPILED_STATS.background = False  # before any tap can queue one: see CompiledStats.background
+        process_compilation().stats.background = False  # before any tap can queue one: see CompiledStats.background
     server = start_server(config, host=training_host, registry=LabelledRegistry({"rank": str(rank.rank)}))
     if config.compile_reducers:
         _compile_before_training(device, dtype)

@@ -24,6 +24,8 @@ from layertap._fleet_baseline import Baselines
 from layertap.v1 import telemetry_pb2 as pb
 from layertap.v1 import telemetry_pb2_grpc
 
+pytestmark = pytest.mark.e2e
+
 
 class Scripted(telemetry_pb2_grpc.TelemetryServiceServicer):
     """Answers the incident, baseline and explain RPCs; records what each call carried."""

@@ -20,6 +20,8 @@ from layertap import _capture as capture
 from layertap._capture_wire import WireChunk, parse_response
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 UINT32 = st.integers(0, (1 << 32) - 1)
 UINT64 = st.integers(0, (1 << 64) - 1)
 

@@ -25,6 +25,8 @@ from layertap import _codec as codec
 from layertap.v1 import telemetry_pb2, tensor_pb2
 from layertap.v1.telemetry_pb2 import CaptureResponse as Msg
 
+pytestmark = pytest.mark.unit
+
 DT = tensor_pb2.DataType
 CHUNK = 1000
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from layertap._capture import no_traffic_hint
-from layertap._cli_errors import cli_hint, error_line
-from layertap._cli_input import random_inputs
 from layertap._errors import DeadlineExceeded
 from layertap._types import TensorSpec
+from layertap.cli.errors import cli_hint, error_line
+from layertap.cli.input import random_inputs
+
+pytestmark = pytest.mark.unit
 
 
 def test_random_inputs_fit_every_required_input_and_leave_optional_ones_out():

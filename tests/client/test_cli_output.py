@@ -25,9 +25,11 @@ from layertap import (
     TapSpec,
     ZeroFraction,
 )
-from layertap._cli_json import jsonable, write_json_lines
-from layertap._cli_table import Column, fit_table, layers_table, taps_table
-from layertap._cli_view import update_row, watch_line, watch_table
+from layertap.cli.json_lines import jsonable, write_json_lines
+from layertap.cli.table import Column, fit_table, layers_table, taps_table
+from layertap.cli.view import update_row, watch_line, watch_table
+
+pytestmark = pytest.mark.unit
 
 LONG = "encoder.layers.11.self_attn.out_proj"
 

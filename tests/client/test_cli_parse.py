@@ -9,6 +9,8 @@ import pytest
 
 from layertap import cli
 
+pytestmark = pytest.mark.unit
+
 
 def test_host_accepts_host_port_or_port() -> None:
     assert cli.parse_args(["layers", "50051"]).host == "127.0.0.1:50051"

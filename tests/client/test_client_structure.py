@@ -10,6 +10,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 CLIENT = Path(__file__).resolve().parents[2] / "client"
 GENERATED = CLIENT / "v1"
 
@@ -29,11 +33,20 @@ PRIVATE_READS_ALLOWED = {
 
 
 def _modules() -> dict[str, ast.Module]:
+    """Every hand-written client module, subpackages (the CLI) included, by its path under ``client/``."""
     return {
-        path.name: ast.parse(path.read_text(), str(path))
-        for path in sorted(CLIENT.glob("*.py"))
+        path.relative_to(CLIENT).as_posix(): ast.parse(path.read_text(), str(path))
+        for path in sorted(CLIENT.rglob("*.py"))
         if GENERATED not in path.parents
     }
+
+
+def _import_name(name: str) -> str:
+    """``cli/watch.py`` -> ``layertap.cli.watch``; a package's ``__init__.py`` is the package."""
+    parts = name.removesuffix(".py").split("/")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["layertap", *parts])
 
 
 def _imported_modules(tree: ast.Module) -> set[str]:
@@ -42,7 +55,7 @@ def _imported_modules(tree: ast.Module) -> set[str]:
 
 
 def test_the_modules_are_found() -> None:
-    assert {"_client.py", "_transport.py", "_incidents.py", "_fleet.py"} <= set(_modules())
+    assert {"_client.py", "_transport.py", "_incidents.py", "_fleet.py", "cli/__init__.py", "cli/watch.py"} <= set(_modules())
 
 
 def test_only_the_transport_touches_stubs_and_channels() -> None:
@@ -122,7 +135,7 @@ def _handles() -> dict[str, object]:
 
     out: dict[str, object] = {}
     for name in _modules():
-        module = importlib.import_module(f"layertap.{name.removesuffix('.py')}")
+        module = importlib.import_module(_import_name(name))
         out.update({f"{name}.{k}": v for k, v in vars(module).items() if isinstance(v, (Unary, Streaming))
                     and all(v is not seen for seen in out.values())})  # an imported handle is its declarer's
     return out

@@ -18,6 +18,8 @@ from layertap import _convert as convert
 from layertap._taps import tap_spec
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc, tensor_pb2
 
+pytestmark = pytest.mark.unit
+
 DT = tensor_pb2.DataType
 MiB = 1 << 20
 

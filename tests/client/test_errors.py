@@ -29,6 +29,8 @@ from layertap import (
 )
 from layertap.v1 import telemetry_pb2
 
+pytestmark = pytest.mark.unit
+
 UNKNOWN_LAYER = (
     "unknown layer 'layer5'; did you mean: layer4, layer3? "
     "Hint: list layers with ListLayers / client.layers()"

@@ -28,6 +28,8 @@ from layertap._taps import tap_spec
 from layertap.cli import main
 from layertap.v1 import inference_pb2, telemetry_pb2, tensor_pb2
 
+pytestmark = pytest.mark.unit
+
 PHASE = telemetry_pb2.Phase
 FINISH = inference_pb2.FinishReason
 

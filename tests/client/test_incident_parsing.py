@@ -10,6 +10,8 @@ from layertap._incidents import assemble
 from layertap.v1 import telemetry_pb2 as pb
 from layertap.v1 import tensor_pb2
 
+pytestmark = pytest.mark.unit
+
 RECORD = pb.GetIncidentResponse(incident=pb.Incident(id="inc-1700000000000-0123abcd", tap="t", pass_index=7))
 DATA = np.arange(1, 9, dtype=np.float32)
 RAW = DATA.tobytes()

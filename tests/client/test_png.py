@@ -7,8 +7,10 @@ import io
 import numpy as np
 import pytest
 
-from layertap._cli_explain import MIN_SIDE, overlay
 from layertap._png import encode_png
+from layertap.cli.explain import MIN_SIDE, overlay
+
+pytestmark = pytest.mark.unit
 
 Image = pytest.importorskip("PIL.Image")
 

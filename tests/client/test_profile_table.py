@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from layertap import Latency, Summary
-from layertap._cli_profile import layer_times, profile_table
+from layertap.cli.profile import layer_times, profile_table
+
+pytestmark = pytest.mark.unit
 
 
 def _summary(layer: str, seconds: float, pass_index: int, output_index: int = 0) -> Summary:

@@ -9,7 +9,11 @@ import sys
 import typing
 from pathlib import Path
 
+import pytest
+
 import layertap
+
+pytestmark = pytest.mark.e2e
 
 EXPECTED_ALL = {
     "Client",

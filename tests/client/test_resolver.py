@@ -9,6 +9,8 @@ import pytest
 import layertap
 from layertap._resolver import DnsTarget, system_resolver
 
+pytestmark = pytest.mark.unit
+
 
 def test_parse_names_and_ports() -> None:
     t = DnsTarget.parse("dns:///layertap-headless.ml.svc.cluster.local:50051")

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 CLIENT_DIR = Path(__file__).resolve().parents[2] / "client"
 PYPROJECT = CLIENT_DIR.parent / "pyproject.toml"
 

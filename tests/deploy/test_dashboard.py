@@ -11,6 +11,8 @@ import pytest
 import yaml
 from support.dashboard import DASHBOARD, dashboard_exprs, dashboard_targets, dashboard_variables, load_dashboard
 
+pytestmark = pytest.mark.unit
+
 DEPLOY = DASHBOARD.parents[1]
 VALUES = {"model": "demo", "layer": "layer3", "phase": "decode", "tap": "baseline-0123abcd"}
 

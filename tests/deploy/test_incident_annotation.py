@@ -10,6 +10,8 @@ import pytest
 import yaml
 from support.dashboard import load_dashboard
 
+pytestmark = pytest.mark.unit
+
 
 def _note() -> dict:
     (note,) = [a for a in load_dashboard()["annotations"]["list"] if a["name"] == "Incidents"]

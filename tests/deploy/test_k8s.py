@@ -28,6 +28,8 @@ from test_dockerfile import instructions
 from layertap.server.cli.serve import build_parser, config_from_args
 from layertap.server.config import check_exposure
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu", "tls")

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow
+
 PROM = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 #: LayertapChannelDrift is gone (issue 26): the calibrated alarm tests every feature itself.
 ALERTS = {"LayertapNonFinite", "LayertapActivationDrift",

@@ -11,13 +11,18 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from google.protobuf import message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support.e2e import wait_for
+from support.hostile import INFERENCE, TELEMETRY
+from support.rpc_table import methods, probe
 
 import layertap
 from layertap.server.rpc import auth
 from layertap.v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
+
+pytestmark = pytest.mark.e2e
 
 SCOPES = ("infer", "read", "tap", "capture", "admin")
 TOKENS = {name: f"tok-{name}-0123456789abcdef" for name in (*SCOPES, "alice", "bob", "root", "old")}
@@ -53,42 +58,19 @@ def client(srv, who: str | None) -> layertap.Client:
     return layertap.Client(f"127.0.0.1:{srv.port}", token=TOKENS[who] if who else "")
 
 
-# Minimal requests: each fails fast past the interceptor (or succeeds), never waits for traffic.
-PROBES = {
-    "/layertap.v1.InferenceService/Infer": inference_pb2.InferRequest(),
-    "/layertap.v1.InferenceService/GetModelMetadata": inference_pb2.GetModelMetadataRequest(),
-    # The demo CNN cannot generate: FAILED_PRECONDITION once past the interceptor.
-    "/layertap.v1.InferenceService/Generate": inference_pb2.GenerateRequest(prompts=[inference_pb2.TokenIds(ids=[1])]),
-    "/layertap.v1.TelemetryService/ListLayers": telemetry_pb2.ListLayersRequest(),
-    "/layertap.v1.TelemetryService/Capture": telemetry_pb2.CaptureRequest(),
-    "/layertap.v1.TelemetryService/CreateTap": telemetry_pb2.CreateTapRequest(),
-    "/layertap.v1.TelemetryService/DeleteTap": telemetry_pb2.DeleteTapRequest(id="no-such-tap"),
-    "/layertap.v1.TelemetryService/ListTaps": telemetry_pb2.ListTapsRequest(),
-    "/layertap.v1.TelemetryService/Subscribe": telemetry_pb2.SubscribeRequest(tap_ids=["no-such-tap"]),
-    "/layertap.v1.TelemetryService/SetBaseline": telemetry_pb2.SetBaselineRequest(selector="no-such-layer"),
-    "/layertap.v1.TelemetryService/GetDrift": telemetry_pb2.GetDriftRequest(),
-    "/layertap.v1.TelemetryService/ExportBaseline": telemetry_pb2.ExportBaselineRequest(tap="no-such-tap"),
-    "/layertap.v1.TelemetryService/InstallBaseline": telemetry_pb2.InstallBaselineRequest(tap="no-such-tap"),
-    # Rate 0 is refused past the interceptor (INVALID_ARGUMENT): the probe changes nothing.
-    "/layertap.v1.TelemetryService/SetDriftFalseAlarmRate": telemetry_pb2.SetDriftFalseAlarmRateRequest(rate=0.0),
-    "/layertap.v1.TelemetryService/GetServerStats": telemetry_pb2.GetServerStatsRequest(),
-    "/layertap.v1.TelemetryService/ListIncidents": telemetry_pb2.ListIncidentsRequest(),
-    "/layertap.v1.TelemetryService/GetIncident": telemetry_pb2.GetIncidentRequest(id="inc-0000000000001-00000000"),
-    "/layertap.v1.TelemetryService/DeleteIncident": telemetry_pb2.DeleteIncidentRequest(id="inc-0000000000001-00000000"),
-    "/layertap.v1.TelemetryService/Explain": telemetry_pb2.ExplainRequest(layer="no-such-layer"),
-}
+# Minimal requests (support.rpc_table's probes): each fails fast past the interceptor (or succeeds), never
+# waits for traffic. Every method of the served services, read from their descriptors.
+SERVED = {f"/{m.containing_service.full_name}/{m.name}": (name, m) for name, m in methods().items()
+          if m.containing_service.full_name in (INFERENCE, TELEMETRY)}
+PROBES = {path: probe(name) for path, (name, _m) in SERVED.items()}
 
 
 def call_raw(channel: grpc.Channel, method: str, token: str | None) -> grpc.StatusCode:
     """The status of one raw call (OK, or the failure's code)."""
     request = PROBES[method]
-    streaming = method.endswith(("/Capture", "/Subscribe", "/GetIncident", "/Generate"))
-    response_type = {
-        "Infer": inference_pb2.InferResponse, "GetModelMetadata": inference_pb2.GetModelMetadataResponse,
-        "Generate": inference_pb2.GenerateResponse,
-    }.get(method.rsplit("/", 1)[1])
-    if response_type is None:
-        response_type = getattr(telemetry_pb2, method.rsplit("/", 1)[1] + "Response")
+    descriptor = SERVED[method][1]
+    streaming = descriptor.server_streaming
+    response_type = message_factory.GetMessageClass(descriptor.output_type)
     metadata = [("authorization", f"Bearer {token}")] if token else None
     make = channel.unary_stream if streaming else channel.unary_unary
     rpc = make(method, request_serializer=type(request).SerializeToString,

@@ -22,6 +22,8 @@ from layertap.v1 import inference_pb2 as ipb
 from layertap.v1 import inference_pb2_grpc, telemetry_pb2_grpc, tensor_pb2
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def stubs(demo_server):

@@ -21,6 +21,8 @@ from layertap import _capture
 from layertap.server.host.demo_model import build_demo_model
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc, tensor_pb2
 
+pytestmark = pytest.mark.e2e
+
 
 def reference(x: np.ndarray, layers: list[str], seed: int = 0) -> dict[str, np.ndarray]:
     """Forward-hook reference from the same seed, in this process."""

@@ -27,6 +27,8 @@ from layertap.server.taps.capture import CaptureOptions, CaptureSession
 from layertap.server.taps.capture_limits import CaptureBudget, CaptureSlots
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
 
+pytestmark = pytest.mark.e2e
+
 MIB = 1 << 20
 
 
@@ -72,7 +74,7 @@ def test_passive_capture_without_traffic_ends_with_deadline_exceeded(make_server
         with pytest.raises(layertap.DeadlineExceeded) as info:
             client.capture("fc", timeout=30)
         waited = time.monotonic() - start
-        assert 0.5 <= waited < 5, waited
+        assert 0.5 <= waited < 15, waited  # its 0.5 s, not the client's 30 s (half of it: room for a busy machine)
         err = info.value
         assert (err.code, err.reason) == ("DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED")
         assert err.metadata["max_wait_seconds"] == "0.5"
@@ -204,7 +206,7 @@ def test_a_pass_that_can_never_fit_fails_a_passive_capture_at_once(make_server):
         start = time.monotonic()
         other.infer(batch())
         t.join(20)
-        assert time.monotonic() - start < 10  # not after the 30 s wait
+        assert time.monotonic() - start < 15  # not after the 30 s wait (half of it: room for a busy machine)
         assert isinstance(out.get("error"), layertap.ResourceExhausted), out
         assert out["error"].reason == "CAPTURE_BUDGET_EXHAUSTED"
         assert srv.state.capture_budget.skipped == 0

@@ -23,6 +23,8 @@ import layertap
 from layertap import _capture
 from layertap.v1 import telemetry_pb2, tensor_pb2
 
+pytestmark = pytest.mark.e2e
+
 BLOCKS = ["layer1", "layer2", "layer3", "layer4"]
 CAPTURE = "/layertap.v1.TelemetryService/Capture"
 

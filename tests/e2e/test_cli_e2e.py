@@ -9,11 +9,14 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from support.e2e import batch, wait_for
 
 import layertap
 from layertap.server.host.demo_model import build_demo_model
+
+pytestmark = pytest.mark.e2e
 
 TESTS = Path(__file__).resolve().parent.parent
 

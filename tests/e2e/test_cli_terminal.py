@@ -33,6 +33,8 @@ from support.encoder import TEXT_ENCODER_INPUT_SHAPE
 
 import layertap
 
+pytestmark = pytest.mark.e2e
+
 COLUMNS = 80
 ANSI = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07]*\x07|[()][0-9A-B])")
 WATCH_SELECTOR = "encoder.layers.*.self_attn"

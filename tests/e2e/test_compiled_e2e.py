@@ -13,45 +13,47 @@ from support.e2e import assert_basic_summaries, batch, first_per_layer, scrape, 
 from support.models import layer_outputs
 
 import layertap
-from layertap.server.reducers.compiled import COMPILED_STATS, supported
-from layertap.server.reducers.compiled_kernel import DENSE, Signature
+from layertap.server.app import process_compilation
+from layertap.server.compile.kernel import DENSE, Signature
+from layertap.server.compile.stats import supported
 
-pytestmark = pytest.mark.skipif(not supported(), reason="this torch lacks what the compiled path reads")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not supported(), reason="this torch lacks what the compiled path reads")]
 
 
 def test_tap_creation_compiles_ahead_and_later_passes_run_compiled(make_server):
     srv = make_server(compile_reducers=True, metrics_port=0)
+    assert srv.state.compiled_stats is process_compilation().stats is srv.state.taps.stats  # app.py hands it on
     try:
         x = batch(3, seed=4)
         ref = layer_outputs(x, ["layer1", "layer2", "layer3", "layer4"])
         with layertap.Client(f"127.0.0.1:{srv.port}") as client:
-            failures = COMPILED_STATS.compile_failures
+            failures = process_compilation().stats.compile_failures
             with client.watch("layer*", reducers=["moments", "minmax", "nonfinite", "zero_fraction"],
                               timeout=300) as stream:
                 assert wait_for(lambda: client.stats().active_hooks == 4)
                 # The compile was queued when the tap was created, before any pass saw the layers.
-                assert COMPILED_STATS.wait_idle(240), "background compile did not finish"
+                assert process_compilation().stats.wait_idle(240), "background compile did not finish"
                 server_pass = Signature(srv.state.host.device, srv.state.host.dtype, DENSE,
                                         grad=False, inference=True, autocast=None)
-                assert COMPILED_STATS.states().get(server_pass) == "ready", COMPILED_STATS.states()
-                assert COMPILED_STATS.compile_failures == failures
-                calls = COMPILED_STATS.compiled_calls
+                assert process_compilation().stats.states().get(server_pass) == "ready", process_compilation().stats.states()
+                assert process_compilation().stats.compile_failures == failures
+                calls = process_compilation().stats.compiled_calls
                 client.infer(x)
                 got = first_per_layer(stream, 4)
-            assert COMPILED_STATS.compiled_calls >= calls + 4  # every tapped tensor of that pass
+            assert process_compilation().stats.compiled_calls >= calls + 4  # every tapped tensor of that pass
             assert_basic_summaries(got, ref)
             for name, s in got.items():
                 assert s.results["zero_fraction"].fraction == pytest.approx(float(np.mean(ref[name] == 0)), abs=1e-12)
         assert srv.metrics_port is not None
         metrics = scrape(srv.metrics_port)
-        assert metrics["layertap_reducer_compiles_total"] == COMPILED_STATS.compiles
+        assert metrics["layertap_reducer_compiles_total"] == process_compilation().stats.compiles
         assert metrics["layertap_reducer_compiled_calls_total"] >= 4
     finally:
-        COMPILED_STATS.set_enabled(False)
+        process_compilation().stats.set_enabled(False)
 
 
 def test_no_compile_exports_no_compile_series(make_server):
     srv = make_server(metrics_port=0)  # conftest: compile_reducers=False, like --no-compile
-    assert not COMPILED_STATS.enabled
+    assert not process_compilation().stats.enabled
     assert srv.metrics_port is not None
     assert "layertap_reducer_compiles_total" not in scrape(srv.metrics_port)

@@ -13,9 +13,11 @@ from support.e2e import wait_for
 import layertap
 from layertap.server.host.sources import InputSpec, LoadedModel
 
+pytestmark = pytest.mark.e2e
+
 
 class Moody(torch.nn.Module):
-    """Batch 3 takes 1.5 s; batch 5 raises; anything else is quick.
+    """Batch 3 takes ``slow_seconds`` (1.5 s) or until ``release``; batch 5 raises; anything else is quick.
 
     ``slow_started`` is set once a slow pass is inside the forward, i.e. holds
     the model lock, so tests act mid-pass for certain rather than after a guess.
@@ -25,11 +27,13 @@ class Moody(torch.nn.Module):
         super().__init__()
         self.lin = torch.nn.Linear(4, 4)
         self.slow_started = threading.Event()
+        self.release = threading.Event()
+        self.slow_seconds = 1.5
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 3:
             self.slow_started.set()
-            time.sleep(1.5)
+            self.release.wait(self.slow_seconds)
         if x.shape[0] == 5:
             raise ValueError("batch of 5 refused")
         return self.lin(x)
@@ -56,11 +60,11 @@ def test_create_tap_during_a_slow_pass_does_not_deadlock(moody):
     slow.start()
     assert model.slow_started.wait(10)  # the slow pass holds the model lock now
     start = time.monotonic()
-    created = client.create_tap("lin", reducers=["moments"], ttl=60, timeout=10)
+    created = client.create_tap("lin", reducers=["moments"], ttl=60, timeout=20)  # a deadlock: 20 s, then an error
     slow.join(10)
     assert not slow.is_alive()
     assert created.id in {t.id for t in client.taps(timeout=5)}
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 10  # half the deadline: no wait beyond the pass, room for a busy machine
     assert client.stats(timeout=5).active_hooks == 1
 
 
@@ -72,15 +76,17 @@ def test_cancelling_a_capture_mid_pass_does_not_stall_other_rpcs(moody):
 
     channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
     stub = telemetry_pb2_grpc.TelemetryServiceStub(channel)
-    call = stub.Capture(telemetry_pb2.CaptureRequest(layers=["lin"], passes=2), timeout=30)
+    call = stub.Capture(telemetry_pb2.CaptureRequest(layers=["lin"], passes=2), timeout=60)
     assert wait_for(lambda: client.stats().active_hooks == 1)
-    slow = threading.Thread(target=client.infer, args=(x(3),))
+    model.slow_seconds = 30.0  # a pass that holds the model until released: stats must not wait for it
+    slow = threading.Thread(target=client.infer, args=(x(3),), kwargs={"timeout": 60})
     slow.start()
     assert model.slow_started.wait(10)  # mid-pass, with the capture's hook installed
     call.cancel()
     t0 = time.monotonic()
-    client.stats(timeout=5)
-    assert time.monotonic() - t0 < 0.5  # not held up until the pass ends
+    client.stats(timeout=20)
+    assert time.monotonic() - t0 < model.slow_seconds / 2  # not held up until the pass ends
+    model.release.set()
     slow.join(10)
     assert wait_for(lambda: client.stats().active_hooks == 0)
     channel.close()

@@ -14,7 +14,11 @@ import pytest
 import layertap
 from layertap.server.cli.drift_demo import main as demo_main
 
-TINY = ["--duration", "6", "--shift-after", "3", "--baseline-passes", "5", "--rate", "20"]
+pytestmark = pytest.mark.slow
+
+# The demo's clock runs from its first pass, and the shift waits for the baseline to freeze: on a busy
+# machine both come late, so each run leaves the shifted traffic several seconds to fill a window.
+TINY = ["--duration", "10", "--shift-after", "3", "--baseline-passes", "5", "--rate", "20"]
 
 
 def demo(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -53,7 +57,7 @@ def test_demo_serves_baselines_and_shows_drift_after_the_shift() -> None:
 
 def test_demo_drives_an_existing_server(make_server) -> None:
     srv = make_server()  # the demo model, no metrics
-    res = demo("--target", f"127.0.0.1:{srv.port}", "--duration", "5", "--shift-after", "2",
+    res = demo("--target", f"127.0.0.1:{srv.port}", "--duration", "9", "--shift-after", "2",
                "--baseline-passes", "5", "--rate", "20", "--shift", "2", "--selector", "layer3")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "serving the demo model" not in res.stdout  # it started no server of its own

@@ -26,6 +26,8 @@ from support.e2e import wait_for
 
 from layertap import Client, InvalidArgument, LayerDrift
 
+pytestmark = pytest.mark.slow
+
 VOCAB = hf_models.TINY["llama"][2]["vocab_size"]
 SCORES = ("psi", "js", "wasserstein", "mean_shift")
 

@@ -14,6 +14,8 @@ import layertap
 from layertap.server.host.demo_model import DEMO_INPUT_SHAPE, build_demo_model
 from layertap.server.host.sources import InputSpec, LoadedModel
 
+pytestmark = pytest.mark.e2e
+
 captum_attr = pytest.importorskip("captum.attr")
 
 RTOL = 1e-4
@@ -227,8 +229,8 @@ def test_training_agent_refuses_explain():
 def test_cli_writes_the_heatmap_over_the_input(demo_server, client, tmp_path, capsys):
     from PIL import Image
 
-    from layertap._cli_explain import overlay
     from layertap.cli import main
+    from layertap.cli.explain import overlay
 
     x = batch(2, seed=11)
     np.save(tmp_path / "x.npy", x)

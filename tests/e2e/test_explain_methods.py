@@ -24,6 +24,8 @@ from layertap.server.host.demo_model import build_demo_model
 from layertap.v1 import telemetry_pb2 as pb
 from layertap.v1 import telemetry_pb2_grpc
 
+pytestmark = pytest.mark.e2e
+
 captum_attr = pytest.importorskip("captum.attr")
 
 
@@ -237,8 +239,8 @@ def test_an_old_request_is_grad_cam(demo_server) -> None:
 def test_cli_writes_the_integrated_gradients_heatmap(demo_server, client, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     from PIL import Image
 
-    from layertap._cli_explain import heat, overlay
     from layertap.cli import main
+    from layertap.cli.explain import heat, overlay
 
     x = batch(2, seed=29)
     np.save(tmp_path / "x.npy", x)

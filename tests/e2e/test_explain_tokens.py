@@ -27,6 +27,8 @@ from support import hf_models
 
 import layertap
 
+pytestmark = pytest.mark.e2e
+
 captum_attr = pytest.importorskip("captum.attr")
 
 VOCAB = hf_models.TINY["bert"][2]["vocab_size"]

@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 from support.serve import read_startup
 
+pytestmark = pytest.mark.e2e
+
 HAVE_HF = importlib.util.find_spec("transformers") is not None or bool(os.environ.get("CI"))
 needs_hf = pytest.mark.skipif(not HAVE_HF, reason="transformers is not installed (pip install 'layertap[hf]')")
 SERVE = [sys.executable, "-m", "layertap.cli", "serve", "--port", "0", "--no-metrics", "--device", "cpu",

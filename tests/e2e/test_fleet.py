@@ -11,6 +11,8 @@ from support.prom import free_port
 
 import layertap
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def replicas(make_server):

@@ -24,6 +24,8 @@ from layertap.server.drift.scores import PSI_EPS
 from layertap.v1 import telemetry_pb2 as pb
 from layertap.v1 import telemetry_pb2_grpc
 
+pytestmark = pytest.mark.slow
+
 PASSES, WINDOW, BATCH = 12, 6, 256
 
 

@@ -17,6 +17,8 @@ from support.e2e import wait_for
 
 import layertap
 
+pytestmark = pytest.mark.e2e
+
 NAME = "layertap-headless.ml.svc.cluster.local"
 
 

@@ -17,6 +17,8 @@ from layertap.server.drift.names import baseline_tap_id as server_tap_id
 from layertap.v1 import telemetry_pb2 as pb
 from layertap.v1 import telemetry_pb2_grpc
 
+pytestmark = pytest.mark.e2e
+
 
 def test_the_client_names_baseline_taps_as_the_server_does() -> None:
     for selector in ("fc", "layer*", "re:^layer[12]$", "model.layers.*.mlp"):

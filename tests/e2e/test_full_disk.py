@@ -27,6 +27,8 @@ import layertap
 from layertap import Incidents
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
 
+pytestmark = pytest.mark.e2e
+
 LAYERS = ["layer1", "layer2", "layer3", "layer4"]
 ENOSPC_TEXT = os.strerror(errno.ENOSPC)  # "No space left on device"
 

@@ -29,6 +29,8 @@ from support.generation import local_generate, request, stub_of, tokens_of
 from layertap.v1 import inference_pb2 as ipb
 from layertap.v1 import tensor_pb2
 
+pytestmark = pytest.mark.e2e
+
 #: Logits closer than this may flip between two correct float orders of summation.
 MARGIN = 1e-4
 #: Room for long generations, and no end-of-sequence id: every run makes all its tokens.
@@ -167,7 +169,7 @@ def test_greedy_logprobs_are_those_of_a_top_k_draw(make_server, llama) -> None:
 
 
 def test_a_cancel_stops_the_generation_within_one_step(make_server, llama, monkeypatch) -> None:
-    from layertap.server.host import generation_request as gen
+    from layertap.server.generate import request as gen
 
     path, _model = llama
     at_cancel: dict[str, int] = {}

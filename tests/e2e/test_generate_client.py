@@ -35,6 +35,8 @@ from support.serve import read_startup
 from layertap import Client, InvalidArgument, LayerNotFound, LayertapError
 from layertap.cli import main
 
+pytestmark = pytest.mark.e2e
+
 VOCAB = 96
 LAYERS = 2
 CONFIG = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": LAYERS,

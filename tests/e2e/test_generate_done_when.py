@@ -31,6 +31,8 @@ from support.prom import PrometheusServer, prometheus_binary
 
 import layertap
 
+pytestmark = pytest.mark.e2e
+
 LAYERS = ["model.layers.0", "model.layers.1", "model.layers.2"]
 MARGIN = 1e-4
 
@@ -98,7 +100,7 @@ def test_generation_done_when(make_server, mistral, tmp_path) -> None:
             assert rows[0]["metric"]["phase"] == "decode"
 
         # A cancel frees the model within one step of the server hearing of it.
-        from layertap.server.host import generation_request as gen
+        from layertap.server.generate import request as gen
 
         heard: list[tuple[gen.GenerationRequest, int]] = []
         original = gen.GenerationRequest.cancel

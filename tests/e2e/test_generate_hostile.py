@@ -26,6 +26,8 @@ from support.generation import ids_of, request, stub_of
 
 from layertap.v1 import inference_pb2 as ipb
 
+pytestmark = pytest.mark.e2e
+
 LONG = {"max_position_embeddings": 1024, "eos_token_id": None}
 
 
@@ -80,7 +82,7 @@ def test_a_request_capture_of_a_flattened_moe_tensor_holds_only_its_rows(make_se
     handed whole to a request's capture and inline taps: another request's activations reach this caller."""
     import transformers
 
-    from layertap.server.host.generation_request import GenerationRequest
+    from layertap.server.generate.request import GenerationRequest
 
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

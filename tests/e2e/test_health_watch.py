@@ -18,6 +18,8 @@ from support.e2e import batch, wait_for
 
 import layertap
 
+pytestmark = pytest.mark.e2e
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 #: Each channel its own connection (grpc Python shares one per target otherwise).

@@ -34,6 +34,8 @@ from support.serve import read_startup
 
 from layertap import Client
 
+pytestmark = pytest.mark.e2e
+
 ARCH = "Qwen2ForCausalLM"
 VOCAB = 80
 LAYERS = 3

@@ -24,6 +24,8 @@ from layertap import Client, InvalidArgument
 from layertap.server.codec import flatten_outputs
 from layertap.server.host.sources import ModelLoadError
 
+pytestmark = pytest.mark.e2e
+
 KINDS = tuple(hf_models.TINY)
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 

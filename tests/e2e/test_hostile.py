@@ -17,11 +17,14 @@ import pytest
 from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, Phase, given, settings
 from support.e2e import scrape
-from support.hostile import HEALTH, RPCS, SHARES, TELEMETRY, Case
+from support.hostile import HEALTH, TELEMETRY, Case
 from support.hostile_check import LogWatch, Target, server_config
+from support.rpc_table import DEFAULT_SHARE, EXAMPLES, RPCS, SHARES, methods
 
 from layertap.server.app import start_server
 from layertap.v1 import telemetry_pb2 as pb
+
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +52,17 @@ def target(server, logs) -> Iterator[Target]:  # type: ignore[no-untyped-def]
 
 
 def test_every_rpc_of_every_service_has_cases() -> None:
+    """Derived from the descriptors: an RPC without a row of examples still gets its hostile cases."""
     from layertap.v1 import inference_pb2, telemetry_pb2
 
-    methods = {f"{s.name}.{m.name}" for f in (inference_pb2, telemetry_pb2, health_pb2)
-               for s in f.DESCRIPTOR.services_by_name.values() for m in s.methods}
-    assert set(RPCS) == methods == set(SHARES)
-    assert sum(SHARES.values()) == 1000
+    names = {f"{s.name}.{m.name}" for f in (inference_pb2, telemetry_pb2, health_pb2)
+             for s in f.DESCRIPTOR.services_by_name.values() for m in s.methods}
+    assert set(RPCS) == names == set(SHARES) == set(methods())
+    assert set(EXAMPLES) <= names, "a row of examples names no RPC"
+    assert all(share >= DEFAULT_SHARE for share in SHARES.values())
+    assert sum(SHARES.values()) >= 1000  # 1,000 over the RPCs of 2026-12; a new RPC adds its share
+    streaming = {name for name, m in methods().items() if m.server_streaming}
+    assert {name for name, rpc in RPCS.items() if rpc.streaming} == streaming
 
 
 def test_valid_explain_cases_never_upsample_a_map_without_spatial_dims() -> None:

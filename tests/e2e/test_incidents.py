@@ -13,6 +13,8 @@ from support.e2e import batch, wait_for
 from layertap import Client, Incidents
 from layertap.v1 import inference_pb2, inference_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
+pytestmark = pytest.mark.e2e
+
 LAYERS = ["layer1", "layer2"]
 
 

@@ -12,6 +12,8 @@ import layertap
 from layertap.server.host.demo_model import build_demo_model
 from layertap.v1 import inference_pb2, inference_pb2_grpc, tensor_pb2
 
+pytestmark = pytest.mark.e2e
+
 
 def test_metadata_lets_a_client_build_an_input(client):
     meta = client.metadata()

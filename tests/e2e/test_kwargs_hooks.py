@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from support.e2e import wait_for
 from support.kwargs_models import TOKENS, VOCAB, keyword_block, keyword_block_loaded, tiny_llama, tiny_llama_loaded
 
 import layertap
 from layertap.v1 import telemetry_pb2
+
+pytestmark = pytest.mark.e2e
 
 ATTN = "model.layers.0.self_attn"
 

@@ -17,6 +17,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from layertap import Client, InvalidArgument
 from layertap.server.host.sources import InputSpec, LoadedModel
 
+pytestmark = pytest.mark.e2e
+
 WIDTH = 768
 ROWS = 512
 PASSES = 9

@@ -15,6 +15,8 @@ from grpc_status import rpc_status
 from layertap import Client
 from layertap.v1 import telemetry_pb2
 
+pytestmark = pytest.mark.e2e
+
 #: A varint that never ends, then a field of wire type 7 (there is none): no message parses from it.
 GARBAGE = b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x0f" + b"\x07garbage" * 100
 METHODS = {

@@ -20,7 +20,7 @@ from layertap import Client
 from layertap.v1 import telemetry_pb2 as pb
 from layertap.v1 import telemetry_pb2_grpc
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads RSS from /proc")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads RSS from /proc")]
 
 SUBSCRIBERS = 8
 BUDGET = 2 << 20

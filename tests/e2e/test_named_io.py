@@ -20,6 +20,8 @@ from support.named_models import VOCAB, conv_with_dict_output, tiny_bert, tiny_g
 from layertap import Client, Incidents, InvalidArgument, SkippedOutput
 from layertap.server.host.sources import InputSpec, LoadedModel
 
+pytestmark = pytest.mark.e2e
+
 pytest.importorskip("transformers")
 
 TOKEN_INPUTS = ["input_ids:int64:-1,-1", "attention_mask:int64:-1,-1"]

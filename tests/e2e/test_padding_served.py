@@ -31,6 +31,8 @@ from layertap.v1 import inference_pb2 as ipb
 from layertap.v1 import inference_pb2_grpc
 from layertap.v1 import telemetry_pb2 as tpb
 
+pytestmark = pytest.mark.e2e
+
 LAYER = hf_models.TINY["llama"][3]  # model.layers.0: (batch, tokens, hidden)
 HIDDEN = hf_models.TINY["llama"][2]["hidden_size"]
 VOCAB = hf_models.TINY["llama"][2]["vocab_size"]

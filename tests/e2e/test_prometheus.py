@@ -27,7 +27,7 @@ from support.prom import ALERTS, JOB, PrometheusServer, prometheus_binary, sampl
 
 import layertap
 
-pytestmark = pytest.mark.prometheus
+pytestmark = [pytest.mark.slow, pytest.mark.prometheus]
 
 MODEL = "perturbable"
 LAYERS = ["layer1", "layer2", "layer3", "layer4"]

@@ -8,8 +8,11 @@ never fill the 2 x --workers bound.
 from __future__ import annotations
 
 import grpc
+import pytest
 from support.h2abuse import LIST_LAYERS
 from support.storm import TOKENS, tokens_file
+
+pytestmark = pytest.mark.e2e
 
 INFER = "/layertap.v1.InferenceService/Infer"
 

@@ -13,6 +13,8 @@ import pytest
 
 import layertap
 
+pytestmark = pytest.mark.e2e
+
 
 def test_a_reserved_name_is_refused_before_any_other_field(make_server) -> None:
     srv = make_server()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from support.e2e import batch, scrape, wait_for
 
 import layertap
+
+pytestmark = pytest.mark.e2e
 
 
 def test_transfer_and_baseline_counters_are_exported(make_server) -> None:

@@ -24,6 +24,8 @@ from support.e2e import wait_for
 
 from layertap import Client
 
+pytestmark = pytest.mark.e2e
+
 LAYER = hf_models.TINY["llama"][3]  # model.layers.0: (batch, tokens, hidden)
 HIDDEN = hf_models.TINY["llama"][2]["hidden_size"]
 

@@ -19,16 +19,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.e2e import batch, scrape
 
 import layertap
-from layertap.server import app
+from layertap.server import app, running
 from layertap.server.app import SERVICE_NAMES
 from layertap.v1 import inference_pb2, inference_pb2_grpc, tensor_pb2
 
+pytestmark = pytest.mark.e2e
+
 TESTS_DIR = Path(__file__).resolve().parents[1]
 GRACE = 1.0
-#: Grace of the health-listener test: long enough to read the listener mid-drain.
-DRAIN = 3.0
-#: Seconds past the grace period that a SIGTERMed server may take to exit.
-EXIT_SLACK = 5.0
+#: Grace of the health-listener test: long enough to read the listener mid-drain on a busy machine.
+DRAIN = 6.0
+#: Seconds past the grace period that a SIGTERMed server may take to exit: room for a busy machine, and
+#: still well under what the bound rules out (a cold compile of 15-20 s waited for; the watchdog's 21 s).
+EXIT_SLACK = 6.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -137,11 +140,11 @@ def test_a_stuck_step_is_abandoned_in_bounded_time(caplog):
     release = threading.Event()
     caplog.set_level(logging.INFO, logger="layertap.server")
     start = time.monotonic()
-    app._run_bounded("stuck thing", release.wait, 0.2)
-    assert time.monotonic() - start < 2
+    running._run_bounded("stuck thing", release.wait, 0.2)
+    assert time.monotonic() - start < 5  # its 0.2 s, not the stuck step's forever: room for a busy machine
     release.set()
     assert "stuck thing did not stop within 0.2s" in caplog.text
-    app._run_bounded("quick thing", lambda: None, 1)
+    running._run_bounded("quick thing", lambda: None, 1)
     assert "quick thing stopped" in caplog.text
 
 

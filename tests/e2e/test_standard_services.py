@@ -9,6 +9,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from layertap.server.app import SERVICE_NAMES
 
+pytestmark = pytest.mark.e2e
+
 
 def test_health_serving_and_graceful_shutdown(make_server):
     srv = make_server()
@@ -126,7 +128,7 @@ def test_shutdown_ends_streams_unavailable_and_fast(make_server):
     client.close()
 
 
-def _wait(cond, timeout: float = 5.0) -> bool:
+def _wait(cond, timeout: float = 15.0) -> bool:
     import time
 
     end = time.monotonic() + timeout

@@ -16,6 +16,8 @@ from support.models import layer_outputs
 
 import layertap
 
+pytestmark = pytest.mark.e2e
+
 
 def test_watch_streams_correct_summaries(client, demo_server):
     x = batch(3, seed=4)

@@ -17,6 +17,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from layertap._tensorboard import FollowOptions, TensorBoardBridge, feature_grid, follow
 
+pytestmark = pytest.mark.e2e
+
 LAYERS = ("layer1", "layer4")
 SELECTOR = "re:^layer[14]$"
 

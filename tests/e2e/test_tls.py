@@ -16,6 +16,8 @@ import pytest
 
 import layertap
 
+pytestmark = pytest.mark.e2e
+
 trustme = pytest.importorskip("trustme")
 
 TOKEN = "scrape-token-0123456789"

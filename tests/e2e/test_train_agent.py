@@ -20,6 +20,8 @@ from torch import nn
 import layertap
 from layertap.server.host.demo_model import build_demo_model
 
+pytestmark = pytest.mark.slow
+
 DEMO = (3, 32, 32)
 
 
@@ -262,12 +264,12 @@ def test_example_trains_with_an_agent():
 def test_compile_reducers_compiles_before_training_and_never_during_it(agents):
     """A compile saves and restores the global RNG, so one overlapping a step would
     change its dropout draws: an agent compiles in attach() and never afterwards."""
-    from layertap.server.reducers.compiled import COMPILED_STATS
+    from layertap.server.app import process_compilation
 
     model, opt = demo()
     agent = agents(model, opt, metrics_port=None, compile_reducers=True)
-    assert not COMPILED_STATS.background
-    states, before = COMPILED_STATS.states(), COMPILED_STATS.counters()
+    assert not process_compilation().stats.background
+    states, before = process_compilation().stats.states(), process_compilation().stats.counters()
     assert "ready" in states.values()
     with layertap.Client(agent.address) as client:
         norms = client.watch("*", point="param_grad", reducers="norm", queue_size=10_000, timeout=60)
@@ -277,9 +279,9 @@ def test_compile_reducers_compiles_before_training_and_never_during_it(agents):
         for s in itertools.islice(norms, 3 * len(list(model.parameters()))):
             got[s.step] = got.get(s.step, 0.0) + s.results["norm"].l2 ** 2
         norms.close()
-    after = COMPILED_STATS.counters()
-    assert COMPILED_STATS.states() == states and after["compiles"] == before["compiles"]  # nothing compiled since
+    after = process_compilation().stats.counters()
+    assert process_compilation().stats.states() == states and after["compiles"] == before["compiles"]  # nothing compiled since
     assert after["compiled_calls"] > before["compiled_calls"]  # the gradients ran the compiled kernel
     np.testing.assert_allclose([math.sqrt(got[i]) for i in sorted(got)], want, rtol=1e-6)
     agent.close()
-    assert COMPILED_STATS.background
+    assert process_compilation().stats.background

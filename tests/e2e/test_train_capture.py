@@ -19,6 +19,8 @@ from layertap import _capture
 from layertap.server.host.demo_model import build_demo_model
 from layertap.v1 import telemetry_pb2, telemetry_pb2_grpc
 
+pytestmark = pytest.mark.e2e
+
 DEMO = (3, 32, 32)
 
 

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from support.training import free_port, rank_env
 
+pytestmark = pytest.mark.e2e
+
 TESTS = Path(__file__).resolve().parents[1]
 
 

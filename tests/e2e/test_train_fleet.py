@@ -32,7 +32,7 @@ STEPS = 4
 #: One param_grad summary per parameter of the demo model, per step and rank.
 N_PARAMS = len(list(build_demo_model(0).parameters()))
 
-pytestmark = pytest.mark.prometheus
+pytestmark = [pytest.mark.slow, pytest.mark.prometheus]
 
 KILLED = textwrap.dedent("""
     import sys, layertap

@@ -12,10 +12,13 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 from torch import nn
 
 import layertap
+
+pytestmark = pytest.mark.e2e
 
 
 class _Net(nn.Module):

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from layertap.server.throttled_log import ThrottledLog
+
+pytestmark = pytest.mark.unit
 
 
 def test_one_line_per_reason_per_interval_with_the_count(caplog):

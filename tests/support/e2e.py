@@ -14,8 +14,8 @@ def batch(n: int = 4, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, 3, 32, 32)).astype(np.float32)
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    """Poll ``cond`` until true or ``timeout`` seconds pass."""
+def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
+    """Poll ``cond`` until true or ``timeout`` seconds pass (generous: a busy machine is slow, not wrong)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if cond():

@@ -30,7 +30,6 @@ from hypothesis import strategies as st
 
 from layertap.server.app import SERVICE_NAMES
 from layertap.server.host.demo_model import DemoResNet
-from layertap.v1 import inference_pb2 as ipb
 from layertap.v1 import telemetry_pb2 as pb
 from layertap.v1 import tensor_pb2
 
@@ -420,68 +419,3 @@ def _health(valid: bool) -> st.SearchStrategy[health_pb2.HealthCheckRequest]:
         return st.builds(health_pb2.HealthCheckRequest, service=st.sampled_from(["", *SERVICE_NAMES]))
     return st.builds(health_pb2.HealthCheckRequest, service=weighted((3, texts()), (1, st.sampled_from(
         [s + " " for s in SERVICE_NAMES] + ["grpc.health.v1.Health", "layertap.v1.*", "\x00"]))))
-
-
-def _table() -> dict[str, Rpc]:
-    def rpc(service: str, method: str, valid: st.SearchStrategy[Message] | None,
-            *bad: tuple[int, st.SearchStrategy[Message]], streaming: bool = False) -> Rpc:
-        name = f"{service.rsplit('.', 1)[-1]}.{method}"
-        return Rpc(service, method, streaming, cases(name, valid, *bad))
-
-    infer_extreme = st.builds(ipb.InferRequest, inputs=tensors())
-    return {r.name: r for r in [
-        rpc(INFERENCE, "Infer", st.builds(ipb.InferRequest, inputs=valid_input().map(lambda t: [t])),
-            (3, infer_extreme), (1, hostile(ipb.InferRequest.DESCRIPTOR))),
-        # The demo CNN cannot generate: every Generate is refused (FAILED_PRECONDITION), whatever it holds.
-        rpc(INFERENCE, "Generate", None, (1, hostile(ipb.GenerateRequest.DESCRIPTOR)), streaming=True),
-        rpc(INFERENCE, "GetModelMetadata", st.builds(ipb.GetModelMetadataRequest),
-            (1, _empty(ipb.GetModelMetadataRequest))),
-        rpc(TELEMETRY, "ListLayers", st.builds(pb.ListLayersRequest), (1, _empty(pb.ListLayersRequest))),
-        rpc(TELEMETRY, "Capture", _capture(True), (3, _capture(False)), (1, hostile(pb.CaptureRequest.DESCRIPTOR)),
-            streaming=True),
-        rpc(TELEMETRY, "CreateTap", _create_tap(True), (3, _create_tap(False)),
-            (1, hostile(pb.CreateTapRequest.DESCRIPTOR))),
-        rpc(TELEMETRY, "DeleteTap", None, (3, st.builds(pb.DeleteTapRequest, id=NAMES)),
-            (1, hostile(pb.DeleteTapRequest.DESCRIPTOR))),
-        rpc(TELEMETRY, "ListTaps", st.builds(pb.ListTapsRequest), (1, _empty(pb.ListTapsRequest))),
-        rpc(TELEMETRY, "Subscribe", _subscribe(True), (3, _subscribe(False)),
-            (1, hostile(pb.SubscribeRequest.DESCRIPTOR)), streaming=True),
-        rpc(TELEMETRY, "SetBaseline", _set_baseline(True), (3, _set_baseline(False)),
-            (1, hostile(pb.SetBaselineRequest.DESCRIPTOR))),
-        rpc(TELEMETRY, "GetDrift", st.builds(pb.GetDriftRequest, selector=st.one_of(st.just(""), VALID_SELECTORS)),
-            (3, st.builds(pb.GetDriftRequest, selector=SELECTORS)), (1, hostile(pb.GetDriftRequest.DESCRIPTOR))),
-        # Baseline taps named at random (almost) never exist: refusals, mostly.
-        rpc(TELEMETRY, "ExportBaseline", None, (1, hostile(pb.ExportBaselineRequest.DESCRIPTOR))),
-        rpc(TELEMETRY, "InstallBaseline", None, (1, hostile(pb.InstallBaselineRequest.DESCRIPTOR))),
-        # Any double, the bounds' neighbours among them: INVALID_ARGUMENT naming `rate` outside [1e-12, 0.5].
-        rpc(TELEMETRY, "SetDriftFalseAlarmRate",
-            st.builds(pb.SetDriftFalseAlarmRateRequest, rate=st.floats(1e-12, 0.5)),
-            (3, st.builds(pb.SetDriftFalseAlarmRateRequest, rate=weighted(
-                (3, DOUBLES), (1, st.sampled_from([0.0, -0.0, 9.99e-13, 0.5000001, 5e-324, 1.0, 1e300]))))),
-            (1, hostile(pb.SetDriftFalseAlarmRateRequest.DESCRIPTOR))),
-        rpc(TELEMETRY, "Explain", _explain(True), (3, _explain(False)), (1, hostile(pb.ExplainRequest.DESCRIPTOR))),
-        rpc(TELEMETRY, "GetServerStats", st.builds(pb.GetServerStatsRequest), (1, _empty(pb.GetServerStatsRequest))),
-        # The hostile suite's server has no --incident-dir: none of these can be OK.
-        rpc(TELEMETRY, "ListIncidents", None, (1, hostile(pb.ListIncidentsRequest.DESCRIPTOR))),
-        rpc(TELEMETRY, "GetIncident", None, (1, hostile(pb.GetIncidentRequest.DESCRIPTOR)), streaming=True),
-        rpc(TELEMETRY, "DeleteIncident", None, (1, hostile(pb.DeleteIncidentRequest.DESCRIPTOR))),
-        rpc(HEALTH, "Check", _health(True), (2, _health(False)), (1, hostile(health_pb2.HealthCheckRequest.DESCRIPTOR))),
-        rpc(HEALTH, "Watch", _health(True), (2, _health(False)), streaming=True),
-        # grpcio's HealthServicer leaves List unimplemented: nothing here can be OK.
-        rpc(HEALTH, "List", None, (1, _empty(health_pb2.HealthListRequest))),
-    ]}
-
-
-#: Every RPC of every service the server hosts, by ``Service.Method``.
-RPCS: dict[str, Rpc] = _table()
-#: Cases per 1,000, by RPC: weighted toward the RPCs with the most fields and state. The test
-#: runs exactly these; ``benchmarks/fuzz.py`` scales them.
-SHARES: dict[str, int] = {
-    "InferenceService.Infer": 90, "InferenceService.Generate": 20, "InferenceService.GetModelMetadata": 30, "TelemetryService.ListLayers": 30,
-    "TelemetryService.Capture": 140, "TelemetryService.SetDriftFalseAlarmRate": 10, "TelemetryService.CreateTap": 120, "TelemetryService.DeleteTap": 60,
-    "TelemetryService.ListTaps": 30, "TelemetryService.Subscribe": 110, "TelemetryService.SetBaseline": 90,
-    "TelemetryService.GetDrift": 80, "TelemetryService.GetServerStats": 30, "Health.Check": 40, "Health.Watch": 20,
-    "Health.List": 20, "TelemetryService.ListIncidents": 10, "TelemetryService.GetIncident": 10,
-    "TelemetryService.DeleteIncident": 10, "TelemetryService.Explain": 30, "TelemetryService.ExportBaseline": 10,
-    "TelemetryService.InstallBaseline": 10,
-}

@@ -119,7 +119,7 @@ class Server:
         self._channels.append(ch)
         return ch
 
-    def check(self, port: int | None = None, *, plaintext: bool = False, timeout: float = 5.0) -> int:
+    def check(self, port: int | None = None, *, plaintext: bool = False, timeout: float = 10.0) -> int:
         """Health.Check on a new channel: the status, or the RpcError raised."""
         ch = self.channel(port, plaintext=plaintext)
         try:
@@ -216,7 +216,7 @@ def rpcs(incident_id: str) -> list[Rpc]:
     ]
 
 
-def settle(calls: list[Any], refused: int, timeout: float = 15.0) -> list[grpc.StatusCode]:
+def settle(calls: list[Any], refused: int, timeout: float = 30.0) -> list[grpc.StatusCode]:
     """Wait until ``refused`` of ``calls`` have ended (and a moment more); the codes of those that did."""
     end = time.monotonic() + timeout
     while time.monotonic() < end and sum(c.done() for c in calls) < refused:
@@ -225,7 +225,7 @@ def settle(calls: list[Any], refused: int, timeout: float = 15.0) -> list[grpc.S
     return [c.code() for c in calls if c.done()]
 
 
-def wait_until(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
+def wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if cond():

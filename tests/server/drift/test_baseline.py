@@ -16,6 +16,8 @@ from layertap.server.drift.builder import BaselineBuilder
 from layertap.server.drift.files import load_baselines, save_baseline
 from layertap.server.drift.thresholds import DriftThresholds
 
+pytestmark = pytest.mark.unit
+
 
 def feed_all(b: BaselineBuilder, chunks: list[np.ndarray]) -> None:
     for x in chunks:

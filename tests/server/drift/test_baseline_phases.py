@@ -22,6 +22,8 @@ from layertap.server.drift.files import baseline_filename, load_baselines, save_
 from layertap.server.drift.thresholds import DriftThresholds
 from layertap.server.errors import InvalidField
 
+pytestmark = pytest.mark.unit
+
 #: Every key of the v1 document, as servers before phases wrote it.
 V1_KEYS = {"schema", "version", "tap", "layer", "point", "edges", "counts", "count", "mean", "m2", "min", "max",
            "passes", "quantiles", "channel_mean", "channel_std", "window", "thresholds", "created_at"}

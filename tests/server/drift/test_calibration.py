@@ -16,6 +16,8 @@ import pytest
 from layertap.server.drift.alarm import CALIBRATED, UNCALIBRATED, WindowAlarm
 from layertap.server.drift.null import MIN_WINDOWS, NullAccumulator, components, cusum_limit, t_quantile
 
+pytestmark = pytest.mark.slow
+
 
 def t_tail(t: float, dof: float) -> float:
     """P(T > t) by integrating Student's density in float64 (the reference for t_quantile)."""
@@ -243,3 +245,28 @@ def test_a_rarely_active_feature_does_not_trip_the_cusum(monkeypatch: pytest.Mon
 
     assert run(3.0) <= 20 + 11  # the CUSUMs' half of the target: 20, + 2.5 sd
     assert run(math.inf) > 40
+
+
+def t_sf_mpmath(t: float, dof: float) -> float:
+    """P(T > t), Student's t on ``dof`` degrees of freedom: the exact tail through the regularized incomplete beta."""
+    mp = pytest.importorskip("mpmath")
+    return float(0.5 * mp.betainc(dof / 2, 0.5, 0, dof / (dof + t * t), regularized=True))
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_threshold_of_a_shortest_calibrated_baseline_keeps_its_rate(window: int) -> None:
+    """Issue 26 review: ``MIN_WINDOWS`` is 5 and the window may be as small as 1 or 2, so a baseline of 5-10
+    passes is ``calibrated`` and gets ``t_quantile(p, N - 1)``. The Cornish-Fisher expansion is good for
+    ν >= 20 only; at ν = 4..9 and the tails used (p ~ 1e-8) it was far too small: at N = 5 the threshold
+    was 54.9 against the exact 105.5, so the window test's real false-alarm rate was ~14x its share."""
+    rng = np.random.default_rng(0)
+    acc = NullAccumulator(window)
+    for _ in range(MIN_WINDOWS * window):
+        acc.add(rng.standard_normal(2 * 64 + 2))
+    model = acc.freeze()
+    assert model.calibrated, model.reason  # a baseline of 5 or 10 passes calibrates
+    rate = 1e-4 / 4
+    per_component = rate / 2 / (2 * model.tested)
+    real = t_sf_mpmath(model.threshold(rate), model.passes - 1)
+    assert real <= 1.1 * per_component, (
+        f"N={model.passes}: threshold {model.threshold(rate):.2f} has tail {real:.3g}, {real / per_component:.1f}x its share")

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from layertap.server.drift.alarm import CALIBRATED, FIXED, UNCALIBRATED, AlarmReading
+from layertap.server.drift.alarm import CALIBRATED, FIXED, UNCALIBRATED, AlarmReading, WindowAlarm
 from layertap.server.drift.builder import BaselineBuilder
 from layertap.server.drift.files import load_baselines, save_baseline
 from layertap.server.drift.layer import OLD_FILE, LayerEntry
-from layertap.server.drift.null import components
+from layertap.server.drift.null import NullModel, components
 from layertap.server.drift.rates import check_rate
 from layertap.server.drift.schema import baseline_to_dict
 from layertap.server.drift.scores import DriftScore
@@ -24,6 +24,8 @@ from layertap.server.drift.thresholds import DriftThresholds
 from layertap.server.errors import InvalidField
 from layertap.server.export.activations import ActivationCollector
 from layertap.server.export.snapshots import SnapshotStore
+
+pytestmark = pytest.mark.slow
 
 
 def frozen(passes: int = 300, window: int = 50, seed: int = 0):  # type: ignore[no-untyped-def]
@@ -107,3 +109,24 @@ def test_alarm_and_ratio_series() -> None:
     assert g("layertap_activation_drift_ratio", lab("layer3")) is None
     assert g("layertap_activation_drift_alarm", lab("layer4")) == 0.0  # no window yet: no ratio series
     assert g("layertap_activation_drift_ratio", lab("layer4")) is None
+
+
+def test_raising_the_rate_keeps_alarm_and_ratio_consistent() -> None:
+    """Issue 26 review: ``WindowAlarm.set_rate`` recomputes ``threshold`` from the saved null, so
+    ``reading().ratio`` (and ``layertap_activation_drift_ratio``: "the alarm is raised above 1") used the new
+    threshold at once while ``alarm`` kept the decision made at the old one. Observed: score 4.29, threshold
+    4.87 at 1e-4 (ratio 0.88, no alarm); at 0.5 the threshold was 2.69, ratio 1.59 and ``alarm`` still False.
+    Expected: the last completed window re-decided at the new threshold."""
+    k, w, n = 34, 50, 500
+    model = NullModel(np.zeros(k), np.ones(k), n, w, 10, 1.0, 16)
+    alarm = WindowAlarm(model, 1e-4)
+    alarm.limit = math.inf  # the window test alone, for a deterministic score
+    x = np.random.default_rng(3).standard_normal((w, k))
+    x[:, 0] += 3.6 / math.sqrt(w)
+    for v in x:
+        alarm.add(v)
+    before = alarm.reading()
+    assert before.ratio < 1 and not before.alarm
+    alarm.set_rate(0.5)
+    after = alarm.reading()
+    assert after.alarm == (after.ratio > 1), f"ratio {after.ratio:.2f} (p {after.p_value:.1e}) but alarm {after.alarm}"

@@ -14,6 +14,8 @@ from layertap.server.drift.scores import channel_drift_fraction, js_distance, me
 from layertap.server.drift.thresholds import DriftThresholds
 from layertap.server.drift.window import SlidingWindow
 
+pytestmark = pytest.mark.unit
+
 
 def normal_sample(mu: float, sigma: float, n: int) -> np.ndarray:
     """Stratified normal sample: the exact quantiles at (i + 0.5) / n, so no sampling noise."""

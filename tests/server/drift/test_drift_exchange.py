@@ -15,6 +15,8 @@ from layertap.server.drift.exchange import (
 )
 from layertap.server.errors import InvalidField
 
+pytestmark = pytest.mark.unit
+
 
 def _fed(seed: int, loc: float, passes: int, reservoir: int) -> tuple[BaselineBuilder, list[np.ndarray]]:
     rng = np.random.default_rng(seed)

@@ -1,4 +1,4 @@
-"""DriftMonitor in process: baseline taps, replacement rules, failure rollback."""
+"""DriftMonitor in process: baseline taps, replacement rules, failure rollback, wide and dead features, installed documents."""
 
 from __future__ import annotations
 
@@ -7,16 +7,19 @@ import logging
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from layertap.server.drift.builder import BaselineBuilder
 from layertap.server.drift.monitor import DriftMonitor
 from layertap.server.errors import AlreadyExists, LimitExceeded
 from layertap.server.host.model_host import ModelHost
-from layertap.server.host.sources import load_model
+from layertap.server.host.sources import InputSpec, LoadedModel, load_model
 from layertap.server.stream.broker import Broker
 from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
@@ -256,9 +259,6 @@ def test_a_baseline_too_short_to_calibrate_says_why_and_never_alarms(rig):
 def test_past_max_channels_the_first_features_are_tested_and_a_shift_of_one_is_seen():
     """A (batch, 5000) layer: the per-channel reducer reports 4096 features; the null and the live passes
     agree on those (plus the pooled pair), so passes are scored, not left out, and a shift shows."""
-    from torch import nn
-
-    from layertap.server.host.sources import InputSpec, LoadedModel
     from layertap.server.reducers.spec import MAX_CHANNELS
 
     torch.manual_seed(0)
@@ -289,3 +289,108 @@ def test_past_max_channels_the_first_features_are_tested_and_a_shift_of_one_is_s
         assert d.alarm and d.score > d.threshold
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("feature", [100, pytest.param(4500, marks=pytest.mark.xfail(strict=True, reason=(
+    "not fixed (issue 26 review): the per_channel reducer reports the first MAX_CHANNELS (4096) features "
+    "only, so features past the cap are tested through the pooled mean/std alone; testing them needs a "
+    "reducer change (rotating or chunked per-channel), documented in docs/drift.md; raising the drift taps' cap "
+    "to 65536 (session 13) cost ~16x the host time per wide layer and was reverted: test_drift_wide_backlog.py")))])
+def test_a_five_sigma_shift_of_one_feature_is_seen_wherever_it_is(feature: int) -> None:
+    """Issue 26 review: docs/drift.md says "the rest count through the pooled mean and std ... No feature is
+    dropped silently". On a (16, 5000) Linear output a +5σ bias shift of feature 100 raises the alarm in the
+    first window; the same shift of feature 4500 moves the pooled mean by ~6e-4 (z < 1) and never does."""
+    torch.manual_seed(0)
+    wide = nn.Sequential()
+    wide.add_module("wide", nn.Linear(4, 5000))
+    host = ModelHost(LoadedModel(wide, "wide", "factory", [InputSpec("input", torch.float32, (-1, 4))]))
+    host.warm_up()
+    engine = TapEngine(host, Broker(), max_taps=3)
+    monitor = engine.sinks.add(DriftMonitor(engine, default_window=5))
+    try:
+        monitor.set_baseline(pb.SetBaselineRequest(selector="wide", passes=50, window=5))
+        g = torch.Generator().manual_seed(1)
+        for _ in range(50):
+            host.run([torch.randn(16, 4, generator=g)])
+        engine.flush(10)
+        sd = float(wide.wide.weight[feature].norm())  # the feature's spread over N(0, I) inputs
+        with torch.no_grad():
+            wide.wide.bias[feature] += 5 * sd
+        for _ in range(20):
+            host.run([torch.randn(16, 4, generator=g)])
+        engine.flush(10)
+        (d,) = monitor.drift()
+        assert d.calibration == pb.DRIFT_CALIBRATION_CALIBRATED and d.windows == 4
+        assert d.alarm, f"feature {feature}: +5σ shift unflagged over 4 windows (last score {d.score:.2f}, threshold {d.threshold:.2f})"
+    finally:
+        engine.close()
+
+
+def test_a_dead_unit_that_comes_alive_raises_the_alarm() -> None:
+    """Issue 26 review: ``NullModel.live`` drops σ = 0 components from the window test and the CUSUMs
+    (``constant_features`` counts them), so a dead ReLU unit waking up (a textbook drift signal) was seen only
+    through the pooled mean/std, diluted. Here unit 7 of a (16, 256) Linear+ReLU is dead in the baseline
+    (bias -100); revived (bias 0, per-element std ~0.6) it must raise the alarm within 4 windows."""
+    torch.manual_seed(0)
+    net = nn.Sequential()
+    net.add_module("fc", nn.Linear(4, 256))
+    net.add_module("act", nn.ReLU())
+    with torch.no_grad():
+        net.fc.bias[7] = -100.0
+    host = ModelHost(LoadedModel(net, "dead", "factory", [InputSpec("input", torch.float32, (-1, 4))]))
+    host.warm_up()
+    engine = TapEngine(host, Broker(), max_taps=3)
+    monitor = engine.sinks.add(DriftMonitor(engine, default_window=5))
+    try:
+        monitor.set_baseline(pb.SetBaselineRequest(selector="act", passes=50, window=5))
+        g = torch.Generator().manual_seed(1)
+        for _ in range(50):
+            host.run([torch.randn(16, 4, generator=g)])
+        engine.flush(10)
+        (d,) = monitor.drift()
+        assert d.calibration == pb.DRIFT_CALIBRATION_CALIBRATED and d.constant_features >= 2  # unit 7's mean and std
+        with torch.no_grad():
+            net.fc.bias[7] = 0.0
+        for _ in range(20):
+            host.run([torch.randn(16, 4, generator=g)])
+        engine.flush(10)
+        (d,) = monitor.drift()
+        assert d.windows == 4
+        assert d.alarm, f"dead unit revived, no alarm (score {d.score:.2f}, threshold {d.threshold:.2f})"
+    finally:
+        engine.close()
+
+
+def _demo_rig() -> tuple[ModelHost, TapEngine, DriftMonitor]:
+    """The ``rig`` fixture's parts, for a test that needs two."""
+    host = ModelHost(load_model("demo"))
+    host.warm_up()
+    engine = TapEngine(host, Broker(), max_taps=3)
+    return host, engine, engine.sinks.add(DriftMonitor(engine, default_window=5))
+
+
+def test_an_installed_frozen_baseline_alarms_on_the_receiving_taps_window() -> None:
+    """Issue 26 review: ``DriftMonitor.install`` (frozen documents) replaced the baseline's ``window`` with the
+    receiving tap's (50 here) but kept ``null.window`` from the source (2): the calibrated alarm decided a
+    window (and spent a window's share of the false-alarm rate) every 2 passes, ~25x the rate the operator set
+    for 50-pass windows, at 2-pass thresholds. Expected: the alarm decided on the receiving tap's window."""
+    g = torch.Generator().manual_seed(0)
+    host_a, engine_a, mon_a = _demo_rig()
+    host_b, engine_b, mon_b = _demo_rig()
+    try:
+        tap_a, _ = mon_a.set_baseline(pb.SetBaselineRequest(selector="layer1", passes=10, window=2))
+        for _ in range(10):
+            host_a.run([torch.randn(2, 3, 32, 32, generator=g)])
+        engine_a.flush(10)
+        docs = [lb.frozen for lb in mon_a.export(tap_a)]
+        tap_b, _ = mon_b.set_baseline(pb.SetBaselineRequest(selector="layer1", passes=500, window=50, hold=True))
+        mon_b.install(pb.InstallBaselineRequest(tap=tap_b, frozen=docs))
+        for _ in range(10):
+            host_b.run([torch.randn(2, 3, 32, 32, generator=g)])
+        engine_b.flush(10)
+        (d,) = mon_b.drift()
+        assert d.calibration == pb.DRIFT_CALIBRATION_CALIBRATED and d.scored_passes == 10
+        assert d.windows == 0, f"{d.windows} alarm windows decided in 10 passes on a tap whose window is 50"
+    finally:
+        engine_a.close()
+        engine_b.close()

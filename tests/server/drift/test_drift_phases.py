@@ -32,6 +32,8 @@ from layertap.server.stream.sinks import Sink
 from layertap.server.taps.engine import TapEngine
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 PHASES = {"forward": PHASE_NONE, "prefill": PHASE_PREFILL, "decode": PHASE_DECODE}
 LAYERS = ["layer1", "layer2", "layer3", "layer4"]
 

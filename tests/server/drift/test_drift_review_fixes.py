@@ -13,6 +13,8 @@ from layertap.server.drift.rates import MIN_FALSE_ALARM_RATE, check_rate
 from layertap.server.drift.schema import BaselineFormatError, _null_from_dict
 from layertap.server.errors import InvalidField
 
+pytestmark = pytest.mark.unit
+
 
 def test_rate_bounds_and_the_smallest_rate_gives_finite_thresholds() -> None:
     with pytest.raises(InvalidField, match="rate"):

@@ -7,6 +7,7 @@ this test dropped 37 of 40 passes, and the change was reverted. It passes with t
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -16,6 +17,8 @@ from layertap.server.host.sources import InputSpec, LoadedModel
 from layertap.server.stream.broker import Broker
 from layertap.server.taps.engine import TapEngine
 from layertap.v1 import telemetry_pb2 as pb
+
+pytestmark = pytest.mark.unit
 
 LAYERS, WIDTH = 12, 65536
 

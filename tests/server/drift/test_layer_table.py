@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from layertap.server.drift.table import LayerTable
 
+pytestmark = pytest.mark.unit
+
 KEY = st.tuples(st.sampled_from(["t1", "t2", "t3"]), st.sampled_from(["a", "b"]))
 OP = st.one_of(
     st.tuples(st.just("set"), KEY), st.tuples(st.just("setdefault"), KEY), st.tuples(st.just("pop"), KEY),

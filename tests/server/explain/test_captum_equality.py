@@ -22,6 +22,8 @@ from layertap.server.host.demo_model import DEMO_INPUT_SHAPE, build_demo_model
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import InputSpec, LoadedModel
 
+pytestmark = pytest.mark.unit
+
 captum_attr = pytest.importorskip("captum.attr")
 
 

@@ -21,6 +21,8 @@ from layertap.server.host.demo_model import DEMO_INPUT_SHAPE, build_demo_model
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import InputSpec, LoadedModel
 
+pytestmark = pytest.mark.unit
+
 IG = ExplainOptions("integrated_gradients", n_steps=64, batch_rows=1)  # one sample: one step a pass, 64 passes
 
 

@@ -25,6 +25,8 @@ from layertap.server.host.demo_model import DEMO_INPUT_SHAPE, build_demo_model
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import InputSpec, LoadedModel
 
+pytestmark = pytest.mark.unit
+
 EXPLAIN_DIR = Path(__file__).resolve().parents[3] / "server" / "explain"
 
 

@@ -31,6 +31,8 @@ from layertap.server.stream.sinks import Sink, Sinks
 from layertap.server.stream.summary_wire import SummaryWire, results_bytes, timestamp
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 KINDS = sorted(BASIC_REDUCERS)
 SLOT = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
                  st.sampled_from([0.0, -0.0, 1.0, 1e300, -1e-300, math.nan, math.inf, -math.inf]))

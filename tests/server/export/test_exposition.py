@@ -28,6 +28,8 @@ from layertap.server.export.series import Lines, fmt_value
 from layertap.server.export.snapshots import LayerSnapshot, SnapshotStore
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 #: Label values that need escaping or are not ASCII (and a '%', which the line layout must keep).
 WEIRD = ['we"ird', "back\\slash", "new\nline", "ünï—コード", '100% "all"\\\n']
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"

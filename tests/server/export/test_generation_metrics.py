@@ -16,6 +16,8 @@ from layertap.server.export.exposition import render_latest, render_openmetrics
 from layertap.server.export.generation import INTER_TOKEN_BUCKETS, TIME_TO_FIRST_TOKEN_BUCKETS, GenerationMetrics, StepHistogram
 from layertap.server.export.health import ServerMetrics
 
+pytestmark = pytest.mark.unit
+
 M = {"model": "m"}
 ITL = "layertap_generate_inter_token_seconds"
 TTFT = "layertap_generate_time_to_first_token_seconds"

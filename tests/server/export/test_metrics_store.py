@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from layertap.server.export.snapshots import EXPORTED_QUANTILES, SnapshotStore
 from layertap.v1 import telemetry_pb2 as pb
+
+pytestmark = pytest.mark.unit
 
 
 def summary(*results: pb.ReducerResult, unsampled: bool = False) -> pb.Summary:

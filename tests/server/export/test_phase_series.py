@@ -20,6 +20,8 @@ from layertap.server.export.health import ServerMetrics
 from layertap.server.export.snapshots import SnapshotStore
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 EDGES = [-1.0, 0.0, 1.0]
 PHASES = {"forward": pb.PHASE_UNSPECIFIED, "prefill": pb.PHASE_PREFILL, "decode": pb.PHASE_DECODE}
 

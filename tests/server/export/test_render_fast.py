@@ -20,6 +20,8 @@ from layertap.server.export.exposition import render_latest, render_openmetrics
 from layertap.server.export.series import Lines, fmt_count
 from layertap.server.export.snapshots import LayerSnapshot
 
+pytestmark = pytest.mark.unit
+
 TRICKY = [math.nan, math.inf, -math.inf, -0.0, 0.0, 1e6, 1e21, 5e-324, 1.7e9 + 0.25, 1.7e9 + 0.25, -0.0, -0.0,
           0.0, 2.0**53 + 2, 123456789.0, 3, 999_999, -7, 0.1]
 COUNTS = [0, 1, 999_999, 1_000_000, 1_234_500, 10**8, 123_456_789, 2**53 - 1, 2**53, 2**53 + 1, 10**17 + 3,

@@ -13,9 +13,9 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
     platform.system() != "Linux" or not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"),
-    reason="glibc only")
+    reason="glibc only")]
 
 #: Allocates and frees a pass's worth of activation-sized blocks (every page
 #: written; with a 24 MiB one when asked), then prints the minor page faults

@@ -10,6 +10,8 @@ from layertap.server.host.hooks import CallArgs, HookRegistry, ParamGrad
 from layertap.server.host.model_host import flatten_tensors
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 
 def test_call_args_name_positional_tensors_by_position_and_keywords_by_path() -> None:
     a, b, c, d = (torch.full((1,), float(i)) for i in range(4))

@@ -13,6 +13,8 @@ import layertap
 from layertap.server.host.demo_model import build_demo_model
 from layertap.server.host.sources import ModelLoadError, load_model
 
+pytestmark = pytest.mark.e2e
+
 
 def test_demo_is_deterministic_from_seed():
     a, b, c = build_demo_model(1), build_demo_model(1), build_demo_model(2)

@@ -14,6 +14,8 @@ import pytest
 from layertap.server.errors import Unavailable
 from layertap.server.host.model_thread import ModelThread
 
+pytestmark = pytest.mark.e2e
+
 
 def test_calls_from_many_threads_run_on_one_and_errors_come_back() -> None:
     model = ModelThread()

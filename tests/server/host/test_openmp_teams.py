@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 SCRIPT = textwrap.dedent(r'''
     import json, os, sys, threading, urllib.request
     import numpy as np

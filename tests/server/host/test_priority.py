@@ -14,7 +14,7 @@ import pytest
 from layertap import Client
 from layertap.server.host.priority import DEFAULT_TELEMETRY_NICE, lower_this_thread, set_telemetry_nice
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")]
 
 
 def nice_of(prefix: str, old: set[int]) -> list[int]:

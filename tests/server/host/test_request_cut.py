@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from layertap.server.host.model_host import PHASE_DECODE, PHASE_PREFILL, PassContext, RequestRows
 from layertap.server.host.rows import RequestCut
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_request_alone_in_a_decode_step_sees_each_tensor_itself() -> None:

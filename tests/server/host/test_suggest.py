@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from support.encoder import text_encoder
 from support.models import perturbable
@@ -9,6 +10,8 @@ from torch import nn
 
 from layertap.server.host.demo_model import build_demo_model
 from layertap.server.host.suggest import suggest_layer
+
+pytestmark = pytest.mark.unit
 
 
 def ran_names(model: nn.Module, x: torch.Tensor) -> set[str]:

@@ -15,6 +15,8 @@ from layertap.server.record.triggers import RateLimit, check_triggers, evaluate
 from layertap.server.taps.tap import timestamp
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 
 class Clock:
     def __init__(self, now: float = 1_700_000_000.0) -> None:

@@ -18,12 +18,13 @@ import pytest
 import torch
 from torch import nn
 
+from layertap.server.compile.kernel import BATCH, Signature
+from layertap.server.compile.stats import CompiledStats
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import InputSpec, LoadedModel
 from layertap.server.reducers import batched
 from layertap.server.reducers.batched import MAX_BATCH_NUMEL, PassBatch, batched_basic_stats
-from layertap.server.reducers.compiled import CompiledStats
-from layertap.server.reducers.compiled_kernel import BATCH, SHIFT_SAMPLE, Signature, basic_stats_body, batched_stats_body
+from layertap.server.reducers.stats_body import SHIFT_SAMPLE, basic_stats_body, batched_stats_body
 from layertap.server.reducers.workspace import F64
 from layertap.server.stream.broker import Broker
 from layertap.server.taps.engine import TapEngine
@@ -32,6 +33,8 @@ from layertap.v1 import telemetry_pb2 as pb
 from tests.support.reductions import count_reductions
 from tests.support.summaries import drain, results
 from tests.support.tensors import gen, plant_nonfinite
+
+pytestmark = pytest.mark.unit
 
 BASIC = ("moments", "minmax", "zero_fraction", "nonfinite")
 ON = torch.ones((1,), dtype=F64)
@@ -136,7 +139,7 @@ def test_a_failing_batch_disables_its_taps_and_inference_goes_on(monkeypatch) ->
     other = engine.create(pb.TapSpec(selector="c", reducers=[reducer_spec("histogram", "r")]))  # per tensor
     sub = broker.subscribe([small.id, other.id])
 
-    def boom(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    def boom(x: torch.Tensor, g: torch.Generator, kernel: object = None) -> torch.Tensor:
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(batched, "batched_basic_stats", boom)
@@ -201,7 +204,7 @@ def test_the_eager_path_bounds_its_temporaries_by_chunks_and_agrees(monkeypatch)
     monkeypatch.setattr(batched, "_EAGER_ELEMENTS", 2 * 700)  # two rows per chunk
     x = rows_of(torch.float32, rows=5)
     rnd_gen, ref_gen = gen(11), gen(11)
-    chunked = batched_basic_stats(x, rnd_gen)  # COMPILED_STATS is off in tests: eager
+    chunked = batched_basic_stats(x, rnd_gen)  # no kernel: eager
     rnd = torch.randint(0, 700, (5, SHIFT_SAMPLE), generator=ref_gen)
     torch.testing.assert_close(chunked, batched_stats_body(x, rnd, ON), rtol=0, atol=0, equal_nan=True)
 
@@ -210,7 +213,7 @@ def test_a_training_agents_warm_up_compiles_the_batch_kernel_too(monkeypatch) ->
     from layertap.server.train import agent
 
     asked: list[Signature] = []
-    monkeypatch.setattr(agent.COMPILED_STATS, "compile_now", lambda sig, timeout=None: asked.append(sig) or True)
+    monkeypatch.setattr(agent.process_compilation().stats, "compile_now", lambda sig, timeout=None: asked.append(sig) or True)
     agent._compile_before_training(torch.device("cpu"), torch.bfloat16)
     assert sorted(s.form for s in asked) == ["batch", "dense"] and {s.dtype for s in asked} == {torch.bfloat16}
     asked.clear()
@@ -220,18 +223,18 @@ def test_a_training_agents_warm_up_compiles_the_batch_kernel_too(monkeypatch) ->
 
 def test_prune_keeps_every_form_of_the_loaded_dtype(tmp_path, monkeypatch) -> None:
     """A restart after STALE_DAYS idle loads the dense package first: the batch one must survive that prune."""
-    from layertap.server.reducers import compiled_aoti
-    from layertap.server.reducers.compiled_kernel import DENSE
+    from layertap.server.compile import aoti
+    from layertap.server.compile.kernel import DENSE
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(compiled_aoti, "_pruned", set())
+    monkeypatch.setattr(aoti, "_pruned", set())
     sig = Signature(torch.device("cpu"), torch.float32, DENSE, grad=False, inference=True, autocast=None)
-    paths = {f: compiled_aoti.package_path(sig._replace(form=f)) for f in (DENSE, BATCH)}
+    paths = {f: aoti.package_path(sig._replace(form=f)) for f in (DENSE, BATCH)}
     stranger = paths[DENSE].with_name("basic_stats-float32-dense-000000000000000000000000.pt2")
     for p in (*paths.values(), stranger):
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"x")
         os.utime(p, (1.0, 1.0))  # 1970: long past STALE_DAYS
-    monkeypatch.setattr(compiled_aoti, "_load", lambda path: "kernel")
-    assert compiled_aoti.load_or_compile(sig, (torch.zeros(1),) * 3) == ("kernel", False)
+    monkeypatch.setattr(aoti, "_load", lambda path: "kernel")
+    assert aoti.load_or_compile(sig, (torch.zeros(1),) * 3) == ("kernel", False)
     assert all(p.exists() for p in paths.values()) and not stranger.exists()

@@ -17,6 +17,8 @@ from layertap.server.reducers.derive import derivation, derive, entropy, log_pro
 from layertap.server.reducers.spec import SpecError
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 
 def reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Float64 entropy and top-1 probability of each row over the last axis."""

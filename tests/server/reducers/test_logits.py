@@ -13,6 +13,8 @@ from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.spec import SpecError
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 SPEC = pb.ReducerSpec(kind=pb.REDUCER_KIND_LOGITS)
 
 

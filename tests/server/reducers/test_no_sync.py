@@ -20,6 +20,8 @@ from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.transfer import HostTransfer, PassBuffer
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 SAMPLE = 2048
 
 # Every reducer, with the samplers set small so the big shapes below are sampled.

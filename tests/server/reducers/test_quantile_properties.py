@@ -26,6 +26,8 @@ from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.spec import DEFAULT_SAMPLE_SIZE, QUANTILE_DELTA
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 PS = [0.0, 0.001, 0.01, 0.05, 0.25, 1 / 3, 0.5, 0.75, 0.95, 0.99, 0.999, 1.0]
 EDGES = [-1e30, -3.0, -0.1, 0.0, 1 / 3, 1.0, 2.5, 7.0, 1e4]
 N = 60_000  # sampled: well above the default sample of 16,384

@@ -39,6 +39,8 @@ from layertap.server.reducers.spec import (
 from layertap.server.reducers.workspace import flat_view, gather_flat
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 ALL = "moments,minmax,abs_max,zero_fraction,nonfinite,norm,histogram,quantiles,per_channel"
 SUM_RTOL = 1e-9
 EDGES = [-3.0, -1.0, -0.25, 0.0, 0.5, 2.0, 10.0]

@@ -21,6 +21,8 @@ from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.samplesort import sort_ascending
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 INTS = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
 SIZES = [0, 1, 7, 2048, 16384, 40_000]

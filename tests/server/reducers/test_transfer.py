@@ -14,6 +14,8 @@ from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.spec import parse_reducer_names
 from layertap.server.reducers.transfer import HostTransfer, PassBuffer, PendingPass, PinnedPool, TransferStats
 
+pytestmark = pytest.mark.unit
+
 F64 = torch.float64
 
 

@@ -17,6 +17,8 @@ from grpc_health.v1 import health_pb2
 
 from layertap.server.rpc.malformed import MalformedRequests
 
+pytestmark = pytest.mark.unit
+
 GARBAGE = b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x0f" + b"\x07garbage" * 100
 REQ, REPLY = health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
 SERVING = REPLY(status=REPLY.SERVING)

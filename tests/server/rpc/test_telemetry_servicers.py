@@ -24,6 +24,8 @@ from layertap.server.rpc.method_handlers import kind_of, service_handlers
 from layertap.server.rpc.state import StateBacked, StateCell
 from layertap.server.rpc.telemetry import SERVICE, SERVICERS, TelemetryService, add_to_server
 
+pytestmark = pytest.mark.unit
+
 RPC_DIR = Path(method_handlers.__file__).resolve().parent
 #: Methods whose responses go out as bytes framed by the servicer.
 WIRE_BYTES = {"Capture"}

@@ -17,6 +17,8 @@ from layertap.server.stream.broker import Broker
 from layertap.server.stream.sinks import Sink, Sinks
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 
 def pass_of(n: int, mark: float) -> PendingPass:
     """A CPU pass of ``n`` float64 values, all equal to ``mark``."""

@@ -18,6 +18,8 @@ from layertap.server.stream.publisher import Piece, Publisher
 from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 SHAPE = (3, 5, 8)
 
 

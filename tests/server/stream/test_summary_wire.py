@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +14,8 @@ from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.stream.summary_wire import Place, SummaryWire, results_bytes
 from layertap.server.taps.tap import timestamp
 from layertap.v1 import telemetry_pb2 as pb
+
+pytestmark = pytest.mark.unit
 
 SLOT = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),

@@ -17,6 +17,8 @@ from layertap.server.taps.capture_wire import CHUNK_BYTES, chunk_message, encode
 from layertap.v1 import telemetry_pb2 as pb
 from layertap.v1 import tensor_pb2
 
+pytestmark = pytest.mark.unit
+
 UINT32 = st.integers(0, (1 << 32) - 1)
 UINT64 = st.integers(0, (1 << 64) - 1)
 

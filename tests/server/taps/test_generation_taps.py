@@ -26,6 +26,8 @@ from layertap.v1 import telemetry_pb2 as pb
 from tests.support.reductions import count_reductions
 from tests.support.summaries import drain, results
 
+pytestmark = pytest.mark.unit
+
 BASIC = ("moments", "minmax", "nonfinite", "zero_fraction")
 HIDDEN = 8
 

@@ -24,7 +24,6 @@ from layertap.server.host.model_host import PHASE_DECODE, PHASE_PREFILL, ModelHo
 from layertap.server.host.padding import PassPadding, host_mask, left_padding_mask
 from layertap.server.host.sources import InputSpec, LoadedModel
 from layertap.server.record.replay import Share, replay
-from layertap.server.reducers.compiled import COMPILED_STATS
 from layertap.server.reducers.transfer import PassBuffer
 from layertap.server.stream.broker import Broker
 from layertap.server.taps.engine import TapEngine
@@ -32,6 +31,8 @@ from layertap.server.taps.tap_files import reducer_spec, tap_spec_from_dict
 from layertap.v1 import telemetry_pb2 as pb
 from tests.support.reductions import count_reductions
 from tests.support.summaries import drain, results
+
+pytestmark = pytest.mark.unit
 
 VOCAB, HIDDEN, CLASSES = 32, 8, 5
 BASIC = ("moments", "minmax", "zero_fraction")
@@ -339,9 +340,8 @@ def test_leaving_padding_out_never_syncs_on_cuda() -> None:
     torch.manual_seed(0)
     host = ModelHost(LoadedModel(Toy().eval(), "toy", "test", list(INPUTS)), device="cuda")
     broker = Broker(default_queue_size=10_000)
-    engine = TapEngine(host, broker, rng=random.Random(0))
-    compiled = COMPILED_STATS.enabled
-    COMPILED_STATS.set_enabled(False)  # eager: no background compile in the debug mode's way
+    engine = TapEngine(host, broker, rng=random.Random(0))  # no stats kernel: eager, no compile in the debug mode's way
+    assert engine.stats is None
     try:
         taps = [engine.create(spec("block", *BASIC, per_channel(), histogram())), engine.create(spec("head", "logits")),
                 engine.create(spec("block", *BASIC), request_id="a")]
@@ -374,7 +374,6 @@ def test_leaving_padding_out_never_syncs_on_cuda() -> None:
         assert results([s for s in got if s.tap == taps[1].id][0])["logits"].logits.rows == 11
         check_basic([s for s in got if s.tap == taps[2].id][0], ref["block"][0:2][valid[0:2]])
     finally:
-        COMPILED_STATS.set_enabled(compiled)
         engine.close()
 
 

@@ -22,6 +22,8 @@ from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
 from tests.support.reductions import count_reductions
 
+pytestmark = pytest.mark.unit
+
 BASIC = ("moments", "minmax", "nonfinite")
 
 

@@ -9,6 +9,8 @@ import pytest
 from layertap.server.errors import ECHO_CHARS, InvalidField, NotFound
 from layertap.server.taps.selectors import MAX_SELECTOR_BYTES, select_layers
 
+pytestmark = pytest.mark.unit
+
 #: A ResNet-50-sized name list: long dotted names, as catastrophic backtracking needs.
 NAMES = [f"layer{i}.{j}.{part}" for i in range(1, 5) for j in range(6)
          for part in ("conv1", "bn1", "conv2", "bn2", "conv3", "bn3", "relu", "downsample.0")]

@@ -17,6 +17,8 @@ from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.tap_files import load_tap_config, reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 
 class FakeClock:
     def __init__(self) -> None:

@@ -22,6 +22,8 @@ from layertap.server.train.ranks import Rank
 from layertap.server.train.steps import StepTracker
 from layertap.v1 import telemetry_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 
 class Rig:
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer | None, start_step: int = 0) -> None:
