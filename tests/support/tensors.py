@@ -35,3 +35,12 @@ def drawn_sample(x: torch.Tensor, size: int, seed: int = 0) -> torch.Tensor:
     values = flat.to(torch.float64)
     return values[~values.isnan()]
 
+
+def batch_rows(dtype: torch.dtype, rows: int = 6, n: int = 700) -> torch.Tensor:
+    """Rows with an offset mean, planted non-finite values, an all-NaN row, an all-inf row and zeros."""
+    x = torch.randn((rows, n), generator=gen(1)) * 3 + 1e3
+    plant_nonfinite(x[1])
+    x[2] = math.nan
+    x[3] = math.inf
+    x[4, :50] = 0
+    return x.to(dtype)

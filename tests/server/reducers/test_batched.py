@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from layertap.server.compile.kernel import BATCH, Signature
-from layertap.server.compile.stats import CompiledStats
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import InputSpec, LoadedModel
 from layertap.server.reducers import batched
@@ -32,22 +31,13 @@ from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
 from tests.support.reductions import count_reductions
 from tests.support.summaries import drain, results
-from tests.support.tensors import gen, plant_nonfinite
+from tests.support.tensors import batch_rows as rows_of
+from tests.support.tensors import gen
 
 pytestmark = pytest.mark.unit
 
 BASIC = ("moments", "minmax", "zero_fraction", "nonfinite")
 ON = torch.ones((1,), dtype=F64)
-
-
-def rows_of(dtype: torch.dtype, rows: int = 6, n: int = 700) -> torch.Tensor:
-    """Rows with an offset mean, planted non-finite values, an all-NaN row, an all-inf row and zeros."""
-    x = torch.randn((rows, n), generator=gen(1)) * 3 + 1e3
-    plant_nonfinite(x[1])
-    x[2] = math.nan
-    x[3] = math.inf
-    x[4, :50] = 0
-    return x.to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -73,21 +63,6 @@ def test_rows_against_numpy_float64() -> None:
             assert (lo, hi) == (fin.min(), fin.max())
         else:
             assert (s1, s2, k, lo > hi) == (0, 0, 0, True)  # min > max: no finite element
-
-
-def test_the_compiled_batch_kernel_equals_the_eager_body() -> None:
-    stats = CompiledStats(enabled=True)
-    try:
-        sig = Signature(torch.device("cpu"), torch.float32, BATCH, grad=False, inference=True, autocast=None)
-        assert stats.compile_now(sig, timeout=600)
-        x = rows_of(torch.float32, rows=5, n=517)
-        rnd = torch.randint(0, 517, (5, SHIFT_SAMPLE), generator=gen(4))
-        with torch.inference_mode():
-            got = stats.batch_stats(x, rnd)
-        assert got is not None and stats.compiled_calls == 1
-        torch.testing.assert_close(got, batched_stats_body(x, rnd, ON), rtol=1e-12, atol=1e-9, equal_nan=True)
-    finally:
-        stats.close()
 
 
 # -- through the engine -----------------------------------------------------------------------------------
@@ -177,27 +152,6 @@ def test_what_is_never_batched() -> None:
 
 
 # -- the review's cases (session 14) ------------------------------------------------------------------------
-def test_one_row_groups_take_the_per_tensor_kernel_and_never_stale_the_dynamo_one() -> None:
-    """Dynamo's batch kernel (CUDA's path) guards on rows >= 2: lone tensors must not count as misses."""
-    cs = CompiledStats(enabled=True, aoti=False)
-    try:
-        sig = Signature(torch.device("cpu"), torch.float32, BATCH, grad=False, inference=True, autocast=None)
-        assert cs.compile_now(sig, timeout=600), cs.states()
-        g = gen(9)
-        with torch.inference_mode():
-            for rows in (5, 1, 1, 1, 1, 5):
-                x = torch.randn(rows, 300, generator=g)
-                got = cs.batch_stats(x, torch.randint(0, 300, (rows, SHIFT_SAMPLE), generator=g))
-                assert (got is None) == (rows == 1)
-        assert cs.guard_misses == 0 and cs.states()[sig] == "ready", (cs.counters(), cs.states())
-    finally:
-        cs.close()
-    x = rows_of(torch.float32)[:1]
-    got = batched_basic_stats(x, gen(10))[0]
-    mean, count = got[5] + got[3] / got[2], got[2]
-    assert got.shape == (8,)
-    np.testing.assert_allclose(float(mean), x.double().mean().item(), rtol=1e-12)
-    assert float(count) == x.numel()
 
 
 def test_the_eager_path_bounds_its_temporaries_by_chunks_and_agrees(monkeypatch) -> None:
