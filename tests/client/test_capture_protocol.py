@@ -185,7 +185,7 @@ def test_absurd_claim_fails_fast_without_allocating(
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert elapsed < 2.0
+    assert elapsed < 5.0  # refused at the header, not after the call's 10 s deadline
     assert peak < 16 << 20  # numpy reports its buffers to tracemalloc
 
 

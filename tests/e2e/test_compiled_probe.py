@@ -35,7 +35,7 @@ from torch import nn
 import layertap
 from layertap.server.host.sources import InputSpec, LoadedModel
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.slow
 
 
 class _Heavy(nn.Module):

@@ -1,4 +1,4 @@
-"""Fixes of the issue 26 review: rate bounds, count weighting, an old v3 null, the exact t tail."""
+"""The no-change model's edges: false-alarm rate bounds, count weighting, an old v3 null, the exact t tail."""
 
 from __future__ import annotations
 
