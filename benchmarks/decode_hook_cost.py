@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from _serving import BASIC, SELECTOR, save_llama
 
-from layertap.server.compile.stats import CompiledStats
+from layertap.server.app import process_compilation
 from layertap.server.host.model_host import PHASE_DECODE, PHASE_PREFILL, ModelHost, RequestRows
 from layertap.server.host.sources import load_model
 from layertap.server.stream.broker import Broker
@@ -49,8 +49,9 @@ from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
 
-#: This benchmark's compiled statistics kernel, handed to its engines (a server's comes from app.py).
-STATS = CompiledStats(enabled=False)
+#: The process's compiled statistics kernel and pass registry, as a server gets them from app.py.
+SHARED = process_compilation()
+STATS = SHARED.stats
 
 CONFIG = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8,
           "num_key_value_heads": 8, "vocab_size": 8192, "max_position_embeddings": 256, "eos_token_id": None,
@@ -67,7 +68,7 @@ class Rig:
     def __init__(self, steps: int) -> None:
         directory = tempfile.mkdtemp()
         save_llama(directory, CONFIG)
-        self.host = ModelHost(load_model(f"hf:{directory}"))
+        self.host = ModelHost(load_model(f"hf:{directory}"), passes=SHARED.passes)
         self.engine = TapEngine(self.host, Broker(), rng=random.Random(0), stats=STATS)
         self.hook_seconds = 0.0
         self.engine.sinks.on_hook_time = self._hook_time  # type: ignore[method-assign]

@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from layertap.server.compile.stats import CompiledStats
+from layertap.server.app import process_compilation
 from layertap.server.host.allocator import tune_malloc
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.priority import DEFAULT_TELEMETRY_NICE, set_telemetry_nice
@@ -54,8 +54,9 @@ from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
 
-#: This benchmark's compiled statistics kernel, handed to its engines (a server's comes from app.py).
-STATS = CompiledStats(enabled=False)
+#: The process's compiled statistics kernel and pass registry, as a server gets them from app.py.
+SHARED = process_compilation()
+STATS = SHARED.stats
 
 sample_sort = workspace.sort_ascending
 
@@ -116,7 +117,7 @@ def main() -> None:
 
     dtype = getattr(torch, args.dtype)
     loaded = load_model(args.model)
-    host = ModelHost(loaded, device=args.device, dtype=dtype)
+    host = ModelHost(loaded, device=args.device, dtype=dtype, passes=SHARED.passes)
     if args.channels_last:
         host.module = host.module.to(memory_format=torch.channels_last)
     broker = Broker(default_queue_size=4)

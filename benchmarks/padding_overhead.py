@@ -37,15 +37,16 @@ from collections.abc import Callable
 
 import torch
 
+from layertap.server.app import process_compilation
 from layertap.server.compile.kernel import DENSE, Signature
-from layertap.server.compile.stats import CompiledStats
 from layertap.server.host.padding import PassPadding
 from layertap.server.host.sources import load_model
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.reducers.spec import parse_reducer_names
 
-#: This benchmark's compiled statistics kernel, handed to its engines (a server's comes from app.py).
-STATS = CompiledStats(enabled=False)
+#: The process's compiled statistics kernel and pass registry, as a server gets them from app.py.
+SHARED = process_compilation()
+STATS = SHARED.stats
 
 BASIC = "moments,minmax,zero_fraction,nonfinite"
 
@@ -81,7 +82,7 @@ def per_pass(rounds: int) -> None:
         perf_counter=time.thread_time, monotonic=time.monotonic, time=time.time)
     with tempfile.TemporaryDirectory(prefix="layertap-llama-") as directory:
         bench.make_model(directory)
-        host = ModelHost(load_model(f"hf:{directory}"))
+        host = ModelHost(load_model(f"hf:{directory}"), passes=SHARED.passes)
     hooks, sinks = HookTime(), Sinks()
     sinks.add(hooks)
     engine = TapEngine(host, Broker(), rng=random.Random(0), sinks=sinks, stats=STATS)
@@ -133,7 +134,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=0, help="also time whole passes in process, this many rounds")
     args = ap.parse_args()
     torch.set_num_threads(1)  # thread CPU time then covers the whole call
-    plan = ReducerPlan(build_reducers(parse_reducer_names(BASIC)))
+    plan = ReducerPlan(build_reducers(parse_reducer_names(BASIC)), kernel=STATS)
     mask = torch.ones(8, 128, dtype=torch.long)
     mask[::2, :16] = 0
     t = torch.randn(8, 128, 256)

@@ -115,6 +115,8 @@ def wait_compiles(timeout: float) -> bool:
     ``layertap serve`` exits at once (``os._exit``) when they are not: the
     compiler thread is joined at exit and a compile cannot be interrupted.
     """
+    if process_compilation.cache_info().currsize == 0:
+        return True  # nothing was ever compiled in this process
     return process_compilation().stats.wait_idle(timeout)
 
 

@@ -101,7 +101,7 @@ class PipelineCollector(Collector):
             model: Value of the ``model`` label.
             transfer: Returns the transfer's current counts, e.g. ``host_transfer.stats``.
             baseline_skipped: Returns the passes skipped by the baseline builders so far.
-            compiled: Returns the compiled kernel's counters, e.g. ``COMPILED_STATS.counters``.
+            compiled: Returns the compiled kernel's counters, e.g. ``CompiledStats.counters`` (``app.process_compilation().stats``).
         """
         self.model = model
         self._transfer = transfer

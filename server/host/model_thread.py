@@ -40,7 +40,7 @@ class PassLock:
     """The host's model lock (reentrant) that also says whether another thread is waiting for it.
 
     Why: a generation runs its decode steps back to back on the model thread
-    (``host.generate``) while nothing else wants the model. The lock is not
+    (``generate.generator``) while nothing else wants the model. The lock is not
     fair: its holder, releasing it at a pass's end and taking it again at
     once, would starve a thread waiting to change hooks between passes.
     """

@@ -18,7 +18,7 @@ and the RPC threads. Torch lets the GIL go inside each op and takes it back
 after; a thread that wants it back waits until the holder lets go, up to the
 switch interval (5 ms). A pass of a few hundred ops took 0.1-1.6 s while a
 compile ran (80x the steady p99, issue 29). So a compile here waits, at its
-next Python call, while serving work runs (:data:`PASSES`: a model-thread
+next Python call, while serving work runs (a :class:`Passes`, one per process: a model-thread
 call, or an Infer from its request to its response), and while it runs the
 switch interval is 0.5 ms, so the GIL comes back sooner between requests.
 Measured on the 2-core VM (``docs/benchmarks.md``), one client calling Infer
@@ -205,7 +205,6 @@ class Passes:
             return {"waits": self.waits, "waited_seconds": self.waited_seconds, "slices": self.slices}
 
 
-#: The process's serving work (``host.model_thread.ModelThread`` marks each call, ``rpc.inference`` each Infer).
 #: ``nn.Module.__call__`` as torch defines it; fx's tracers replace it while they trace.
 _CALL = _Module.__call__
 #: Held by the background compile running now: one at a time per process (reentrant: a compile that
