@@ -2,32 +2,33 @@
 
 Its calls go through one :class:`~layertap._transport.Transport` (channel,
 deadlines, token, error translation), shared with its sub-clients
-``client.incidents`` and ``client.baselines``.
+``client.incidents`` and ``client.baselines``. Its capture and tap methods
+come from mixins (``_client_capture``, ``_client_taps``): one class for the
+user, each long method group in a file of its own.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, Literal, overload
 
-from . import _capture, _convert, _explain, _generate
-from ._capture import CaptureOptions, ProgressCallback
-from ._capture_wire import CaptureMessage, parse_response
+from . import _convert, _explain, _generate
+from ._capture_wire import CaptureMessage
 from ._channel import TlsOption, normalize_target
+from ._client_capture import CAPTURE, CaptureMethods
+from ._client_taps import TapMethods
 from ._codec import Array
-from ._errors import DeadlineExceeded, InvalidArgument, NotFound
+from ._errors import InvalidArgument
 from ._explain import Explanation
 from ._fleet_baseline import Baselines
 from ._generate import Generation, Prompt
 from ._incidents import Incidents
 from ._io import decode_outputs, encode_inputs
-from ._results import RESULTS
-from ._taps import DurableTapOptions, SummaryStream, TapHandle, TapOptions, Unpack, tap_spec
-from ._transport import LIST_LAYERS, ServerStream, Streaming, Transport, Unary
-from ._types import BaselineInfo, DriftThresholds, LayerDrift, LayerInfo, ModelMetadata, ServerStats, Structured, TapInfo, TapSpec
+from ._transport import LIST_LAYERS, ServerStream, Transport, Unary
+from ._types import BaselineInfo, DriftThresholds, LayerDrift, LayerInfo, ModelMetadata, ServerStats, TapSpec
 from .v1 import inference_pb2, telemetry_pb2
 
 __all__ = ["Client"]
@@ -35,13 +36,6 @@ __all__ = ["Client"]
 GET_MODEL_METADATA = Unary.of("InferenceService", "GetModelMetadata", inference_pb2.GetModelMetadataRequest, inference_pb2.GetModelMetadataResponse)
 INFER = Unary.of("InferenceService", "Infer", inference_pb2.InferRequest, inference_pb2.InferResponse)
 GET_SERVER_STATS = Unary.of("TelemetryService", "GetServerStats", telemetry_pb2.GetServerStatsRequest, telemetry_pb2.GetServerStatsResponse)
-LIST_TAPS = Unary.of("TelemetryService", "ListTaps", telemetry_pb2.ListTapsRequest, telemetry_pb2.ListTapsResponse)
-CREATE_TAP = Unary.of("TelemetryService", "CreateTap", telemetry_pb2.CreateTapRequest, telemetry_pb2.CreateTapResponse)
-DELETE_TAP = Unary.of("TelemetryService", "DeleteTap", telemetry_pb2.DeleteTapRequest, telemetry_pb2.DeleteTapResponse)
-SUBSCRIBE = Streaming.of("TelemetryService", "Subscribe", telemetry_pb2.SubscribeRequest, telemetry_pb2.SubscribeResponse)
-#: Capture with its chunks read in place, not through protobuf (see _capture_wire).
-CAPTURE: Streaming[telemetry_pb2.CaptureRequest, CaptureMessage] = Streaming(
-    "TelemetryService", "Capture", telemetry_pb2.CaptureRequest, parse_response)
 
 MiB = 1 << 20
 #: Seconds a unary call or a capture may take unless ``timeout=`` says otherwise.
@@ -51,7 +45,7 @@ DEFAULT_TIMEOUT = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 256 * MiB + 1 * MiB
 
 
-class Client:
+class Client(CaptureMethods, TapMethods):
     """A blocking client for one layertap server.
 
     Use it as a context manager, or call :meth:`close`. After close, every
@@ -218,7 +212,7 @@ class Client:
             top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, taps=taps, capture=capture,
             capture_dtype=capture_dtype, as_torch=as_torch, timeout=timeout)
 
-    # ------------------------------------------------------------------ layers, capture
+    # ------------------------------------------------------------------ layers (capture: CaptureMethods; taps: TapMethods)
 
     def layers(self, *, timeout: float | None = None) -> list[LayerInfo]:
         """Lists every module with its type, parameter count and last-seen shapes."""
@@ -229,101 +223,6 @@ class Client:
         """Returns the server-wide counters (active hooks, passes, captures, ...)."""
         resp = self._transport.unary(GET_SERVER_STATS, telemetry_pb2.GetServerStatsRequest(), timeout=timeout)
         return _convert.stats_from_proto(resp)
-
-    # n=1 gives one pass, n>1 a list of passes. Literal[1] overlaps int (mypy's
-    # overload-overlap): a non-literal n that happens to be 1 gets one pass too.
-    @overload
-    def capture(  # type: ignore[overload-overlap]
-        self, layers: str, *, n: Literal[1] = ..., as_torch: Literal[False] = ...,
-        **options: Unpack[CaptureOptions],
-    ) -> Structured: ...
-    @overload
-    def capture(  # type: ignore[overload-overlap]
-        self, layers: list[str] | tuple[str, ...], *, n: Literal[1] = ..., as_torch: Literal[False] = ...,
-        **options: Unpack[CaptureOptions],
-    ) -> dict[str, Structured]: ...
-    @overload
-    def capture(
-        self, layers: str, *, n: int, as_torch: Literal[False] = ..., **options: Unpack[CaptureOptions]
-    ) -> list[Structured]: ...
-    @overload
-    def capture(
-        self, layers: list[str] | tuple[str, ...], *, n: int, as_torch: Literal[False] = ...,
-        **options: Unpack[CaptureOptions],
-    ) -> list[dict[str, Structured]]: ...
-    @overload
-    def capture(  # as_torch=True: torch is no dependency, so its tensors have no static type here
-        self, layers: str | Sequence[str], *, n: int = ..., as_torch: bool = ..., **options: Unpack[CaptureOptions]
-    ) -> Any: ...
-
-    def capture(
-        self, layers: str | Sequence[str], *, input: Any = None,  # noqa: A002 - the issue's public name
-        n: int = 1, point: str = "output", max_batch: int | None = None, dtype: str | None = None,
-        as_torch: bool = False, timeout: float | None = None, progress: ProgressCallback | None = None,
-    ) -> Any:
-        """Fetches the tensors at one or more layers.
-
-        Passive by default: waits for the next ``n`` live forward passes. With
-        ``input``, active: the server runs that input instead (its passes are
-        marked and never feed taps or baselines).
-
-        Args:
-            layers: One exact module name, a selector as for :meth:`watch`
-                (a glob such as ``"layer*"``, or ``"re:<regex>"``; a string
-                starting ``re:`` or holding ``*``, ``?`` or ``[`` is one),
-                or a list of names and selectors.
-            input: Model input for an active capture: an array, or a tuple or
-                list of arrays for a multi-argument model.
-            n: Passes to capture.
-            point: ``"output"`` or ``"input"`` of the module; a training
-                agent also takes ``"grad_output"``, ``"grad_input"`` and
-                ``"param_grad"`` (a dict parameter name -> gradient).
-            max_batch: Keep at most this many rows of the batch.
-            dtype: Downcast floating tensors to ``"float16"`` or ``"bfloat16"``.
-            as_torch: Return torch tensors (needs torch installed).
-            timeout: Deadline override in seconds (passive captures wait for traffic).
-            progress: Called as ``progress(received_bytes, total_bytes)`` while
-                data arrives; ``total_bytes`` counts the headers seen so far.
-
-        Returns:
-            A layer name and ``n=1``: its array. A selector or a list: a dict
-            layer name -> array, in the order the server matched them (a
-            selector's layers in model order). ``n > 1``: a list with one such
-            entry per pass. Where the layer's value is a tuple/list (or a
-            multi-argument input), a list ordered by position replaces the
-            array; a dict output gives a dict.
-            A module that runs more than once per pass (a shared ReLU, say)
-            gives a list with one such value per call, in call order.
-
-            numpy has no bfloat16: a bf16 tensor arrives as float32 (exact: its
-            bits widen into the high half), or as ``torch.bfloat16`` with
-            ``as_torch=True``.
-
-        Raises:
-            LayerNotFound: A name is not a module, or a selector matches none;
-                the error suggests close names.
-            InvalidArgument: A malformed selector.
-            CaptureTooLarge: Over the server's byte cap (no data was sent); the
-                error says how many layers the request matched.
-            ResourceExhausted: Too many concurrent captures, or n over the limit.
-            FailedPrecondition: The model refuses hooks (TorchScript), or a named
-                module (or every layer of a selector) did not run in the pass.
-            DeadlineExceeded: No (or not enough) traffic before the deadline.
-            ProtocolError: The stream ended before every byte arrived.
-        """
-        names = [layers] if isinstance(layers, str) else list(layers)
-        req = _capture.capture_request(names, input=input, passes=n, point=point, max_batch=max_batch, dtype=dtype)
-        # Checks for torch when as_torch is set: before the server does any work.
-        assembler = _capture.CaptureAssembler(as_torch=as_torch, progress=progress)
-        try:
-            with self._transport.translating(layer_hint=True):
-                _capture.receive(self._transport.stream(CAPTURE, req, timeout=timeout, layer_hint=True), assembler)
-        except DeadlineExceeded as exc:
-            if input is None:
-                exc.hint = _capture.no_traffic_hint(names, n)
-            raise
-        single = isinstance(layers, str) and not _capture.is_pattern(layers)
-        return _capture.shape_capture(assembler.finish(), names, single=single, n=n)
 
     def explain(
         self, x: Any, layer: str | None = None, target: int | Sequence[int] | None = None, *, method: str = "grad_cam",
@@ -366,121 +265,6 @@ class Client:
                                 output_name=output_name, n_steps=n_steps, baseline=baseline, noise_std=noise_std, seed=seed,
                                 internal_batch_size=internal_batch_size, timeout=timeout)
 
-    # ------------------------------------------------------------------ taps
-
-    def taps(self, *, timeout: float | None = None) -> list[TapInfo]:
-        """Lists durable and stream taps with their kind, counters and expiry."""
-        resp = self._transport.unary(LIST_TAPS, telemetry_pb2.ListTapsRequest(), timeout=timeout)
-        return [_convert.tap_info_from_proto(t) for t in resp.taps]
-
-    def create_tap(self, selector: str | TapSpec, **options: Unpack[DurableTapOptions]) -> TapInfo:
-        """Registers a durable tap.
-
-        Args:
-            selector: Exact module name, glob (``layer*``, ``**``) or ``re:`` regex;
-                or a whole :class:`TapSpec` (keyword arguments then override it).
-            reducers: Names, one per result kind of ``layertap._results.RESULTS``
-                ({kinds}), or one-key dicts with
-                parameters, e.g. ``{"histogram": {"bins": 32, "min": -4, "max": 4}}``.
-                Default: moments, minmax, nonfinite.
-            point: ``"output"`` (default), ``"input"``, ``"grad_output"``,
-                ``"grad_input"`` or ``"param_grad"``.
-            every: Summarize every N-th live pass.
-            probability: Summarize a pass with this probability; max_per_second: at most this many per second.
-            phases: Only passes of these generation phases (see :class:`TapSpec`).
-            keep_padding: Keep ``attention_mask`` padding in the statistics (default: left out).
-            name: A label for the tap.
-            ttl: Seconds to live (None: the server's default, 10 minutes).
-            forever: Keep the tap until deleted.
-            timeout: Deadline override in seconds.
-
-        Raises:
-            InvalidArgument: Unknown reducer or parameter (checked client-side), bad sampling.
-            LayerNotFound: The selector matches no module.
-        """
-        ttl, forever = options.pop("ttl", None), options.pop("forever", False)
-        timeout = options.pop("timeout", None)
-        req = _convert.create_tap_request(tap_spec(selector, options), ttl=ttl, forever=forever)
-        resp = self._transport.unary(CREATE_TAP, req, timeout=timeout, layer_hint=True)
-        return _convert.tap_info_from_proto(resp.tap)
-
-    def delete_tap(self, tap: str | TapInfo | TapHandle, *, timeout: float | None = None) -> None:
-        """Removes a durable tap and its hooks.
-
-        Raises:
-            NotFound: No tap has this id (it may have expired).
-        """
-        tap_id = tap if isinstance(tap, str) else tap.id
-        self._transport.unary(DELETE_TAP, telemetry_pb2.DeleteTapRequest(id=tap_id), timeout=timeout)
-
-    @contextmanager
-    def tap(self, selector: str | TapSpec, **options: Unpack[DurableTapOptions]) -> Iterator[TapHandle]:
-        """Creates a durable tap for the duration of a ``with`` block.
-
-        Takes the arguments of :meth:`create_tap`. On exit, however the block
-        ends, open subscriptions are cancelled and the tap is deleted (a tap
-        that already expired is fine).
-
-        Example:
-            >>> with client.tap("layer*", reducers=["moments"], ttl=60) as t:
-            ...     for s in t.summaries():
-            ...         print(s.layer, s.results["moments"].mean)
-        """
-        timeout = options.get("timeout")
-        info = self.create_tap(selector, **options)
-        handle = TapHandle(self, info)
-        try:
-            yield handle
-        finally:
-            handle.close()
-            if not self.closed:
-                try:
-                    self.delete_tap(info.id, timeout=timeout)
-                except NotFound:
-                    pass  # Expired already: the goal is reached.
-
-    def watch(self, selector: str | TapSpec, *, queue_size: int | None = None, timeout: float | None = None,
-              **options: Unpack[TapOptions]) -> SummaryStream:
-        """Streams summaries from an inline stream tap that lives as long as the stream.
-
-        Args:
-            selector: As for :meth:`create_tap`.
-            reducers: As for :meth:`create_tap` (default moments, minmax, nonfinite).
-            phases: Only passes of these phases (``TapSpec.phases``), e.g. ``["decode"]``.
-            keep_padding: Keep padded positions in the statistics (``TapSpec.keep_padding``).
-            every: Summarize every N-th live pass.
-            point: Where to read the tensor (default ``"output"``).
-            probability: Summarize a pass with this probability.
-            max_per_second: At most this many summaries per second.
-            queue_size: Server-side queue length; a slow reader loses the oldest
-                messages, counted in ``stream.dropped``.
-            timeout: Deadline in seconds (None: until closed).
-
-        Returns:
-            A :class:`SummaryStream`; close it (or use ``with``) to remove the tap.
-            A bad selector raises when iteration starts.
-        """
-        req = _convert.subscribe_request(stream_taps=[tap_spec(selector, options)], queue_size=queue_size)
-        return self._subscribe(req, timeout)
-
-    def subscribe(self, tap_ids: str | Sequence[str] = (), *, queue_size: int | None = None,
-                  timeout: float | None = None) -> SummaryStream:
-        """Follows durable taps (all of them when ``tap_ids`` is empty).
-
-        Args:
-            tap_ids: The id of a durable tap to follow, or a list of ids.
-            queue_size: Server-side queue length for this subscriber.
-            timeout: Deadline in seconds (None: until closed).
-        """
-        ids = ([tap_ids] if tap_ids else []) if isinstance(tap_ids, str) else tap_ids  # a str is one id; "" is all
-        req = _convert.subscribe_request(tap_ids=ids, queue_size=queue_size)
-        return self._subscribe(req, timeout)
-
-    def _subscribe(self, req: telemetry_pb2.SubscribeRequest, timeout: float | None) -> SummaryStream:
-        t = self._transport
-        return SummaryStream(t.stream(SUBSCRIBE, req, timeout=timeout, open_ended=True),
-                             lambda: t.translating(layer_hint=True))
-
     # ------------------------------------------------------------------ drift (older spellings)
 
     def set_baseline(
@@ -495,6 +279,3 @@ class Client:
         """Returns the current drift scores, optionally filtered by a layer selector: ``client.baselines.drift``."""
         return self.baselines.drift(selector, timeout=timeout)
 
-
-# The kinds, from the table: adding a reducer never edits this docstring.
-Client.create_tap.__doc__ = (Client.create_tap.__doc__ or "").replace("{kinds}", ", ".join(r.field for r in RESULTS))

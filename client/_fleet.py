@@ -7,98 +7,43 @@ A target that is down, refuses or times out becomes a :class:`FleetError` in
 the result instead of failing the others, so one dead rank never blinds a
 dashboard to the rest. :meth:`Fleet.watch` merges the members' summary
 streams into one :class:`FleetStream` the same way.
+
+This module keeps the membership (``dns:`` targets resolved again as replicas
+come and go) and the fan-out; the result types are in ``_fleet_result``, the
+merged stream in ``_fleet_stream``, the fleet baseline's steps in
+``_fleet_baseline``.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 from ._capture import CaptureOptions
 from ._channel import TlsOption
 from ._client import DEFAULT_TIMEOUT, Client
 from ._errors import ClientClosed, InvalidArgument, LayertapError, ServerUnavailable
 from ._fleet_baseline import set_fleet_baseline, spread_fleet_baseline
+from ._fleet_result import FleetError, FleetItem, FleetResult
+from ._fleet_stream import FleetStream
 from ._resolver import DNS_SCHEME, DnsTarget, Resolver, system_resolver
 from ._taps import SummaryStream, TapOptions, Unpack
-from ._types import BaselineInfo, DriftThresholds, LayerDrift, LayerInfo, ModelMetadata, ServerStats, Summary, TapSpec
+from ._types import BaselineInfo, DriftThresholds, LayerDrift, LayerInfo, ModelMetadata, ServerStats, TapSpec
+
+#: Fleet, and the types its calls return (defined beside it, re-exported for ``layertap``).
+__all__ = ["Fleet", "FleetError", "FleetItem", "FleetResult", "FleetStream"]
 
 T = TypeVar("T")
 
-#: Batches of summaries the merged stream buffers before its readers push back
-#: on the members (each member's server then drops its oldest, counted).
-STREAM_BUFFER = 256
 #: Seconds after which a call resolves ``dns:`` targets again.
 DEFAULT_RESOLVE_EVERY = 30.0
 #: Members called at once.
 MAX_PARALLEL = 32
-
-
-@dataclass(frozen=True)
-class FleetItem(Generic[T]):
-    """One result of a fleet call, with where it came from.
-
-    Attributes:
-        target: The ``host:port`` that answered.
-        rank: That agent's ``torch.distributed`` rank; None for a serving replica.
-        value: The result itself (a :class:`LayerInfo`, a :class:`Summary`...).
-    """
-
-    target: str
-    rank: int | None
-    value: T
-
-
-@dataclass(frozen=True)
-class FleetError:
-    """A target whose call failed; the others' results stand.
-
-    Attributes:
-        target: The ``host:port`` that failed, or a ``dns:`` target that resolves to no member.
-        rank: Its rank when it was known from an earlier answer, else None.
-        error: The client's typed error (``ServerUnavailable`` for a target that is down).
-    """
-
-    target: str
-    rank: int | None
-    error: LayertapError
-
-
-@dataclass(frozen=True)
-class FleetResult(Generic[T]):
-    """The merged answer of every target: iterate it for :class:`FleetItem` objects.
-
-    Items come in target order (the order given to :class:`Fleet`), each
-    target's items in its own order.
-    """
-
-    items: list[FleetItem[T]] = field(default_factory=list)
-    errors: list[FleetError] = field(default_factory=list)
-
-    def __iter__(self) -> Iterator[FleetItem[T]]:
-        return iter(self.items)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    @property
-    def ok(self) -> bool:
-        """True when every target answered."""
-        return not self.errors
-
-    def by_target(self) -> dict[str, list[T]]:
-        """Target -> its values (targets that failed are absent)."""
-        out: dict[str, list[T]] = {}
-        for item in self.items:
-            out.setdefault(item.target, []).append(item.value)
-        return out
 
 
 class Fleet:
@@ -403,96 +348,3 @@ class Fleet:
         self._streams.add(stream)
         return stream
 
-
-class _End:
-    """A member stream ended (cleanly or with an error)."""
-
-
-class FleetStream(Iterator[FleetItem[Summary]]):
-    """Every member's summaries, merged in arrival order; iterate for :class:`FleetItem` objects.
-
-    Iteration ends when every member's stream has ended. Close it (or use
-    ``with``) to cancel every member's subscription: their stream taps go.
-
-    Attributes:
-        errors: Members whose stream failed (down at the start, or later).
-    """
-
-    def __init__(self, members: Sequence[tuple[Client, Callable[[], SummaryStream]]],
-                 errors: Sequence[FleetError] = ()) -> None:
-        self.errors: list[FleetError] = list(errors)
-        self._queue: queue.Queue[list[FleetItem[Summary]] | _End] = queue.Queue(STREAM_BUFFER)
-        self._buffer: list[FleetItem[Summary]] = []
-        self._open = len(members)
-        self._closed = threading.Event()
-        self._lock = threading.Lock()
-        self._streams: list[SummaryStream] = []
-        self._threads = [threading.Thread(target=self._pump, args=m, daemon=True, name=f"layertap-fleet-{m[0].target}")
-                         for m in members]
-        for t in self._threads:
-            t.start()
-
-    @property
-    def dropped(self) -> int:
-        """Messages the members' servers dropped for this stream so far, all together."""
-        with self._lock:
-            return sum(s.dropped for s in self._streams)
-
-    def _put(self, item: list[FleetItem[Summary]] | _End) -> bool:
-        while not self._closed.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _pump(self, client: Client, start: Callable[[], SummaryStream]) -> None:
-        rank: int | None = None
-        try:
-            stream = start()
-            with self._lock:
-                self._streams.append(stream)
-                if self._closed.is_set():
-                    stream.close()
-            for batch in stream.batches():
-                if batch:
-                    rank = batch[0].rank
-                    if not self._put([FleetItem(client.target, s.rank, s) for s in batch]):
-                        break
-        except LayertapError as exc:
-            if not self._closed.is_set():
-                self.errors.append(FleetError(client.target, rank, exc))
-        finally:
-            self._put(_End())
-
-    def __iter__(self) -> FleetStream:
-        return self
-
-    def __next__(self) -> FleetItem[Summary]:
-        while not self._buffer:
-            if self._open == 0 or self._closed.is_set():
-                raise StopIteration
-            try:
-                got = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                continue  # look at _closed again: close() may come from another thread
-            if isinstance(got, _End):
-                self._open -= 1
-            else:
-                self._buffer = got[::-1]
-        return self._buffer.pop()
-
-    def close(self) -> None:
-        """Cancels every member's subscription; idempotent."""
-        with self._lock:
-            self._closed.set()
-            streams = list(self._streams)
-        for s in streams:
-            s.close()
-
-    def __enter__(self) -> FleetStream:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()

@@ -64,7 +64,7 @@ def _count_dtype(n: int | torch.SymInt) -> torch.dtype:
     statistics' cost in the graph).
 
     A symbolic size gets int32 only while exporting: the server's guards on a package
-    (``compile.process.Package.flat``) refuse an input whose tapped tensor would reach
+    (``compile.package.Package.flat``) refuse an input whose tapped tensor would reach
     ``COUNT32_LIMIT`` elements. A compile in this process (dynamo) has no such guard: int64.
     """
     if isinstance(n, int):

@@ -37,27 +37,26 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from layertap.server.drift.baseline import Baseline
-from layertap.server.drift.builder import BaselineBuilder, BuilderState
-from layertap.server.drift.exchange import builder_state_from_proto, frozen_from_bytes, merge_states
-from layertap.server.drift.files import baseline_filename
+from layertap.server.drift.builder import BaselineBuilder
+from layertap.server.drift.fleet import FleetBaselines
 from layertap.server.drift.layer import SAVE_RETRY_FIRST_SECONDS, LayerEntry, layer_reducers, pass_components, phases_reducers
 from layertap.server.drift.names import baseline_tap_id, check_derive, check_not_baseline_name
 from layertap.server.drift.null import MAX_PASSES
 from layertap.server.drift.phases import FORWARD, PHASE_NAMES
 from layertap.server.drift.rates import DEFAULT_FALSE_ALARM_RATE, check_rate
 from layertap.server.drift.reload import BaselineReload
+from layertap.server.drift.saves import BaselineSaves
 from layertap.server.drift.scores import DriftScore
 from layertap.server.drift.table import LayerTable
 from layertap.server.drift.tap_control import TapControl
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.drift.window import SlidingWindow
-from layertap.server.errors import AlreadyExists, InvalidField, NotFound, Unsupported
+from layertap.server.errors import AlreadyExists, InvalidField, NotFound
 from layertap.server.host.hooks import POINT_NAMES
 from layertap.server.host.model_host import PassContext
 from layertap.server.limits import check_name
@@ -84,8 +83,11 @@ class ScoreListener(Protocol):
                  *, phase: str) -> None: ...
 
 
-class DriftMonitor(Sink, BaselineReload):
-    """Owns baseline taps, their builders and windows; a sink of the tap engine."""
+class DriftMonitor(Sink, BaselineReload, FleetBaselines, BaselineSaves):
+    """Owns baseline taps, their builders and windows; a sink of the tap engine.
+
+    Its mixins: start-up reloads (:mod:`.reload`), fleet-wide baselines (:mod:`.fleet`), files (:mod:`.saves`).
+    """
 
     def __init__(self, control: TapControl, *, on_score: ScoreListener | None = None,
                  baseline_dir: str | None = None, default_window: int = 50,
@@ -213,76 +215,6 @@ class DriftMonitor(Sink, BaselineReload):
             entries = [e for e in entries if e.layer in keep]
         return [e.drift_message() for e in entries]
 
-    # -- fleet-wide baselines (see ``exchange``) -----------------------------
-    def _entries(self, tap: str) -> dict[str, dict[str, LayerEntry]]:
-        """Layer -> phase -> entry of baseline ``tap``."""
-        with self._lock:
-            entries = {layer: dict(phases) for (t, layer), phases in self._layers.items() if t == tap}
-        if not entries:
-            raise NotFound(f"tap: no baseline tap {tap!r}; SetBaseline returns its id", field="tap")
-        return entries
-
-    def export(self, tap: str) -> list[pb.LayerBaseline]:
-        """Each layer and phase of baseline ``tap``: its builder's state, or its frozen document."""
-        with self._build_lock:
-            msgs = [e.export_message() for phases in self._entries(tap).values() for e in phases.values()]
-        return [m for m in msgs if m is not None]
-
-    def install(self, req: pb.InstallBaselineRequest) -> list[Baseline]:
-        """Freeze the merged ``req.builders`` (or take ``req.frozen``) as the reference of ``req.tap``'s layers.
-
-        Every baseline is checked before any is installed, so a refusal changes nothing.
-
-        Raises:
-            InvalidField: A malformed state or document, or a layer or point the tap does not have.
-            NotFound: No such baseline tap.
-            Unsupported: Merged builders that hold no data yet.
-        """
-        if bool(req.builders) == bool(req.frozen):
-            raise InvalidField("builders", "give exported builders or frozen documents (exactly one of the two)")
-        entries = self._entries(req.tap)
-        # Per (layer, phase): a phase the layer has not seen yet gets its entry when installed.
-        baselines: dict[tuple[str, str], Baseline] = {}
-        if req.builders:
-            groups: dict[tuple[str, str], list[BuilderState]] = {}
-            for i, msg in enumerate(req.builders):
-                state = builder_state_from_proto(msg, f"builders[{i}]")
-                self._check_layer(entries, state.layer, state.point, f"builders[{i}]")
-                groups.setdefault((state.layer, state.phase), []).append(state)
-            for (layer, phase), states in groups.items():
-                e = next(iter(entries[layer].values()))
-                try:
-                    baselines[layer, phase] = merge_states(req.tap, states).freeze(
-                        window=e.window_len, thresholds=e.thresholds, fixed=e.fixed)
-                except ValueError as exc:
-                    raise Unsupported(f"builders: {exc}; collect more passes first", field="builders") from None
-        else:
-            known = {name: self._channels(name) for name in self.control.host.layer_names}
-            for i, data in enumerate(req.frozen):
-                b = frozen_from_bytes(data, f"frozen[{i}]", known)
-                self._check_layer(entries, b.layer, b.point, f"frozen[{i}]")
-                if (b.layer, b.phase) in baselines:
-                    raise InvalidField(f"frozen[{i}]", f"a second document for layer {b.layer!r} in phase {b.phase!r}")
-                e = next(iter(entries[b.layer].values()))
-                # The alarm decides on this tap's window: the null's per-pass μ, σ hold at any window.
-                null = b.null.rewindowed(e.window_len) if b.null is not None else None
-                baselines[b.layer, b.phase] = replace(b, tap=req.tap, window=e.window_len, thresholds=e.thresholds,
-                                                      fixed=e.fixed, null=null)
-        with self._build_lock:
-            for (layer, phase), b in baselines.items():
-                entry = entries[layer].get(phase) or self._add_phase(req.tap, layer, phase, replan=False)
-                if entry is None or not self._freeze(entry, b):
-                    raise NotFound(f"tap: baseline tap {req.tap!r} was deleted or replaced meanwhile", field="tap")
-        return list(baselines.values())
-
-    @staticmethod
-    def _check_layer(entries: dict[str, dict[str, LayerEntry]], layer: str, point: str, field: str) -> None:
-        if layer not in entries:
-            raise InvalidField(f"{field}.layer", f"{layer!r} is not a layer of this baseline tap ({', '.join(entries)})")
-        at = next(iter(entries[layer].values())).point
-        if at != point:
-            raise InvalidField(f"{field}.point", f"{point!r}, but the tap reads {layer!r} at {at!r}")
-
     def skipped_passes(self) -> int:
         """Passes refused while collecting baselines, over every builder this monitor ran.
 
@@ -392,33 +324,6 @@ class DriftMonitor(Sink, BaselineReload):
         log.info("baseline %s/%s (%s) frozen after %d passes", entry.tap, entry.layer, entry.phase, baseline.passes)
         return True
 
-    def _save(self, entry: LayerEntry) -> bool:
-        """Write the entry's baseline file (caller holds ``_lock``); on failure it is UNSAVED (see ``LayerEntry.save``)."""
-        if entry.save(self.baseline_dir, self._clock()):
-            return True
-        if self._on_save_error is not None:
-            self._on_save_error(entry.save_error)
-        return False
-
-    def retry_saves(self) -> int:
-        """Retry writing every UNSAVED baseline whose backoff has passed; returns how many are still unsaved.
-
-        Called once a second by the server's housekeeping thread, so a baseline
-        is saved once the disk has room again whether or not traffic flows.
-        """
-        now = self._clock()
-        with self._lock:
-            entries = self._all()
-            for e in entries:
-                if e.save_error and e.baseline is not None and e.retry_at <= now:
-                    self._save(e)
-            return sum(1 for e in entries if e.save_error)
-
-    def unsaved(self) -> int:
-        """Frozen baselines whose file is not written yet (``layertap_baselines_unsaved``)."""
-        with self._lock:
-            return sum(1 for e in self._all() if e.save_error)
-
     def _install(self, entry: LayerEntry, baseline: Baseline) -> bool:
         """Switch the layer to the frozen edges; False when its tap went meanwhile."""
         entry.baseline = baseline
@@ -480,15 +385,7 @@ class DriftMonitor(Sink, BaselineReload):
             self._own.discard(tap.id)
             gone = [e for k in [k for k in self._layers if k[0] == tap.id] for e in self._layers.pop(k).values()]
         self._rebalance()
-        # A deleted (or replaced) baseline must not come back at the next start.
-        if self.baseline_dir:
-            for entry in gone:
-                if entry.baseline is not None:
-                    path = Path(self.baseline_dir) / baseline_filename(entry.baseline)
-                    try:
-                        path.unlink(missing_ok=True)
-                    except OSError as exc:
-                        log.error("cannot remove baseline file %s: %s", path, exc)
+        self._remove_files(gone)  # a deleted (or replaced) baseline must not come back at the next start
 
     def _channels(self, layer: str) -> int | None:
         shapes = self.control.host.layer_shapes.get(layer)

@@ -3,6 +3,8 @@
 Passes are serialised by a lock, so every hook firing belongs to exactly one
 pass (and one request). Observers (taps, passive captures) are told when a
 pass finishes, still under the lock, so per-pass state never interleaves.
+What a hook knows of its pass (:class:`~.context.PassContext`) is
+:mod:`.context`'s; a request's inputs are checked by :mod:`.validate`.
 
 A training host (``training=True``, see :mod:`layertap.server.train`) hosts a
 model the user's training loop runs: that thread opens and closes its passes
@@ -20,22 +22,27 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from layertap.server.codec import dtype_name
 from layertap.server.errors import InvalidField, LimitExceeded, Unsupported
 from layertap.server.host import probe
+from layertap.server.host.context import PHASE_DECODE, PHASE_NONE, PHASE_PREFILL, PassContext, PassObserver, RequestRows
 from layertap.server.host.graph_slot import GraphServing
 from layertap.server.host.hooks import CallArgs, HookRegistry, ParamGrad
-from layertap.server.host.inputs import ModelInputs, as_positional, bind_inputs
+from layertap.server.host.inputs import ModelInputs, as_positional
 from layertap.server.host.model_thread import ModelThread, PassLock
 from layertap.server.host.padding import declares_mask, host_mask
 from layertap.server.host.sources import InputSpec, LoadedModel
 from layertap.server.host.step_aside import Passes
+from layertap.server.host.validate import check_inputs
+
+# The pass's types are importable from here, where most stages have always found them.
+__all__ = ["MODEL_ERROR_CHARS", "PHASE_DECODE", "PHASE_NONE", "PHASE_PREFILL", "PROBE_SECONDS", "LayerShapes", "ModelHost",
+           "PassContext", "PassObserver", "RequestRows", "flatten_tensors", "model_message", "model_raised"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -66,91 +73,12 @@ def model_raised(exc: BaseException) -> InvalidField:
     return InvalidField("inputs", f"model raised {type(exc).__name__}: {first}".rstrip(": "))
 
 
-#: ``PassContext.phase`` values: ``layertap.v1.Phase`` numbers (the host stage reads no proto).
-PHASE_NONE, PHASE_PREFILL, PHASE_DECODE = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class RequestRows:
-    """One Generate request's place in a batched pass: which rows are its own.
-
-    Per-request views (a request's inline taps and captures) slice these rows
-    out on the device, and for a prefill also the left padding its rows share.
-    """
-
-    request_id: str
-    #: Its rows of the batch, contiguous.
-    rows: slice
-    #: Per row: the position of the token this pass produces in that sequence.
-    positions: tuple[int, ...]
-    #: Token positions at the left that are padding in every one of its rows
-    #: (prefill only; 0 for decode).
-    pad: int = 0
-
-    @property
-    def position(self) -> int | None:
-        """The one position all its rows produce, or None when they differ."""
-        return self.positions[0] if len(set(self.positions)) == 1 else None
-
-
-@dataclass
-class PassContext:
-    """What a hook knows about the pass it fires in."""
-
-    index: int
-    #: Set for active captures: the pass ran a client's own input. Taps,
-    #: baselines and passive captures ignore such passes.
-    active_owner: object | None = None
-    step: int | None = None
-    wall_time: float = field(default_factory=time.time)
-    #: Set when the forward (or backward) raised: observers drop the pass.
-    failed: bool = False
-    #: The inputs of a server-side pass (Infer, an active capture, a replay);
-    #: None for a training loop's pass.
-    inputs: ModelInputs | None = field(default=None, repr=False)
-    #: The host's observers when the pass began: only they are told it finished.
-    observers: tuple[PassObserver, ...] = field(default=(), repr=False)
-    #: Its place in a generation (``PHASE_*``); PHASE_NONE for a plain forward.
-    phase: int = PHASE_NONE
-    #: The Generate requests whose rows this pass holds, in row order.
-    requests: tuple[RequestRows, ...] = ()
-    #: Length of the pass's token axis (the padded prompt length for a
-    #: prefill, 1 for a decode step); 0 for a plain forward.
-    tokens: int = 0
-    #: The pass's ``(batch, tokens)`` attention mask on the host, when the
-    #: model declares one and the pass has it: taps leave its padding out
-    #: (:mod:`.padding`). None otherwise.
-    attention_mask: torch.Tensor | None = field(default=None, repr=False)
-
-    @property
-    def position(self) -> int | None:
-        """The one position every row produces, or None (several, or no generation)."""
-        positions = {p for r in self.requests for p in r.positions}
-        return positions.pop() if len(positions) == 1 else None
-
-    @property
-    def active(self) -> bool:
-        return self.active_owner is not None
-
-
-class PassObserver(Protocol):
-    """Told about every finished pass, under the model lock."""
-
-    def pass_finished(self, ctx: PassContext) -> None: ...
-
-
 @dataclass
 class LayerShapes:
     inputs: list[tuple[int, ...]]
     outputs: list[tuple[int, ...]]
     #: Calls in the probed pass (a module called twice per pass, e.g. a shared ReLU, is 2).
     calls: int = 1
-
-
-def _castable(got: torch.dtype, want: torch.dtype) -> bool:
-    """float32 inputs are accepted by float16/bfloat16 models: numpy has no
-    bfloat16, so a numpy-only client could not call them otherwise."""
-    return got == torch.float32 and want in (torch.float16, torch.bfloat16)
 
 
 def flatten_tensors(value: Any) -> list[tuple[str, torch.Tensor]]:
@@ -311,34 +239,7 @@ class ModelHost:
             raise Unsupported(f"{field_name}: this is a training agent (layertap.attach); it observes the training "
                               "loop's own steps only, and Infer or an active capture would change the training "
                               "model's state", reason="TRAINING_AGENT", field=field_name)
-        pairs = list(inputs.named()) if isinstance(inputs, ModelInputs) else [
-            p if isinstance(p, tuple) else ("", p) for p in inputs]
-        bound, specs = bind_inputs(pairs, self.inputs, field_name)
-        for i, ((name, t), spec) in enumerate(zip(pairs, specs)):
-            where = f"{field_name}[{i}]" if not name else f"{field_name}[{i}] ({name})"
-            if t.dtype != spec.dtype and not _castable(t.dtype, spec.dtype):
-                also = " (or float32, cast on the server)" if _castable(torch.float32, spec.dtype) else ""
-                raise InvalidField(f"{field_name}[{i}].dtype",
-                                   f"{where}: expected {dtype_name(spec.dtype)}{also}, got {dtype_name(t.dtype)}")
-            if t.dim() != len(spec.shape) or any(
-                want != -1 and got != want for got, want in zip(t.shape, spec.shape)
-            ):
-                raise InvalidField(f"{field_name}[{i}].shape",
-                                   f"{where}: expected {list(spec.shape)} (-1 = any), got {list(t.shape)}")
-        shapes = {spec.name: t.shape for (_name, t), spec in zip(pairs, specs)}
-        for i, ((name, t), spec) in enumerate(zip(pairs, specs)):
-            where = f"{field_name}[{i}]" if not name else f"{field_name}[{i}] ({name})"
-            if spec.shape_of is not None and spec.shape_of in shapes and t.shape != shapes[spec.shape_of]:
-                raise InvalidField(f"{field_name}[{i}].shape", f"{where}: {spec.name} must have {spec.shape_of}'s "
-                                                               f"shape {list(shapes[spec.shape_of])}, got {list(t.shape)}")
-            if spec.vocab is not None and t.numel():
-                # The request's own CPU copy, before the forward: not a pass's hot path.
-                lo, hi = int(t.min()), int(t.max())
-                if lo < 0 or hi >= spec.vocab:
-                    bad = lo if lo < 0 else hi
-                    raise InvalidField(f"{field_name}[{i}]", f"{where}: token id {bad} is outside the model's "
-                                                             f"vocabulary [0, {spec.vocab})")
-        return bound
+        return check_inputs(inputs, self.inputs, field_name)
 
     def _spec_of(self, inputs: ModelInputs) -> list[InputSpec]:
         """The declared spec of each tensor, in :meth:`ModelInputs.tensors` order."""

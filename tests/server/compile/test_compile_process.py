@@ -305,7 +305,7 @@ def test_the_exported_program_reduces_a_shared_output_once_and_bounds_the_counts
     # (here 2**31 / 786432 = 2730.7 rows: no whole-number range export could have recorded).
     from torch.export import Dim
 
-    from layertap.server.compile.process import _Tapped
+    from layertap.server.compile.child import _Tapped
 
     width = 3 * 2**18
     torch.manual_seed(0)
