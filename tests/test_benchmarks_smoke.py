@@ -52,3 +52,13 @@ def test_drift_power_benchmark_prints_every_row(tmp_path: Path) -> None:
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert [r["shift"] for r in result["shifts"]] == ["+0.05σ", "+0.1σ", "+0.2σ", "×1.05", "×1.1"]
     assert (tmp_path / "calm_layer4.npy").exists() and (tmp_path / "shift_×1.1_layer1.npy").exists()
+
+
+def test_firing_cost_benchmark_prints_its_figure() -> None:
+    """benchmarks/firing_cost.py on a 4-block MLP of width 64: a tap on every block's Linear, 2 rounds."""
+    tiny = ["--width", "64", "--blocks", "4", "--rounds", "2", "--requests", "5", "--no-compile"]
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "firing_cost.py"), *tiny],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.count("per firing") == 3, out.stdout  # two rounds and the summary
+    assert "over 2 rounds" in out.stdout and "width 64, 4 blocks, batch 1" in out.stdout, out.stdout
