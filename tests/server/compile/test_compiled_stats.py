@@ -357,8 +357,8 @@ def test_run_only_mode_counts_misses_and_goes_stale(monkeypatch: pytest.MonkeyPa
 # --------------------------------------------------- failures and switches
 
 
-@pytest.mark.parametrize("aoti", [True, False])
-def test_a_compile_failure_is_counted_and_stays_eager(monkeypatch: pytest.MonkeyPatch, aoti: bool) -> None:
+@pytest.mark.parametrize("use_aoti", [True, False])
+def test_a_compile_failure_is_counted_and_stays_eager(monkeypatch: pytest.MonkeyPatch, use_aoti: bool) -> None:
     def unbuildable(sig: Signature, example: object) -> object:
         raise RuntimeError("the package does not build")
 
@@ -372,7 +372,7 @@ def test_a_compile_failure_is_counted_and_stays_eager(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(worker, "kernel_function", broken)
     monkeypatch.setattr(aoti, "load_or_compile", unbuildable)
-    cs = CompiledStats(aoti=aoti)
+    cs = CompiledStats(aoti=use_aoti)
     try:
         x = torch.randn(300)
         with torch.inference_mode():
