@@ -20,7 +20,6 @@ sys.path.insert(0, str(TESTS_DIR))
 #: drift calibration, DDP, Prometheus). Every test carries exactly one, set by its module's ``pytestmark``:
 #: a module with any slow test is slow as a whole, so ``-m unit`` never runs one.
 TIERS = ("unit", "e2e", "slow")
-_TIER_ORDER = {"slow": 0, "e2e": 1, "unit": 2}
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -34,10 +33,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if wrong:
         raise pytest.UsageError("every test needs exactly one tier marker (unit, e2e or slow):\n  "
                                 + "\n  ".join(wrong[:20]))
-    # The slow files first, then e2e, then unit (stable: each file's tests keep their order). The xdist
-    # workers take whole files in this order, so the long compiles start at once and the many short
-    # files fill the end of the run on both workers instead of one worker finishing a compile alone.
-    items.sort(key=lambda item: _TIER_ORDER[next(m.name for m in item.iter_markers() if m.name in TIERS)])
 
 
 @pytest.fixture
