@@ -256,18 +256,23 @@ def test_a_baseline_too_short_to_calibrate_says_why_and_never_alarms(rig):
     assert d.mean_shift > 1.0 and not d.drifted and not d.alarm
 
 
-def test_past_max_channels_the_first_features_are_tested_and_a_shift_of_one_is_seen():
-    """A (batch, 5000) layer: the per-channel reducer reports 4096 features; the null and the live passes
-    agree on those (plus the pooled pair), so passes are scored, not left out, and a shift shows."""
-    from layertap.server.reducers.spec import MAX_CHANNELS
-
+def _wide_rig() -> tuple[nn.Sequential, ModelHost, TapEngine, DriftMonitor]:
+    """A (batch, 5000) Linear output, wider than the per-channel cap, under a drift monitor."""
     torch.manual_seed(0)
     wide = nn.Sequential()
     wide.add_module("wide", nn.Linear(4, 5000))
     host = ModelHost(LoadedModel(wide, "wide", "factory", [InputSpec("input", torch.float32, (-1, 4))]))
     host.warm_up()
     engine = TapEngine(host, Broker(), max_taps=3)
-    monitor = engine.sinks.add(DriftMonitor(engine, default_window=5))
+    return wide, host, engine, engine.sinks.add(DriftMonitor(engine, default_window=5))
+
+
+def test_past_max_channels_the_first_features_are_tested_and_a_shift_of_one_is_seen():
+    """A (batch, 5000) layer: the per-channel reducer reports 4096 features; the null and the live passes
+    agree on those (plus the pooled pair), so passes are scored, not left out, and a shift shows."""
+    from layertap.server.reducers.spec import MAX_CHANNELS
+
+    wide, host, engine, monitor = _wide_rig()
     try:
         monitor.set_baseline(pb.SetBaselineRequest(selector="wide", passes=30, window=5))
         g = torch.Generator().manual_seed(1)
@@ -300,13 +305,7 @@ def test_a_five_sigma_shift_of_one_feature_is_seen_wherever_it_is(feature: int) 
     """Issue 26 review: docs/drift.md says "the rest count through the pooled mean and std ... No feature is
     dropped silently". On a (16, 5000) Linear output a +5σ bias shift of feature 100 raises the alarm in the
     first window; the same shift of feature 4500 moves the pooled mean by ~6e-4 (z < 1) and never does."""
-    torch.manual_seed(0)
-    wide = nn.Sequential()
-    wide.add_module("wide", nn.Linear(4, 5000))
-    host = ModelHost(LoadedModel(wide, "wide", "factory", [InputSpec("input", torch.float32, (-1, 4))]))
-    host.warm_up()
-    engine = TapEngine(host, Broker(), max_taps=3)
-    monitor = engine.sinks.add(DriftMonitor(engine, default_window=5))
+    wide, host, engine, monitor = _wide_rig()
     try:
         monitor.set_baseline(pb.SetBaselineRequest(selector="wide", passes=50, window=5))
         g = torch.Generator().manual_seed(1)
