@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-
 from .args import CommandFactory, connect, positive_float, positive_int
-from .json_lines import add_json_flag, write_json_lines
+from .json_lines import add_json_flag, show_rows
 from .table import drift_table
 
 __all__ = ["add_baseline_command", "add_drift_command"]
@@ -45,12 +43,7 @@ def _cmd_drift(args: argparse.Namespace) -> int:
         if args.false_alarm_rate is not None:
             client.baselines.set_false_alarm_rate(args.false_alarm_rate)
         rows = client.drift(args.selector)
-    if args.json:
-        write_json_lines(rows)
-        return 0
-    console = Console()
-    console.print(drift_table(rows, console.width, f"drift at {args.host}"))
-    return 0
+    return show_rows(args, rows, lambda width: drift_table(rows, width, f"drift at {args.host}"))
 
 
 def add_baseline_command(command: CommandFactory) -> None:

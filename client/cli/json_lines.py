@@ -15,12 +15,13 @@ import datetime as dt
 import json
 import math
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from rich.console import Console, RenderableType
 
-__all__ = ["add_json_flag", "jsonable", "write_json_lines"]
+__all__ = ["add_json_flag", "jsonable", "show_rows", "write_json_lines"]
 
 
 def _float(value: float) -> float | str:
@@ -62,3 +63,13 @@ def add_json_flag(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one JSON object per line, with the client's field names (NaN/Inf as \"NaN\", \"+Inf\", \"-Inf\")",
     )
+
+
+def show_rows(args: argparse.Namespace, rows: Sequence[Any], table: Callable[[int], RenderableType]) -> int:
+    """A listing command's output: one JSON line per row with ``--json``, else ``table(width)`` on the console."""
+    if args.json:
+        write_json_lines(rows)
+        return 0
+    console = Console()
+    console.print(table(console.width))
+    return 0

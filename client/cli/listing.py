@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-
 from .args import CommandFactory, connect
-from .json_lines import add_json_flag, write_json_lines
+from .json_lines import add_json_flag, show_rows
 from .table import layers_table, stats_table, taps_table
 
 __all__ = ["add_layers_command", "add_stats_command", "add_taps_command"]
@@ -16,33 +14,19 @@ __all__ = ["add_layers_command", "add_stats_command", "add_taps_command"]
 def _cmd_layers(args: argparse.Namespace) -> int:
     with connect(args) as client:
         layers = client.layers()
-    if args.json:
-        write_json_lines(layers)
-        return 0
-    console = Console()
-    console.print(layers_table(layers, console.width, f"{len(layers)} layers at {args.host}"))
-    return 0
+    return show_rows(args, layers, lambda width: layers_table(layers, width, f"{len(layers)} layers at {args.host}"))
 
 
 def _cmd_taps(args: argparse.Namespace) -> int:
     with connect(args) as client:
         taps = client.taps()
-    if args.json:
-        write_json_lines(taps)
-        return 0
-    console = Console()
-    console.print(taps_table(taps, console.width, f"{len(taps)} taps at {args.host}"))
-    return 0
+    return show_rows(args, taps, lambda width: taps_table(taps, width, f"{len(taps)} taps at {args.host}"))
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     with connect(args) as client:
         stats = client.stats()
-    if args.json:
-        write_json_lines([stats])
-        return 0
-    Console().print(stats_table(stats, f"server stats at {args.host}"))
-    return 0
+    return show_rows(args, [stats], lambda _width: stats_table(stats, f"server stats at {args.host}"))
 
 
 def add_layers_command(command: CommandFactory) -> None:
