@@ -77,14 +77,18 @@ class PaddingCut:
         key: Tells this selection from the whole tensor in a reuse key (``taps.reuse``).
     """
 
-    __slots__ = ("lead", "valid", "key", "_host", "_index")
+    __slots__ = ("lead", "valid", "key", "_host", "_index", "_valid", "_mask")
 
-    def __init__(self, lead: tuple[int, int], index: np.ndarray, key: tuple[object, ...]) -> None:
+    def __init__(self, lead: tuple[int, int], index: np.ndarray, key: tuple[object, ...],
+                 valid: np.ndarray | None = None) -> None:
         self.lead = lead
         self.valid = int(index.size)
         self.key = key
         self._host = torch.from_numpy(index)
         self._index: dict[torch.device, torch.Tensor] = {}
+        #: The ``(batch, tokens)`` mask itself, for ``layertap::tap_stats``'s mask input.
+        self._valid = valid
+        self._mask: dict[torch.device, torch.Tensor] = {}
 
     @property
     def excluded(self) -> int:
@@ -106,6 +110,18 @@ class PaddingCut:
             host = self._host.pin_memory() if device.type == "cuda" else self._host
             index = self._index[device] = host.to(device, non_blocking=True)
         return index
+
+    def mask(self, device: torch.device) -> torch.Tensor:
+        """The ``(batch, tokens)`` bool mask of the valid positions on ``device``, copied once per pass
+        without waiting: the op leaves the rest out where it reads the tensor, with no gather."""
+        mask = self._mask.get(device)
+        if mask is None:
+            host = torch.from_numpy(np.ascontiguousarray(self._valid)) if self._valid is not None else \
+                torch.zeros(self.lead[0] * self.lead[1], dtype=torch.bool).index_fill_(0, self._host, True)
+            host = host.reshape(self.lead)
+            host = host.pin_memory() if device.type == "cuda" else host
+            mask = self._mask[device] = host.to(device, non_blocking=True)
+        return mask
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         """``t``'s valid positions as one ``(valid, ...)`` tensor (``t`` must :meth:`fit <fits>`)."""
@@ -133,6 +149,6 @@ class PassPadding:
         cut = None
         if not valid.all():
             lead = (int(valid.shape[0]), int(valid.shape[1]))
-            cut = PaddingCut(lead, np.flatnonzero(valid).astype(np.int64), ("padding", *lead, key))
+            cut = PaddingCut(lead, np.flatnonzero(valid).astype(np.int64), ("padding", *lead, key), valid)
         self._cuts[key] = cut
         return cut

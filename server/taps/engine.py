@@ -7,20 +7,16 @@ publisher (``stream.publisher``), which turns them into ``Summary`` messages
 for the broker and the sinks (metrics, drift, recorder). The engine never
 sees a summary.
 
-Which passes feed a tap is settled once per pass, at its first firing: not
-an active pass, a phase it names (``TapSpec.phases``), and for a Generate
-request's inline tap a pass that holds that request, whose rows alone it then
-reduces (``host.rows``). What it reduces of each tensor is settled there too:
-unless the tap keeps padding (``TapSpec.keep_padding``), a pass with an
-attention mask has its padded positions left out of the tensors whose leading
-dims are ``(batch, tokens)`` (``host.padding``), after the request's cut.
+A tap whose every plan is basic fires as one ``layertap::tap_stats`` call
+into a row of the pass's buffer (``taps.firing``); the rest take the plan
+path, :meth:`TapEngine._on_hook`. Which passes feed a tap, and what it
+reduces of each tensor, is settled once per pass (``taps.pass_decision``).
 A tap that derives a quantity (``TapSpec.derive``: per-token entropy of the
 logits) reads it in place of each tensor, before the cut and the fold.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import random
 import secrets
@@ -37,8 +33,6 @@ from layertap.server.compile.stats import CompiledStats
 from layertap.server.errors import AlreadyExists, InvalidField, LimitExceeded, NotFound, Unsupported, echo
 from layertap.server.host.hooks import POINT_NAMES, CallArgs, ParamGrad
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
-from layertap.server.host.padding import PaddingCut, PassPadding
-from layertap.server.host.rows import RequestCut, find_request
 from layertap.server.limits import check_name, check_ttl
 from layertap.server.reducers.batched import BATCH_DTYPES, PassBatch, Row
 from layertap.server.reducers.derive import derivation as derive_fn
@@ -50,7 +44,9 @@ from layertap.server.reducers.transfer import DEFAULT_TRANSFER_BYTES, HostTransf
 from layertap.server.stream.broker import Broker
 from layertap.server.stream.publisher import Piece, Publisher
 from layertap.server.stream.sinks import Sinks, TapView
+from layertap.server.taps.firing import Firing, OpLayout, op_eligible
 from layertap.server.taps.graph import GraphFeed
+from layertap.server.taps.pass_decision import PassDecisions
 from layertap.server.taps.reuse import PassReuse, passthrough_parents
 from layertap.server.taps.sampling import Clock, Sampler
 from layertap.server.taps.selectors import MAX_SELECTOR_BYTES, select_layers
@@ -99,14 +95,21 @@ class TapEngine:
         self._batch = PassBatch(kernel=stats)
         #: Whether small tensors are batched (benchmarks turn it off to compare).
         self.batch_small = True
+        #: Whether basic taps fire as one ``layertap::tap_stats`` call (``taps.firing``); benchmarks compare.
+        self.use_op = True
+        #: Each tap's hooked firings, and the layout binding the op-eligible ones to rows (None: none).
+        self._firings: dict[str, list[Firing]] = {}
+        self._layout: OpLayout | None = None
+        #: Taps changed while a pass may run: the layout is rebuilt when it ends.
+        self._relayout_due = False
         # Bounded in bytes too: one pass of wide taps holds megabytes of values.
         self.transfer = HostTransfer(maxsize=transfer_queue, max_bytes=transfer_bytes)
         #: Model thread only: reductions of this pass a later firing may reuse.
         self._reuse = PassReuse(passthrough_parents(host.modules))
         #: Whether two firings of a pass can see one tensor (:meth:`PassReuse.possible`); set under the lock.
         self._reuse_on = False
-        #: Model thread only: the current pass's index and padding, made at the first tap that leaves it out.
-        self._padding: tuple[int, PassPadding | None] = (-1, None)
+        #: Model thread only: each tap's pass, settled once (sampling, phases, request rows, padding).
+        self.decisions = PassDecisions()
         #: Feeds compiled passes' in-graph statistics to the taps (``serve --compile-model``).
         self.graph_feed = GraphFeed(host, self.all_taps, self._pass_buffer, graph)
         if graph is not None:
@@ -195,8 +198,9 @@ class TapEngine:
                 life = DEFAULT_TTL_SECONDS if ttl is None else ttl
                 tap.expires_at = self.clock() + life
                 tap.expires_wall = self.wall() + life
-            for layer in layers:
-                tap.handles.append(self.host.hooks.add(layer, point, functools.partial(self._on_hook, tap, layer)))
+            firings = self._firings[tap_id] = [Firing(tap, layer, self._on_hook, self._fail) for layer in layers]
+            for firing in firings:
+                tap.handles.append(self.host.hooks.add(firing.layer, point, firing))
             if plan.timed:
                 # Added after the tap's own hook: its stop hook is prepended, so it runs first.
                 timer = tap.timer = LayerTimer(self.host.device)
@@ -210,8 +214,9 @@ class TapEngine:
                     tap.handles.append(self.host.hooks.add_timer(layer, start, stop))
             self._taps[tap_id] = tap
             self._update_reuse()
+            self._relayout()
         self.publisher.tap_created(tap)
-        if plan.needs_basic_stats and self.stats is not None:
+        if plan.needs_basic_stats and self.stats is not None and not (self.use_op and op_eligible(tap)):
             # Compile ahead for what the hooked layers produce in a server pass
             # (the model's dtype, dense, inference mode), so the first passes
             # already run compiled; other signatures are queued when first seen.
@@ -224,7 +229,11 @@ class TapEngine:
     def delete(self, tap_id: str, reason: str = "deleted") -> Tap:
         with self._lock:
             tap = self._taps.pop(tap_id, None)
+            self._firings.pop(tap_id, None)
             self._update_reuse()  # off before the hooks go: a firing meanwhile reduces afresh, never wrongly
+            # A pass may be running (no model lock here): its layout stays until the pass ends; the
+            # tap's hooks go now, so it fires no more.
+            self._relayout_due = True
         if tap is None:
             raise NotFound(f"no tap {echo(tap_id)}; list taps with ListTaps / client.taps()")
         self._unhook(tap)
@@ -253,6 +262,7 @@ class TapEngine:
             if live is None or live is not current:
                 raise NotFound(f"no tap {echo(tap_id)} (deleted or replaced meanwhile)")
             live.layer_plans[layer] = plan
+            self._relayout()
 
     def _foldable(self, plan: ReducerPlan, spec: pb.TapSpec) -> ReducerPlan:
         """``plan``, once it is known to read the folded tensors of a tap that leaves padding out.
@@ -302,6 +312,15 @@ class TapEngine:
         """Recompute :attr:`_reuse_on` from the live taps (the caller holds the engine lock)."""
         self._reuse_on = self._reuse.possible((layer, t.spec.point) for t in self._taps.values() for layer in t.layers)
 
+    def _relayout(self) -> None:
+        """Binds the op-eligible taps' firings to rows of a new layout (between passes, under the engine lock)."""
+        self._relayout_due = False
+        if self._layout is not None:
+            self._layout.unbind()
+        firings = [f for tap in self._taps.values() if self.use_op and not tap.disabled and op_eligible(tap)
+                   for f in self._firings.get(tap.id, ())]
+        self._layout = OpLayout(firings, self.host.device, self.decisions.decide, self.host.masked) if firings else None
+
     def _unhook(self, tap: Tap) -> None:
         for h in tap.handles:
             h.remove()
@@ -313,15 +332,7 @@ class TapEngine:
             self._reuse.clear()  # whatever ran since the last firing is unknown
             return  # active-capture passes are never fed to taps
         if tap._pass != ctx.index:
-            # Cleared before anything that may raise: a firing later in the pass never sees the last pass's state.
-            tap.calls.clear()
-            tap._padding = tap._cut = None
-            tap._skip = True
-            tap._pass = ctx.index
-            tap._skip = not self._feeds(tap, ctx)
-            if not tap._skip:  # a pass the tap does not see takes no sampling budget
-                tap._sampled = tap.sampler.sample()
-                tap._padding = self._padding_of(tap, ctx)
+            self.decisions.decide(tap, ctx)
         if tap._skip:
             return  # as if the tap had no hook: nothing reduced, nothing for reuse to forget
         t0 = time.perf_counter()
@@ -403,36 +414,11 @@ class TapEngine:
             self._buffer = PassBuffer()
         return self._buffer, self._pieces
 
-    @staticmethod
-    def _feeds(tap: Tap, ctx: PassContext) -> bool:
-        """Whether this pass is one the tap sees; sets its request's cut for the pass."""
-        tap._cut = None
-        if tap.phases is not None and ctx.phase not in tap.phases:
-            return False
-        if tap.request_id is not None:
-            rows = find_request(ctx, tap.request_id)
-            if rows is None:
-                return False
-            tap._cut = RequestCut(ctx, rows)
-        return True
-
-    def _padding_of(self, tap: Tap, ctx: PassContext) -> PaddingCut | None:
-        """What of this pass's tensors the tap leaves out as padding: None keeps them whole."""
-        if ctx.attention_mask is None or tap.spec.keep_padding:
-            return None
-        index, padding = self._padding
-        if index != ctx.index or padding is None:
-            padding = PassPadding(ctx.attention_mask)
-            self._padding = (ctx.index, padding)
-        if tap._cut is None:
-            return padding.cut()
-        # The mask cut as the request's tensors are: its rows, less the padding they share.
-        return padding.cut(tap._cut.rows.rows, tap._cut.pad)
-
     def _fail(self, tap: Tap, layer: str, exc: BaseException) -> None:
         tap.errors += 1
         tap.disabled = True
         tap.last_error = f"{layer}: {type(exc).__name__}: {exc}"
+        self._relayout_due = True
         self.reducer_errors += 1
         # Its pieces already in this pass are partial; the publisher skips disabled taps.
         self._unhook(tap)
@@ -441,10 +427,29 @@ class TapEngine:
 
     def pass_finished(self, ctx: PassContext) -> None:
         """Ship the pass's results to the host-transfer thread (one D2H copy)."""
+        layout = self._layout
+        if layout is not None and layout.fired:
+            self._pass_buffer()  # the layout's block goes in the pass's buffer
         buffer, pieces = self._buffer, self._pieces
         self._buffer, self._pieces = None, []
         self._reuse.clear()
-        self._padding = (-1, None)
+        self.decisions.pass_ended()
+        if layout is not None:
+            if buffer is not None:
+                try:
+                    layout.finish(ctx, buffer, pieces)
+                except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
+                    for firing in {id(f.tap): f for f in layout.firings}.values():
+                        if not firing.tap.disabled:
+                            self._fail(firing.tap, firing.layer, exc)
+            self._hook_seconds += layout.seconds
+            layout.seconds = 0.0
+            if layout.grow or self._relayout_due:
+                with self._lock:
+                    self._relayout()
+        elif self._relayout_due:
+            with self._lock:
+                self._relayout()
         if buffer is None or not pieces or ctx.failed:
             self._batch.discard()
         elif len(self._batch):

@@ -70,6 +70,8 @@ class Tap:
     _cut: RequestCut | None = None
     #: The current pass's padding left out of its (batch, tokens) tensors, None to reduce them whole.
     _padding: PaddingCut | None = None
+    #: The current pass gives it a result (its flag in ``taps.firing``): seen, and sampled or with ``always``.
+    _on: bool = False
 
     @property
     def durable(self) -> bool:

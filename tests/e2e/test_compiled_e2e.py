@@ -28,7 +28,9 @@ def test_tap_creation_compiles_ahead_and_later_passes_run_compiled(make_server):
         ref = layer_outputs(x, ["layer1", "layer2", "layer3", "layer4"])
         with layertap.Client(f"127.0.0.1:{srv.port}") as client:
             failures = process_compilation().stats.compile_failures
-            with client.watch("layer*", reducers=["moments", "minmax", "nonfinite", "zero_fraction"],
+            # With a histogram the plan is not basic-only: it runs on the plan path, whose basic statistics
+            # the compiled kernel computes (a basic-only tap's firing is one layertap::tap_stats call instead).
+            with client.watch("layer*", reducers=["moments", "minmax", "nonfinite", "zero_fraction", "histogram"],
                               timeout=300) as stream:
                 assert wait_for(lambda: client.stats().active_hooks == 4)
                 # The compile was queued when the tap was created, before any pass saw the layers.

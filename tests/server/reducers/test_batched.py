@@ -84,7 +84,9 @@ def rig(width: int = 64) -> tuple[ModelHost, Broker, TapEngine]:
     module = Chain(width).eval()
     host = ModelHost(LoadedModel(module, "chain", "test", [InputSpec("input", torch.float32, (-1, width))]))
     broker = Broker(default_queue_size=10_000)
-    return host, broker, TapEngine(host, broker, rng=random.Random(0))
+    engine = TapEngine(host, broker, rng=random.Random(0))
+    engine.use_op = False  # the plan path's batch: basic taps fire as one op call otherwise (taps.firing)
+    return host, broker, engine
 
 
 def test_a_tensor_written_in_place_later_is_summarized_as_the_layer_returned_it(monkeypatch) -> None:

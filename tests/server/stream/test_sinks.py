@@ -9,6 +9,7 @@ import torch
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import load_model
 from layertap.server.reducers import batched
+from layertap.server.taps import firing
 from layertap.server.stream.broker import Broker
 from layertap.server.stream.sinks import Sink, Sinks
 from layertap.server.taps.engine import TapEngine
@@ -96,6 +97,8 @@ def test_a_reducer_error_is_told_to_sinks_and_inference_goes_on(wired, monkeypat
     monkeypatch.setattr(tap.plan, "run", boom)
     # A small tensor's statistics come from the pass's batch (reducers.batched): it breaks there.
     monkeypatch.setattr(batched, "batched_basic_stats", lambda _x, _g: boom(_x))
+    # A basic tap's firing is one op call (taps.firing): it breaks there first.
+    monkeypatch.setattr(firing, "tap_stats_op", lambda x, *_a: boom(x))
     _pass(host)  # must not raise
     assert tap.disabled and ("error", "t") in rec.events
     assert engine.reducer_errors == 1

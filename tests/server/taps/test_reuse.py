@@ -34,7 +34,9 @@ def spec(selector: str, *reducers: str) -> pb.TapSpec:
 def rig(module: nn.Module, shape: tuple[int, ...]) -> tuple[ModelHost, Broker, TapEngine]:
     host = ModelHost(LoadedModel(module.eval(), "m", "test", [InputSpec("input", torch.float32, shape)]))
     broker = Broker(default_queue_size=10_000)
-    return host, broker, TapEngine(host, broker, rng=random.Random(0))
+    engine = TapEngine(host, broker, rng=random.Random(0))
+    engine.use_op = False  # the plan path's reuse; tests/server/taps/test_firing.py covers the op path's sharing
+    return host, broker, engine
 
 
 def outputs_of(host: ModelHost, layers: list[str]) -> tuple[dict[tuple[str, int], np.ndarray], list]:
