@@ -10,7 +10,9 @@ block's ``Linear`` (32 firings a pass). Rounds alternate a batch of Infer calls
 without the tap and a batch with it; each round gives (median latency with -
 median without) / 32, and the figure is the median over rounds. ``layertap
 serve`` runs as a subprocess, so client and server do not share a GIL; the
-statistics kernel compiles once before timing (``--no-compile``: eager).
+basic tap fires as one ``layertap::tap_stats`` call (issue 42), so no
+statistics kernel compiles; ``--plan-path`` serves it as before the op (the
+reducer plan in the hook, the compiled kernel), for a side-by-side figure.
 
     python benchmarks/firing_cost.py --rounds 9 --requests 60
 """
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _serving import metric, serve  # benchmarks/ is on sys.path when run as a script
+from _serving import serve  # benchmarks/ is on sys.path when run as a script
 
 import layertap
 
@@ -72,16 +74,15 @@ def median_latency(client: layertap.Client, x: np.ndarray, n: int) -> float:
     return statistics.median(times)
 
 
-def wait_compiled(client: layertap.Client, x: np.ndarray, metrics_port: int, timeout: float = 600) -> None:
-    """Passes until the kernel compiled for the tapped tensors serves them (the compile counter settles)."""
-    end = time.monotonic() + timeout
-    last, still = -1.0, 0
-    while time.monotonic() < end and still < 3:
+def one_round(client: layertap.Client, x: np.ndarray, requests: int, blocks: int) -> tuple[float, float]:
+    """(base median latency, per-firing cost) of one round: a batch without the tap, then one with it."""
+    base = median_latency(client, x, requests)
+    tap = client.create_tap(SELECTOR, reducers=BASIC)
+    for _ in range(3):
         client.infer(x)
-        now = metric(metrics_port, "layertap_reducer_compiles_total")
-        still = still + 1 if now == last and now > 0 else 0
-        last = now
-        time.sleep(0.5)
+    tapped = median_latency(client, x, requests)
+    client.delete_tap(tap.id)
+    return base, (tapped - base) / blocks
 
 
 def main() -> None:
@@ -90,45 +91,51 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--requests", type=int, default=60, help="Infer calls per half-round")
-    ap.add_argument("--no-compile", action="store_true", help="eager statistics kernels")
+    ap.add_argument("--no-compile", action="store_true", help="eager statistics kernels (the plan path's)")
+    ap.add_argument("--op-only", action="store_true", help="skip the plan-path server")
     args = ap.parse_args()
 
+    paths = {"op": [], "plan path (--no-tap-op)": ["--no-tap-op"]}
+    if args.op_only:
+        del paths["plan path (--no-tap-op)"]
     with tempfile.TemporaryDirectory() as tmp:
         factory = Path(tmp) / "firing_mlp.py"
         factory.write_text(_FACTORY.replace("{width}", str(args.width)).replace("{blocks}", str(args.blocks)))
         flags = ["--model", f"{factory}:make", f"--input-shape=-1,{args.width}", "--metrics-port", "0"]
-        proc, address, metrics_port = serve([*flags, *(["--no-compile"] if args.no_compile else [])])
+        flags += ["--no-compile"] if args.no_compile else []
+        # Both servers run side by side (one idles while the other is timed); rounds alternate between them.
+        servers = {name: serve([*flags, *extra]) for name, extra in paths.items()}
+        clients: dict[str, layertap.Client] = {}
         try:
             x = np.random.default_rng(0).standard_normal((1, args.width), dtype=np.float32)
-            with layertap.Client(address, timeout=60) as client:
+            for name, (_proc, address, _port) in servers.items():
+                client = clients[name] = layertap.Client(address, timeout=60)
                 for _ in range(10):
                     client.infer(x)  # warm-up
                 tap = client.create_tap(SELECTOR, reducers=BASIC)
                 assert len(tap.layers) == args.blocks, tap.layers
-                if not args.no_compile and metrics_port is not None:
-                    wait_compiled(client, x, metrics_port)
                 client.delete_tap(tap.id)
-                per_firing, bases = [], []
-                for r in range(args.rounds):
-                    base = median_latency(client, x, args.requests)
-                    tap = client.create_tap(SELECTOR, reducers=BASIC)
-                    for _ in range(3):
-                        client.infer(x)
-                    tapped = median_latency(client, x, args.requests)
-                    client.delete_tap(tap.id)
-                    per_firing.append((tapped - base) / args.blocks)
-                    bases.append(base)
-                    print(f"round {r}: base {base * 1e3:.2f} ms, tapped {tapped * 1e3:.2f} ms, "
-                          f"per firing {per_firing[-1] * 1e6:.1f} us", flush=True)
+            per_firing: dict[str, list[float]] = {name: [] for name in servers}
+            bases: dict[str, list[float]] = {name: [] for name in servers}
+            for r in range(args.rounds):
+                for name, client in clients.items():
+                    base, cost = one_round(client, x, args.requests, args.blocks)
+                    bases[name].append(base)
+                    per_firing[name].append(cost)
+                    print(f"round {r} {name}: base {base * 1e3:.2f} ms, per firing {cost * 1e6:.1f} us", flush=True)
         finally:
-            proc.terminate()
-            proc.wait(30)
+            for client in clients.values():
+                client.close()
+            for proc, _address, _port in servers.values():
+                proc.terminate()
+                proc.wait(30)
     print(f"\nmachine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; width {args.width}, {args.blocks} blocks, batch 1")
-    print(f"base Infer median {statistics.median(bases) * 1e3:.2f} ms")
-    print(f"per firing: median {statistics.median(per_firing) * 1e6:.1f} us "
-          f"[{min(per_firing) * 1e6:.1f} .. {max(per_firing) * 1e6:.1f}] over {args.rounds} rounds "
-          f"(issue 42's target on this CPU: <= 20 us)")
+          f"torch {torch.__version__}; width {args.width}, {args.blocks} blocks, batch 1, {args.rounds} rounds")
+    for name in servers:
+        costs = per_firing[name]
+        print(f"{name:26s} base Infer {statistics.median(bases[name]) * 1e3:.2f} ms; per firing median "
+              f"{statistics.median(costs) * 1e6:.1f} us [{min(costs) * 1e6:.1f} .. {max(costs) * 1e6:.1f}]")
+    print("(issue 42's target on this CPU: <= 20 us per firing)")
 
 
 if __name__ == "__main__":

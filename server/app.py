@@ -185,6 +185,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
                     queue_bytes=config.subscriber_queue_bytes, budget_bytes=config.subscribers_budget_bytes)
     taps = TapEngine(host, publisher=Publisher(broker, sinks), max_taps=config.max_taps,
                      transfer_bytes=config.transfer_queue_bytes, stats=shared.stats, graph=graph)
+    taps.use_op = config.tap_op
     metrics = snapshots = None
     if config.metrics_port is None:
         registry = None

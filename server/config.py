@@ -70,6 +70,9 @@ class ServerConfig:
     #: Basic statistics from one compiled (inductor) kernel per signature,
     #: compiled in the background; False (``--no-compile``): eager torch ops only.
     compile_reducers: bool = True
+    #: A basic tap's firing is one ``layertap::tap_stats`` call (``taps.firing``); False
+    #: (``--no-tap-op``): the reducer plan in the hook, as before issue 42, to compare or as an escape hatch.
+    tap_op: bool = True
     #: Serve Infer from torch.compile'd variants of the model (``--compile-model``), with in-graph tap
     #: statistics; see compile.serving. ``compile_mode`` is inductor's mode, ``compile_fallback`` what
     #: serves a tapped pass while its graph compiles (eager or pending), ``compile_variants`` the cap,

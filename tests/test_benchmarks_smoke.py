@@ -60,5 +60,7 @@ def test_firing_cost_benchmark_prints_its_figure() -> None:
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "firing_cost.py"), *tiny],
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.count("per firing") == 3, out.stdout  # two rounds and the summary
-    assert "over 2 rounds" in out.stdout and "width 64, 4 blocks, batch 1" in out.stdout, out.stdout
+    # Two rounds on each server (the op and the plan path), then a summary line each.
+    assert out.stdout.count("per firing") == 6, out.stdout
+    assert "round 1 plan path (--no-tap-op)" in out.stdout and "round 1 op:" in out.stdout, out.stdout
+    assert "width 64, 4 blocks, batch 1, 2 rounds" in out.stdout, out.stdout

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plaintext gRPC health-only listener for probes that cannot speak TLS (e.g. 127.0.0.1:50052)")
     p.add_argument("--no-compile", dest="compile_reducers", action="store_false",
                    help="never torch.compile the reducers' statistics kernel (eager torch ops only)")
+    p.add_argument("--no-tap-op", dest="tap_op", action="store_false",
+                   help="serve basic taps on the reducer-plan path instead of one layertap::tap_stats call per "
+                        "firing (to compare, or if the op misbehaves on a platform)")
     p.add_argument("--compile-model", action="store_true", default=d.compile_model,
                    help="serve Infer from torch.compile'd variants of the model, tap statistics inside the graph; "
                         "a tap change compiles in the background (see docs/operations.md)")

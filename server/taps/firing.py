@@ -190,6 +190,9 @@ class OpLayout:
         self.grow = False
         #: Model-thread seconds in the op calls this pass (the engine's hook time).
         self.seconds = 0.0
+        #: The last pass's firings, piece offset and sampling, with the pieces and keys made for them.
+        self._last: tuple[object, int, tuple[bool, ...], tuple[Piece[Tap], ...], list[list[int]]] = \
+            (None, -1, (), (), [])
 
     def unbind(self) -> None:
         """Hands every firing back to the plan path (a new layout replaces this one)."""
@@ -227,12 +230,22 @@ class OpLayout:
         self.out.copy_(self._identity.expand_as(self.out))
         if ctx.failed:
             return
+        offset = len(pieces)
+        sampled = tuple(t._sampled for t in self.taps)
+        # A steady server's passes fire alike: the pieces and keys of the last pass serve again.
+        if fired == self._last[0] and offset == self._last[1] and sampled == self._last[2]:
+            pieces.extend(self._last[3])
+            buffer.add_rows(self._last[4], block)
+            return
         keys: list[list[int]] = [[] for _ in range(self.out.shape[0])]
+        made: list[Piece[Tap]] = []
         for firing, call, shape in fired:
             tap = firing.tap
             plan = tap.layer_plans.get(firing.layer, tap.plan) if tap._sampled else tap.always
             if plan is None or firing.module is None:
                 continue
-            keys[firing.module.base + call].append(len(pieces))
-            pieces.append(Piece(tap, firing.layer, 0, call, tuple(shape), plan, tap._sampled))
+            keys[firing.module.base + call].append(offset + len(made))
+            made.append(Piece(tap, firing.layer, 0, call, tuple(shape), plan, tap._sampled))
+        pieces.extend(made)
         buffer.add_rows(keys, block)
+        self._last = (fired, offset, sampled, tuple(made), keys)

@@ -51,15 +51,18 @@ def check_args(x: torch.Tensor, out: torch.Tensor, row: torch.Tensor, flag: torc
         raise ValueError(f"tap_stats: row must be one int64 element, got {row.dtype} {list(row.shape)}")
     if flag.dtype != torch.int32 or flag.numel() != 1:
         raise ValueError(f"tap_stats: flag must be one int32 element, got {flag.dtype} {list(flag.shape)}")
-    devices = {x.device, out.device, row.device, flag.device}
+    device = x.device
     if mask is not None:
         if mask.dtype not in (torch.bool, torch.uint8) or not mask.is_contiguous() \
                 or tuple(mask.shape) != tuple(x.shape[:mask.dim()]):
             raise ValueError(f"tap_stats: mask must be a contiguous bool or uint8 tensor of x's leading dims "
                              f"{list(x.shape[:mask.dim()])}, got {mask.dtype} {list(mask.shape)}")
-        devices.add(mask.device)
-    if len(devices) != 1:
-        raise ValueError(f"tap_stats: every tensor must be on one device, got {sorted(map(str, devices))}")
+        if mask.device != device:
+            raise ValueError(f"tap_stats: every tensor must be on one device, got x on {device}, "
+                             f"mask on {mask.device}")
+    if not device == out.device == row.device == flag.device:
+        raise ValueError(f"tap_stats: every tensor must be on one device, got x on {device}, out on {out.device}, "
+                         f"row on {row.device}, flag on {flag.device}")
 
 
 def _mask_inner(x: torch.Tensor, mask: torch.Tensor | None) -> int:
