@@ -135,7 +135,7 @@ def main() -> None:
         costs = per_firing[name]
         print(f"{name:26s} base Infer {statistics.median(bases[name]) * 1e3:.2f} ms; per firing median "
               f"{statistics.median(costs) * 1e6:.1f} us [{min(costs) * 1e6:.1f} .. {max(costs) * 1e6:.1f}]")
-    print("(issue 42's target on this CPU: <= 20 us per firing)")
+    print("(issue 42's target on this CPU: <= 20 us a firing)")
 
 
 if __name__ == "__main__":
