@@ -2,8 +2,9 @@
  *
  * Why C: a firing's host cost is the product (issue 42). An aten-op body runs
  * about ten kernels of 1-3 us each on a small tensor; this loop reads a
- * 1,024-float tensor in about a microsecond, called through ctypes from the
- * op's CPU kernel. Compiled at first use by layertap.server.reducers.op.cpu.
+ * 1,024-float tensor in about a microsecond. Plain C99 plus GCC/clang vector
+ * types, so the math reads apart from torch; tap_stats_op.cpp includes it in
+ * the op's CPU kernel, built at first use by layertap.server.reducers.op.cpu.
  *
  * The row it merges into (8 float64 slots, reducers.kernels' layout):
  *   [zeros, nan, count_finite, sum(x-K), sum((x-K)^2), K, min, max]
