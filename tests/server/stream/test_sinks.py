@@ -9,9 +9,9 @@ import torch
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import load_model
 from layertap.server.reducers import batched
-from layertap.server.taps import firing
 from layertap.server.stream.broker import Broker
 from layertap.server.stream.sinks import Sink, Sinks
+from layertap.server.taps import firing
 from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
