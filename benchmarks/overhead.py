@@ -8,7 +8,10 @@ the script prints the median ratio and its spread (min..max) over rounds.
 Variants:
   0  nothing installed: base against base, the spread any ratio carries
   a  seed-style hooks: ``.item()`` per statistic (mean, std, min, max, zeros, nan, inf)
-  b  layertap taps: moments, minmax, zero_fraction, nonfinite on every block-level module
+  b  layertap taps: moments, minmax, zero_fraction, nonfinite on every block-level module; each
+     firing is one ``layertap::tap_stats`` call (issue 42)
+  q  b on the plan path (``serve --no-tap-op``): the reducer plan in the hook, the compiled
+     kernel once ready, small tensors batched per pass (the path before issue 42)
   c  b + histogram + quantiles
   d  b with every=10 (nonfinite still on every pass)
   e, f, g  b, c, d with the compiled (inductor) basic-statistics kernel, after
@@ -19,10 +22,11 @@ Variants:
      sort before issue 10, and the CUDA path's sort; ``--float-sort`` adds
      this row, to compare in one run; it swaps ``workspace.sort_ascending``)
   r:<name>  one reducer alone (``--reducers`` adds these rows)
-  n, p  the engine's own floor (``--engine`` adds these rows): every plan's
+  n, p  the plan path's own floor (``--engine`` adds these rows): every plan's
      ``run`` replaced by a cached slot vector of the right width, so no
      reducer runs: n publishes each pass as the server does, p publishes
      nothing (the model thread's share alone)
+  o  b with the op's call replaced by a no-op (``--engine``): the op path's floor, its Python
 
 CPU default: the demo model, batch 32. GPU: ``--model resnet50 --dtype bfloat16
 --batch 64 --device cuda --channels-last`` taps the 22 block-level modules
@@ -50,6 +54,7 @@ from layertap.server.host.sources import load_model
 from layertap.server.reducers import workspace
 from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.stream.broker import Broker
+from layertap.server.taps import firing
 from layertap.server.taps.engine import TapEngine
 from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
@@ -150,7 +155,8 @@ def main() -> None:
             pass
         return statistics.median(times)
 
-    def taps(reducers: list[str], every: int = 0, on: TapEngine = engine) -> Callable[[], None]:
+    def taps(reducers: list[str], every: int = 0, on: TapEngine = engine, op: bool = True) -> Callable[[], None]:
+        on.use_op = op  # read when taps change: the taps below take the op path or the plan path
         ids = []
         for layer in layers:
             t = on.create(pb.TapSpec(selector=layer, reducers=[reducer_spec(r, "r") for r in reducers],
@@ -183,6 +189,9 @@ def main() -> None:
             name = f"{key} {label}, compiled basic statistics"
             variants[name] = with_compiled(functools.partial(taps, base_variant, 10 if label == "d" else 0))
             compiled_variants.append(name)
+        name = "q b on the plan path, compiled (before the op)"
+        variants[name] = with_compiled(functools.partial(taps, BASIC, 0, engine, False))
+        compiled_variants.append(name)
         if sys.platform.startswith("linux"):
             name = "e0 e, host-transfer at the model's priority"
             variants[name] = with_compiled(functools.partial(taps, BASIC, 0, engine_nice0))
@@ -219,7 +228,7 @@ def main() -> None:
                 ReducerPlan.run = cached  # type: ignore[method-assign]
                 if not publish:
                     engine.transfer.submit = lambda *a, **k: True  # type: ignore[method-assign]
-                remove = taps(BASIC)
+                remove = taps(BASIC, op=False)
 
                 def undo() -> None:
                     remove()
@@ -228,8 +237,20 @@ def main() -> None:
                 return undo
             return installed
 
-        variants["n engine, no-op reducers"] = no_op()
+        variants["n plan path, no-op reducers"] = no_op()
         variants["p n, nothing published (model thread only)"] = no_op(publish=False)
+
+        def no_op_call() -> Callable[[], None]:
+            real = firing.tap_stats_op
+            firing.tap_stats_op = lambda *a: None  # nothing written: the rows keep the identity
+            remove = taps(BASIC)
+
+            def undo() -> None:
+                remove()
+                firing.tap_stats_op = real
+            return undo
+
+        variants["o b, the op a no-op (the op path's Python)"] = no_op_call
     if args.reducers:
         for r in ALL:
             variants[f"r {r} alone"] = lambda r=r: taps([r])

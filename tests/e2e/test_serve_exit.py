@@ -44,12 +44,17 @@ def test_serve_stopped_during_a_cold_compile_exits_cleanly_without_waiting_for_i
                 break
         assert port is not None, proc.stderr.read() if proc.stderr else ""
         with layertap.Client(f"127.0.0.1:{port}") as client:
-            client.create_tap("layer1", reducers=["moments"])  # queues the statistics kernel's cold compile
+            # Not basic-only: its plan reads the compiled statistics kernel, whose cold compile it queues
+            # (a basic-only tap's firing is one layertap::tap_stats call and compiles nothing).
+            client.create_tap("layer1", reducers=["moments", "histogram"])
         assert wait_for(lambda: (cache / "layertap-aoti").is_dir(), timeout=60)  # the compile has started
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
         killer.cancel()
+        if proc.poll() is None:  # an assertion above failed: never leave the server behind
+            proc.kill()
+            proc.wait(30)
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "terminate called" not in err, err
     assert "shutdown complete" in err, err
