@@ -211,7 +211,10 @@ class OpLayout:
             self._decide(tap, ctx)
         flags = self._ring_np[self._turn]
         for i, module in enumerate(self.modules):
-            flags[i] = 1 if any(t._on for t in module.taps) else 0
+            # 1: a tap samples this pass; 2: only taps that keep nonfinite on every pass (the counts);
+            # 0: none sees it. The call is made either way.
+            taps = module.taps
+            flags[i] = 1 if any(t._on and t._sampled for t in taps) else 2 if any(t._on for t in taps) else 0
         if host is not self._flags:
             self._flags.copy_(host, non_blocking=True)
             recorded = self._events[self._turn] = torch.cuda.Event()  # type: ignore[no-untyped-call]

@@ -58,7 +58,9 @@ def _machine() -> str:
 @functools.cache
 def load() -> bool:
     """Builds (once per machine) and loads the kernel; False when it could not be built."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + _machine().encode()).hexdigest()[:16]
+    # This file too: it holds the build's flags.
+    sources = b"".join(p.read_bytes() for p in (*_SOURCES, Path(__file__)))
+    digest = hashlib.sha256(sources + _machine().encode()).hexdigest()[:16]
     name = f"tap_stats_op-{digest}.so"
     # A read-only home (some containers) falls back to the temp dir.
     for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"layertap-{os.getuid()}"):
@@ -81,7 +83,10 @@ def _build(target: Path) -> bool:
     from torch.utils import cpp_extension  # noqa: PLC0415 - only to build, once per machine
 
     torch_lib = Path(torch.__file__).parent / "lib"
-    common = ["-O3", "-shared", "-fPIC", "-w", *(f"-I{p}" for p in cpp_extension.include_paths()),
+    # OpenMP as torch's own (AT_PARALLEL_OPENMP): at::parallel_for then runs on torch's intra-op threads,
+    # and libgomp.so.1 resolves to the copy torch loaded (torch/lib, first on the path).
+    common = ["-O3", "-shared", "-fPIC", "-w", "-fopenmp", "-DAT_PARALLEL_OPENMP=1",
+              *(f"-I{p}" for p in cpp_extension.include_paths()),
               f"-I{_HERE}", str(_SOURCES[0]), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
     tmp = None
     try:

@@ -68,17 +68,19 @@ static int64_t offset_of(int64_t index, int ndim, const int64_t *sizes, const in
         z += (v) == 0.0;                                                                    \
         nn += (v) != (v);                                                                   \
         c += fin_;                                                                          \
-        double y_ = fin_ ? (v) - K : 0.0;                                                   \
-        a1 += y_;                                                                           \
-        a2 += y_ * y_;                                                                      \
-        l = fin_ && (v) < l ? (v) : l;                                                      \
-        h = fin_ && (v) > h ? (v) : h;                                                      \
+        if (full) {                                                                         \
+            double y_ = fin_ ? (v) - K : 0.0;                                               \
+            a1 += y_;                                                                       \
+            a2 += y_ * y_;                                                                  \
+            l = fin_ && (v) < l ? (v) : l;                                                  \
+            h = fin_ && (v) > h ? (v) : h;                                                  \
+        }                                                                                   \
     } while (0)
 
 #define RUN(T, LOAD)                                                                        \
     static void run_##T(const char *base, int64_t off, int64_t n, int64_t stride, double K,   \
-                        int64_t *zeros, int64_t *nan, int64_t *count, double *s1, double *s2, \
-                        double *lo, double *hi) {                                           \
+                        int full, int64_t *zeros, int64_t *nan, int64_t *count, double *s1,  \
+                        double *s2, double *lo, double *hi) {                               \
         double p0 = 0, p1 = 0, p2 = 0, p3 = 0, q0 = 0, q1 = 0, q2 = 0, q3 = 0;              \
         double l0 = INFINITY, l1 = INFINITY, l2 = INFINITY, l3 = INFINITY;                  \
         double h0 = -INFINITY, h1 = -INFINITY, h2 = -INFINITY, h3 = -INFINITY;              \
@@ -121,9 +123,9 @@ typedef int64_t v4l __attribute__((vector_size(32)));
 static inline v4d select4(v4l m, v4d a, v4d b) { return (v4d)(((v4l)a & m) | ((v4l)b & ~m)); }
 
 #define VRUN(T, LOAD)                                                                       \
-    static void vrun_##T(const char *base, int64_t off, int64_t n, double K, int64_t *zeros, \
-                         int64_t *nan, int64_t *count, double *s1, double *s2, double *lo,   \
-                         double *hi) {                                                      \
+    static void vrun_##T(const char *base, int64_t off, int64_t n, double K, int full,       \
+                         int64_t *zeros, int64_t *nan, int64_t *count, double *s1, double *s2, \
+                         double *lo, double *hi) {                                          \
         const v4d inf = {INFINITY, INFINITY, INFINITY, INFINITY}, ninf = -inf;              \
         const v4d kv = {K, K, K, K}, zero = {0, 0, 0, 0};                                   \
         const v4l absmask = {INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX};                   \
@@ -137,12 +139,14 @@ static inline v4d select4(v4l m, v4d a, v4d b) { return (v4d)(((v4l)a & m) | ((v
             z -= v == zero;                                                                 \
             nn -= v != v;                                                                   \
             c -= fin;                                                                       \
-            v4d y = (v4d)((v4l)(v - kv) & fin);                                             \
-            a1 += y;                                                                        \
-            a2 += y * y;                                                                    \
-            v4d vl = select4(fin, v, inf), vh = select4(fin, v, ninf);                      \
-            l = select4(vl < l, vl, l);                                                     \
-            h = select4(vh > h, vh, h);                                                     \
+            if (full) {                                                                     \
+                v4d y = (v4d)((v4l)(v - kv) & fin);                                         \
+                a1 += y;                                                                    \
+                a2 += y * y;                                                                \
+                v4d vl = select4(fin, v, inf), vh = select4(fin, v, ninf);                  \
+                l = select4(vl < l, vl, l);                                                 \
+                h = select4(vh > h, vh, h);                                                 \
+            }                                                                               \
         }                                                                                   \
         int64_t zs = z[0] + z[1] + z[2] + z[3], ns = nn[0] + nn[1] + nn[2] + nn[3];         \
         int64_t cs = c[0] + c[1] + c[2] + c[3];                                             \
@@ -155,36 +159,28 @@ static inline v4d select4(v4l m, v4d a, v4d b) { return (v4d)(((v4l)a & m) | ((v
         *zeros += zs; *nan += ns; *count += cs; *s1 += p; *s2 += q;                         \
         if (lo_ < *lo) *lo = lo_;                                                           \
         if (hi_ > *hi) *hi = hi_;                                                           \
-        if (k < n) run_##T(base, off + k, n - k, 1, K, zeros, nan, count, s1, s2, lo, hi);   \
+        if (k < n) run_##T(base, off + k, n - k, 1, K, full, zeros, nan, count, s1, s2, lo, hi); \
     }
 VRUN(f32, load_f32)
 VRUN(f64, load_f64)
 VRUN(f16, load_f16)
 VRUN(bf16, load_bf16)
 
-typedef void (*vrun_fn)(const char *, int64_t, int64_t, double, int64_t *, int64_t *, int64_t *, double *,
-                        double *, double *, double *);
+typedef void (*vrun_fn)(const char *, int64_t, int64_t, double, int, int64_t *, int64_t *, int64_t *,
+                        double *, double *, double *, double *);
 
-typedef void (*run_fn)(const char *, int64_t, int64_t, int64_t, double, int64_t *, int64_t *, int64_t *,
+typedef void (*run_fn)(const char *, int64_t, int64_t, int64_t, double, int, int64_t *, int64_t *, int64_t *,
                        double *, double *, double *, double *);
 
-/* dims: ndim sizes, then ndim strides (elements). */
-int layertap_tap_stats(const void *x, int dtype, int ndim, const int64_t *dims,
-                       double *out, int64_t rows, const int64_t *row_index, const int32_t *flag,
-                       const uint8_t *mask, int64_t mask_inner) {
-    if (*flag == 0) return 0;
-    if (ndim < 0 || ndim > MAX_DIMS) return 1;
+/* dims: ndim sizes, then ndim strides (elements); ndim <= MAX_DIMS (the caller checks). mask_inner:
+ * elements under one mask entry (the product of the dims the mask does not cover). */
+
+/* The shift K: the lower median of the finite, unmasked values at the sampled positions (0 when none). */
+double layertap_shift(const void *x, int dtype, int ndim, const int64_t *dims, const uint8_t *mask,
+                      int64_t mask_inner) {
     const int64_t *sizes = dims, *strides = dims + ndim;
-    run_fn run = dtype == F32 ? run_f32 : dtype == F64 ? run_f64 : dtype == F16 ? run_f16 : run_bf16;
-    vrun_fn vrun = dtype == F32 ? vrun_f32 : dtype == F64 ? vrun_f64 : dtype == F16 ? vrun_f16 : vrun_bf16;
-    if (*row_index < 0 || *row_index >= rows) return 2;
-    double *row = out + *row_index * 8;
-    const char *base = (const char *)x;
     int64_t numel = 1;
     for (int d = 0; d < ndim; d++) numel *= sizes[d];
-    if (mask == NULL || mask_inner <= 0) mask_inner = numel > 0 ? numel : 1;
-
-    /* The shift K: lower median of the finite, unmasked sampled values (0 when none). */
     double s[SAMPLE];
     int cnt = 0;
     int64_t m = numel < SAMPLE ? numel : SAMPLE;
@@ -192,52 +188,65 @@ int layertap_tap_stats(const void *x, int dtype, int ndim, const int64_t *dims,
     for (int64_t j = 0; j < m; j++) {
         int64_t i = j * step;
         if (mask != NULL && !mask[i / mask_inner]) continue;
-        double v = load(base, offset_of(i, ndim, sizes, strides), dtype);
+        double v = load((const char *)x, offset_of(i, ndim, sizes, strides), dtype);
         if (!isfinite(v)) continue;
         int k = cnt++;
         while (k > 0 && s[k - 1] > v) { s[k] = s[k - 1]; k--; }
         s[k] = v;
     }
-    double K = cnt > 0 ? s[(cnt - 1) / 2] : 0.0;
+    return cnt > 0 ? s[(cnt - 1) / 2] : 0.0;
+}
 
+/* Merges the statistics of logical elements [begin, end) into part (the row's layout, counts as
+ * doubles: exact below 2^53). full == 0: zeros, NaN and the finite count only (a tap that keeps only
+ * nonfinite on a pass it does not sample). Runs of the last dim go to the SIMD loop when contiguous. */
+void layertap_partial(const void *x, int dtype, int ndim, const int64_t *dims, const uint8_t *mask,
+                      int64_t mask_inner, int64_t begin, int64_t end, double K, int full, double *part) {
+    if (begin >= end) return;  /* an empty tensor (a size-0 dim would divide by zero below) */
+    const int64_t *sizes = dims, *strides = dims + ndim;
+    run_fn run = dtype == F32 ? run_f32 : dtype == F64 ? run_f64 : dtype == F16 ? run_f16 : run_bf16;
+    vrun_fn vrun = dtype == F32 ? vrun_f32 : dtype == F64 ? vrun_f64 : dtype == F16 ? vrun_f16 : vrun_bf16;
+    const char *base = (const char *)x;
     int64_t zeros = 0, nan = 0, count = 0;
     double s1 = 0.0, s2 = 0.0, lo = INFINITY, hi = -INFINITY;
-    int64_t idx[MAX_DIMS];
     int last = ndim - 1;
     int64_t inner = ndim > 0 ? sizes[last] : 1, inner_stride = ndim > 0 ? strides[last] : 0;
-    for (int64_t p = 0; p * mask_inner < numel; p++) {
-        if (mask != NULL && !mask[p]) continue;
-        int64_t start = p * mask_inner, end = start + mask_inner;
-        /* The multi-index of `start`; then rows of the last dim, an odometer over the rest. */
-        int64_t rest = start;
-        for (int d = last; d >= 0; d--) { idx[d] = rest % sizes[d]; rest /= sizes[d]; }
-        int64_t i = start;
-        while (i < end) {
-            int64_t off = 0;
-            for (int d = 0; d < last; d++) off += idx[d] * strides[d];
-            int64_t k0 = ndim > 0 ? idx[last] : 0;
-            int64_t k1 = inner;
-            if (end - i < k1 - k0) k1 = k0 + (end - i);
+    int64_t idx[MAX_DIMS];
+    int64_t rest = begin;
+    for (int d = last; d >= 0; d--) { idx[d] = rest % sizes[d]; rest /= sizes[d]; }
+    int64_t i = begin;
+    while (i < end) {
+        int64_t off = 0;
+        for (int d = 0; d < last; d++) off += idx[d] * strides[d];
+        int64_t k0 = ndim > 0 ? idx[last] : 0;
+        int64_t len = inner - k0;
+        if (end - i < len) len = end - i;
+        int keep = 1;
+        if (mask != NULL) {  /* a run never crosses a mask entry */
+            int64_t p = i / mask_inner, left = (p + 1) * mask_inner - i;
+            if (left < len) len = left;
+            keep = mask[p] != 0;
+        }
+        if (keep) {
             if (inner_stride == 1)
-                vrun(base, off + k0, k1 - k0, K, &zeros, &nan, &count, &s1, &s2, &lo, &hi);
+                vrun(base, off + k0, len, K, full, &zeros, &nan, &count, &s1, &s2, &lo, &hi);
             else
-                run(base, off + k0 * inner_stride, k1 - k0, inner_stride, K, &zeros, &nan, &count, &s1, &s2, &lo, &hi);
-            i += k1 - k0;
-            if (ndim == 0) break;
-            idx[last] = 0;
-            for (int d = last - 1; d >= 0; d--) {
-                if (++idx[d] < sizes[d]) break;
-                idx[d] = 0;
-            }
+                run(base, off + k0 * inner_stride, len, inner_stride, K, full, &zeros, &nan, &count, &s1, &s2, &lo,
+                    &hi);
+        }
+        i += len;
+        if (ndim == 0) break;
+        idx[last] = k0 + len;
+        for (int d = last; d > 0 && idx[d] >= sizes[d]; d--) {
+            idx[d] = 0;
+            idx[d - 1]++;
         }
     }
-    row[0] += (double)zeros;
-    row[1] += (double)nan;
-    row[2] += (double)count;
-    row[3] += s1;
-    row[4] += s2;
-    row[5] = K;
-    if (lo < row[6]) row[6] = lo;
-    if (hi > row[7]) row[7] = hi;
-    return 0;
+    part[0] += (double)zeros;
+    part[1] += (double)nan;
+    part[2] += (double)count;
+    part[3] += s1;
+    part[4] += s2;
+    if (lo < part[6]) part[6] = lo;
+    if (hi > part[7]) part[7] = hi;
 }

@@ -49,7 +49,8 @@ def _offsets(i, s1, s2, s3, t0, t1, t2, t3):
 def _tap_stats(x_ptr, row_out_ptr, row_ptr, flag_ptr, mask_ptr, numel, mask_inner, chunk,
                s1, s2, s3, t0, t1, t2, t3,
                HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr):
-    if tl.load(flag_ptr) == 0:
+    mode = tl.load(flag_ptr)
+    if mode == 0:
         return
     out = row_out_ptr + tl.load(row_ptr).to(tl.int64) * 8
     # The shift K, as every implementation picks it: the lower median of the finite (unmasked)
@@ -97,12 +98,13 @@ def _tap_stats(x_ptr, row_out_ptr, row_ptr, flag_ptr, mask_ptr, numel, mask_inne
     tl.atomic_add(out + 0, tl.sum(zeros, 0))
     tl.atomic_add(out + 1, tl.sum(nan, 0))
     tl.atomic_add(out + 2, tl.sum(count, 0))
-    tl.atomic_add(out + 3, tl.sum(acc1, 0))
-    tl.atomic_add(out + 4, tl.sum(acc2, 0))
-    tl.atomic_min(out + 6, tl.min(lo, 0))
-    tl.atomic_max(out + 7, tl.max(hi, 0))
-    if pid == 0:
-        tl.store(out + 5, k)
+    if mode != 2:  # 2: the counts only (nonfinite on an unsampled pass), as the CPU kernel
+        tl.atomic_add(out + 3, tl.sum(acc1, 0))
+        tl.atomic_add(out + 4, tl.sum(acc2, 0))
+        tl.atomic_min(out + 6, tl.min(lo, 0))
+        tl.atomic_max(out + 7, tl.max(hi, 0))
+        if pid == 0:
+            tl.store(out + 5, k)
 
 
 def launch(x: torch.Tensor, out: torch.Tensor, row: torch.Tensor, flag: torch.Tensor,
@@ -117,6 +119,8 @@ def launch(x: torch.Tensor, out: torch.Tensor, row: torch.Tensor, flag: torch.Te
     pad = MAX_DIMS - len(shape)
     shape, strides = [1] * pad + shape, [0] * pad + strides
     numel = x.numel()
+    if numel == 0:  # nothing is read; sizes of 1 keep the index math free of a division by zero
+        shape = [1] * MAX_DIMS
     programs = max(1, min(MAX_PROGRAMS, triton.cdiv(numel, _BLOCK)))
     chunk = triton.cdiv(triton.cdiv(max(numel, 1), programs), _BLOCK) * _BLOCK
     _tap_stats[(programs,)](x, out, row, flag, x if mask is None else mask, numel, max(mask_inner, 1), chunk,

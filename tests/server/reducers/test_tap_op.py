@@ -94,6 +94,25 @@ def test_a_mask_leaves_out_whole_positions(dtype: torch.dtype) -> None:
         check(run(x, mask), expected(x, mask))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_large_tensor_read_in_chunks_on_several_threads_matches_numpy(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    base = (torch.randn(700, 500, generator=g) * 2 - 3).to(dtype)
+    base[5, 7], base[600, 1], base[100, 100] = math.nan, math.inf, 0.0
+    assert torch.get_num_threads() > 1 or pytest.skip("one intra-op thread: no chunks")
+    for x, mask in ((base, None), (base.t(), None), (base, torch.arange(700) % 3 != 0)):  # contiguous, strided, masked
+        check(run(x, mask), expected(x, mask))
+
+
+def test_flag_two_counts_zeros_nan_and_finite_values_only() -> None:
+    x = torch.tensor([[0.0, math.nan, 1.5], [math.inf, -2.0, 0.0]])
+    out = new_rows(2, "cpu")
+    tap_stats(x, out, torch.tensor([0]), torch.full((1,), 2, dtype=torch.int32))
+    reference_stats(x, out, torch.tensor([1]), torch.full((1,), 2, dtype=torch.int32), None)
+    for row in out.tolist():  # the C++ kernel and the aten body alike
+        assert row == [2, 1, 4, 0, 0, 0, math.inf, -math.inf]  # what nonfinite reads, and nothing else
+
+
 def test_a_zero_flag_writes_nothing_and_rows_merge_then_reset() -> None:
     x = torch.randn(50, dtype=torch.float64)
     out = new_rows(2, "cpu")

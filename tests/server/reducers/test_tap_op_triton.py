@@ -60,17 +60,29 @@ for dtype in DTYPES:
             report.append({"dtype": str(dtype), "layout": name, "masked": masked, "row": out[1].tolist(),
                            "untouched": off[0].tolist() == list(IDENTITY) and out[0].tolist() == list(IDENTITY),
                            "launches": (once, launches - before)})
-json.dump(report, sys.stdout)
+x = torch.tensor([[0.0, float("nan"), 1.5], [float("inf"), -2.0, 0.0]])
+counts = new_rows(1, "cpu")
+triton_kernel.launch(x, counts, torch.tensor([0]), torch.full((1,), 2, dtype=torch.int32), None, 1)
+json.dump({"cases": report, "counts_only": counts[0].tolist()}, sys.stdout)
 """
 
 
 @pytest.fixture(scope="module")
-def report() -> list[dict[str, object]]:
+def reported() -> dict[str, object]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def report(reported) -> list[dict[str, object]]:
+    return reported["cases"]
+
+
+def test_flag_two_counts_only(reported) -> None:
+    assert reported["counts_only"] == [2, 1, 4, 0, 0, 0, float("inf"), float("-inf")]
 
 
 def test_every_case_ran(report) -> None:
