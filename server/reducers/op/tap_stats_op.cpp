@@ -7,6 +7,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <numeric>
 #include <vector>
 
 extern "C" {
@@ -27,6 +29,40 @@ int dtype_code(c10::ScalarType t) {
     case c10::ScalarType::BFloat16: return BF16;
     default: return -1;
     }
+}
+
+// The dims the statistics loop walks: x's dims in storage order (the order of the statistics does not
+// matter), size-1 dims dropped and neighbours that are one run in memory merged, so a contiguous or
+// channels-last tensor is one long run whatever its shape. The first `lead` dims (the mask's) stay
+// first and in order, as the mask is indexed by them; only the dims under it move. Returns the count.
+int64_t walk_dims(const at::Tensor &x, int64_t lead, int64_t *dims) {
+    int64_t nd = x.dim();
+    std::vector<int64_t> order(static_cast<size_t>(nd));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin() + lead, order.end(),
+                     [&](int64_t a, int64_t b) { return x.stride(a) > x.stride(b); });
+    int64_t sizes[MAX_DIMS], strides[MAX_DIMS], n = 0;
+    bool last_lead = false;
+    for (int64_t i = 0; i < nd; i++) {
+        int64_t d = order[static_cast<size_t>(i)];
+        bool is_lead = i < lead;
+        if (x.size(d) == 1 && !is_lead) continue;
+        // Merged only within one side of the mask's edge.
+        if (n > 0 && is_lead == last_lead && strides[n - 1] == x.stride(d) * x.size(d)) {
+            sizes[n - 1] *= x.size(d);
+            strides[n - 1] = x.stride(d);
+        } else {
+            sizes[n] = x.size(d);
+            strides[n] = x.stride(d);
+            n++;
+        }
+        last_lead = is_lead;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        dims[i] = sizes[i];
+        dims[n + i] = strides[i];
+    }
+    return n;
 }
 
 void tap_stats_cpu(const at::Tensor &x, const at::Tensor &out, const at::Tensor &row, const at::Tensor &flag,
@@ -73,6 +109,8 @@ void tap_stats_cpu(const at::Tensor &x, const at::Tensor &out, const at::Tensor 
     bool full = mode != 2;  // 2: zeros, NaN and the finite count only (nonfinite on an unsampled pass)
     const void *data = x.data_ptr();
     double k = full ? layertap_shift(data, code, static_cast<int>(nd), dims, keep, inner) : 0.0;
+    int64_t walk[2 * MAX_DIMS];
+    int wd = static_cast<int>(walk_dims(x, mask ? mask->dim() : 0, walk));
     int64_t numel = x.numel();
     std::vector<double> parts;
     auto identity = [](double *p) {
@@ -88,13 +126,13 @@ void tap_stats_cpu(const at::Tensor &x, const at::Tensor &out, const at::Tensor 
         for (int64_t c = 0; c < chunks; c++) identity(&parts[c * 8]);
         at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
             for (int64_t c = b; c < e; c++)
-                layertap_partial(data, code, static_cast<int>(nd), dims, keep, inner, c * kGrain,
+                layertap_partial(data, code, wd, walk, keep, inner, c * kGrain,
                                  std::min(numel, (c + 1) * kGrain), k, full, &parts[c * 8]);
         });
     } else {
         parts.assign(8, 0.0);
         identity(parts.data());
-        layertap_partial(data, code, static_cast<int>(nd), dims, keep, inner, 0, numel, k, full, parts.data());
+        layertap_partial(data, code, wd, walk, keep, inner, 0, numel, k, full, parts.data());
     }
     double *r = out.data_ptr<double>() + at_row * 8;
     for (size_t c = 0; c < parts.size(); c += 8) {
