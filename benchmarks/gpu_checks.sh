@@ -41,7 +41,7 @@ step() {  # step NAME SECONDS COMMAND...: one bounded step, logged
 for s in $STEPS; do
   case $s in
     tests) step "CUDA tests" 150 python3 -m pytest -q -p no:cacheprovider -o addopts= \
-             tests/server/reducers/test_no_sync.py tests/e2e/test_generate.py tests/e2e/test_sequence_stats.py ;;
+             tests/server/reducers/test_no_sync.py tests/server/reducers/test_tap_op_cuda.py tests/e2e/test_generate.py tests/e2e/test_sequence_stats.py ;;
     # Issue 29: in-graph tap statistics on CUDA, with CUDA graphs (reduce-overhead); when this passes,
     # set compile.modes.CUDA_GRAPHS_VERIFIED. Then the compiled-serving module figures on the GPU.
     compiled) step "compiled taps on CUDA" 300 python3 -m pytest -q -p no:cacheprovider -o addopts= \
