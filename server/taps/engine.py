@@ -428,7 +428,7 @@ class TapEngine:
     def pass_finished(self, ctx: PassContext) -> None:
         """Ship the pass's results to the host-transfer thread (one D2H copy)."""
         layout = self._layout
-        if layout is not None and layout.fired:
+        if layout is not None and layout.dirty:
             self._pass_buffer()  # the layout's block goes in the pass's buffer
         buffer, pieces = self._buffer, self._pieces
         self._buffer, self._pieces = None, []

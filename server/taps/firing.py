@@ -125,6 +125,7 @@ class Firing:
         padding = tap._padding if tap._padding is not None and tap._padding.fits(value) else None
         if call >= module.done:  # the first of the module's firings for this call: the op call
             module.done = call + 1
+            layout.dirty = True
             t0 = time.perf_counter()
             try:
                 tap_stats_op(value.detach() if value.requires_grad else value, layout.out, module.rows[call],
@@ -188,6 +189,8 @@ class OpLayout:
         self.fired: list[tuple[Firing, int, tuple[int, ...]]] = []
         #: A firing had more calls than rows: rebuild with more after the pass.
         self.grow = False
+        #: An op call was made this pass: the rows need their reset.
+        self.dirty = False
         #: Model-thread seconds in the op calls this pass (the engine's hook time).
         self.seconds = 0.0
         #: The last pass's firings, piece offset and sampling, with the pieces and keys made for them.
@@ -227,11 +230,14 @@ class OpLayout:
         Nothing is added for a pass that failed or that no tap of the layout saw.
         """
         fired, self.fired = self.fired, []
-        if self.pass_index != ctx.index or not fired:
+        if not self.dirty:
             return
-        block = self.out.clone()  # the pass's values; the next pass writes the rows again
+        self.dirty = False
+        # Rows are reset after any call, even one whose pieces are gone (a tap deleted mid-pass): the
+        # next pass merges into the identity, never into this pass's values.
+        block = self.out.clone() if fired and not ctx.failed and self.pass_index == ctx.index else None
         self.out.copy_(self._identity.expand_as(self.out))
-        if ctx.failed:
+        if block is None:
             return
         offset = len(pieces)
         sampled = tuple(t._sampled for t in self.taps)
