@@ -313,13 +313,26 @@ class TapEngine:
         self._reuse_on = self._reuse.possible((layer, t.spec.point) for t in self._taps.values() for layer in t.layers)
 
     def _relayout(self) -> None:
-        """Binds the op-eligible taps' firings to rows of a new layout (between passes, under the engine lock)."""
+        """Binds the op-eligible taps' firings to rows of a new layout (under the engine lock). Never raises.
+
+        A training step runs without the model lock: while the current layout holds a pass's rows, the
+        rebuild waits for that pass's end (new taps take the plan path until then), as after a failure."""
+        old = self._layout
+        if old is not None and (old.dirty or old.fired):
+            self._relayout_due = True
+            return
         self._relayout_due = False
-        if self._layout is not None:
-            self._layout.unbind()
+        if old is not None:
+            old.unbind()
+        self._layout = None
         firings = [f for tap in self._taps.values() if self.use_op and not tap.disabled and op_eligible(tap)
                    for f in self._firings.get(tap.id, ())]
-        self._layout = OpLayout(firings, self.host.device, self.decisions.decide, self.host.masked) if firings else None
+        try:
+            self._layout = OpLayout(firings, self.host.device, self.decisions.decide, self.host.masked) \
+                if firings else None
+        except Exception:
+            log.exception("could not lay out the taps' rows; they run on the plan path until the next pass")
+            self._relayout_due = True
 
     def _unhook(self, tap: Tap) -> None:
         for h in tap.handles:
@@ -444,10 +457,7 @@ class TapEngine:
                             self._fail(firing.tap, firing.layer, exc)
             self._hook_seconds += layout.seconds
             layout.seconds = 0.0
-            if layout.grow or self._relayout_due:
-                with self._lock:
-                    self._relayout()
-        elif self._relayout_due:
+        if self._relayout_due or (layout is not None and layout.grow):
             with self._lock:
                 self._relayout()
         if buffer is None or not pieces or ctx.failed:

@@ -15,7 +15,10 @@ firing of a call computes the row and the others only name it (30 basic
 taps on a layer cost one call).
 
 Sampling (``every``, ``probability``, ``max_rate``) and ``phases`` are decided
-once per pass, at its first firing, for every tap of the layout, and reach
+once per pass, at its first firing, for every tap of the layout (so a tap on
+a layer that runs only in some passes, a vision encoder at prefill, spends
+its sampling budget on every pass: unlike the plan path, where a pass that
+never fires the tap takes none), and reach
 the op as an int32 flag per module (on when one of its taps is): a sampled-out module's call returns at once,
 so every pass makes the same calls in the same order (what a CUDA graph
 needs to capture a pass once). On CUDA the flags go to the device in one
@@ -37,7 +40,8 @@ from typing import Any
 import torch
 
 from layertap.server.host.model_host import PassContext
-from layertap.server.reducers.op import FLOAT_DTYPES, IDENTITY, new_rows, tap_stats_op
+from layertap.server.host.padding import PaddingCut
+from layertap.server.reducers.op import FLOAT_DTYPES, IDENTITY, MAX_DIMS, new_rows, tap_stats_op
 from layertap.server.reducers.transfer import PassBuffer
 from layertap.server.stream.publisher import Piece
 from layertap.server.taps.tap import Tap
@@ -64,7 +68,7 @@ def op_eligible(tap: Tap) -> bool:
 class _Module:
     """The rows and flag one hooked module's firings share."""
 
-    __slots__ = ("rows", "flag", "base", "taps", "pass_index", "done")
+    __slots__ = ("rows", "flag", "base", "taps", "pass_index", "done", "padding")
 
     def __init__(self) -> None:
         self.rows: tuple[torch.Tensor, ...] = ()
@@ -74,6 +78,8 @@ class _Module:
         self.pass_index = -1
         #: Calls of the module this pass whose row is written.
         self.done = 0
+        #: This pass's padding to leave out (its taps share it: one key), set with the flags.
+        self.padding: PaddingCut | None = None
 
 
 class Firing:
@@ -103,7 +109,8 @@ class Firing:
         if layout.pass_index != ctx.index:
             layout.start_pass(ctx)
         tap = self.tap
-        if type(value) is not torch.Tensor or value.dtype not in FLOAT_DTYPES or value.device != layout.device:
+        if type(value) is not torch.Tensor or value.dtype not in FLOAT_DTYPES or value.device != layout.device \
+                or value.layout != torch.strided or value.dim() > MAX_DIMS:
             if not tap._skip:
                 self.plan_path(tap, self.layer, ctx, value)
             return
@@ -121,8 +128,10 @@ class Firing:
             return
         if module.pass_index != ctx.index:
             module.pass_index, module.done = ctx.index, 0
-        # Padding left out (the pass's mask, the same for every tap of the module): the op skips it.
-        padding = tap._padding if tap._padding is not None and tap._padding.fits(value) else None
+        # Padding left out (the pass's mask, the module's: whichever tap makes the call): the op skips it.
+        padding = module.padding
+        if padding is not None and not padding.fits(value):
+            padding = None
         if call >= module.done:  # the first of the module's firings for this call: the op call
             module.done = call + 1
             layout.dirty = True
@@ -152,6 +161,8 @@ class OpLayout:
                  decide: Callable[[Tap, PassContext], None], masked: bool = False) -> None:
         self.firings = tuple(firings)
         self.taps = tuple({id(f.tap): f.tap for f in self.firings}.values())
+        if device.type == "cuda" and device.index is None:  # a tensor's device names its index
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self._decide = decide
         modules: dict[tuple[str, int, bool], _Module] = {}
@@ -164,7 +175,6 @@ class OpLayout:
                 module = modules[key] = _Module()
             module.taps.append(f.tap)
             need[key] = max(need.get(key, 1), f.need)
-            f.module, f.layout, f.pass_index, f.calls = module, self, -1, 0
         self.modules = tuple(modules.values())
         rows = sum(need.values())
         self.out = new_rows(rows, device)
@@ -196,6 +206,11 @@ class OpLayout:
         #: The last pass's firings, piece offset and sampling, with the pieces and keys made for them.
         self._last: tuple[object, int, tuple[bool, ...], tuple[Piece[Tap], ...], list[list[int]]] = \
             (None, -1, (), (), [])
+        # Bound last, once everything a firing reads exists (a training step may be running).
+        for f in self.firings:
+            key = (f.layer, int(f.tap.spec.point), masked and not f.tap.spec.keep_padding)
+            f.module, f.pass_index, f.calls = modules[key], -1, 0
+            f.layout = self
 
     def unbind(self) -> None:
         """Hands every firing back to the plan path (a new layout replaces this one)."""
@@ -205,7 +220,6 @@ class OpLayout:
 
     def start_pass(self, ctx: PassContext) -> None:
         """Decides every tap's pass (sampling, phases) and sets the modules' flags: once per pass."""
-        self.pass_index = ctx.index
         host = self._ring[self._turn]
         event = self._events[self._turn]
         if event is not None:
@@ -218,11 +232,13 @@ class OpLayout:
             # 0: none sees it. The call is made either way.
             taps = module.taps
             flags[i] = 1 if any(t._on and t._sampled for t in taps) else 2 if any(t._on for t in taps) else 0
+            module.padding = next((t._padding for t in taps if not t._skip), None)
         if host is not self._flags:
             self._flags.copy_(host, non_blocking=True)
             recorded = self._events[self._turn] = torch.cuda.Event()  # type: ignore[no-untyped-call]
             recorded.record()
             self._turn = (self._turn + 1) % len(self._ring)
+        self.pass_index = ctx.index  # last: a decision that raised is made again at the next firing
 
     def finish(self, ctx: PassContext, buffer: PassBuffer, pieces: list[Piece[Tap]]) -> None:
         """Adds this pass's rows to ``buffer`` as one block, with a piece per firing; resets the rows.
@@ -251,8 +267,8 @@ class OpLayout:
         for firing, call, shape in fired:
             tap = firing.tap
             plan = tap.layer_plans.get(firing.layer, tap.plan) if tap._sampled else tap.always
-            if plan is None or firing.module is None:
-                continue
+            if plan is None or plan.basic_layout is None or firing.module is None:
+                continue  # (a layer's plan replaced mid-pass by one the op cannot serve: the next pass has it)
             keys[firing.module.base + call].append(offset + len(made))
             made.append(Piece(tap, firing.layer, 0, call, tuple(shape), plan, tap._sampled))
         pieces.extend(made)

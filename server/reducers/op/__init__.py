@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from layertap.server.reducers.op.reference import IDENTITY, MAX_ATEN_OPS, SAMPLE
+from layertap.server.reducers.op.reference import IDENTITY, MAX_ATEN_OPS, MAX_DIMS, SAMPLE
 from layertap.server.reducers.op.registry import FLOAT_DTYPES, ROW_WIDTH, tap_stats_op, triton_available
 
-__all__ = ["FLOAT_DTYPES", "IDENTITY", "MAX_ATEN_OPS", "ROW_WIDTH", "SAMPLE", "new_rows", "reset_rows",
+__all__ = ["FLOAT_DTYPES", "IDENTITY", "MAX_ATEN_OPS", "MAX_DIMS", "ROW_WIDTH", "SAMPLE", "new_rows", "reset_rows",
            "tap_stats", "tap_stats_op", "triton_available"]
 
 

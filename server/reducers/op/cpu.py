@@ -67,7 +67,7 @@ def load() -> bool:
         target = folder / name
         if target.exists() or _build(target):
             try:
-                torch.ops.load_library(str(target))
+                torch.ops.load_library(str(target))  # type: ignore[no-untyped-call]
             except OSError as exc:
                 log.warning("could not load the CPU tap kernel %s (%s): tap statistics run in aten ops", target, exc)
                 return False

@@ -14,12 +14,14 @@ import math
 
 import torch
 
-__all__ = ["IDENTITY", "MAX_ATEN_OPS", "SAMPLE", "keep_mask", "reference_stats", "sample_positions"]
+__all__ = ["IDENTITY", "MAX_ATEN_OPS", "MAX_DIMS", "SAMPLE", "keep_mask", "reference_stats", "sample_positions"]
 
 #: Positions the shift K is drawn from: evenly spaced in logical order.
 SAMPLE = 32
 #: What a row holds before any merge: no element seen (min > max marks "no finite element").
 IDENTITY = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, math.inf, -math.inf)
+#: Dims the CPU kernel reads (``tap_stats.c``'s MAX_DIMS); a tensor with more takes the plan path.
+MAX_DIMS = 16
 #: The bound on the aten ops :func:`reference_stats` dispatches (a test counts them).
 MAX_ATEN_OPS = 90
 

@@ -65,8 +65,10 @@ int64_t walk_dims(const at::Tensor &x, int64_t lead, int64_t *dims) {
     return n;
 }
 
-void tap_stats_cpu(const at::Tensor &x, const at::Tensor &out, const at::Tensor &row, const at::Tensor &flag,
+void tap_stats_cpu(const at::Tensor &given, const at::Tensor &out, const at::Tensor &row, const at::Tensor &flag,
                    const std::optional<at::Tensor> &mask) {
+    // A view with the negative bit (a complex tensor's conj().imag) reads its memory negated: resolved first.
+    const at::Tensor x = given.is_neg() ? given.resolve_neg() : given;
     int code = dtype_code(x.scalar_type());
     TORCH_CHECK_VALUE(code >= 0 && x.layout() == c10::kStrided,
                       "tap_stats: x must be a strided float tensor (float32, float64, float16, bfloat16), got ",

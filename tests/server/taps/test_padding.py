@@ -208,6 +208,22 @@ def test_the_mask_is_read_on_the_host_only() -> None:
     assert cut.key != padding.cut(slice(1, 3), 1).key  # type: ignore[union-attr]
 
 
+def test_a_tap_skipped_this_pass_never_gives_its_module_call_the_whole_tensor(rig) -> None:
+    """Two basic taps share the module's op call; the first to fire is skipped this pass (another phase)
+    and holds no padding: the call still leaves the padding out, for the tap that sees the pass."""
+    host, broker, engine = rig
+    skipped = spec("block", *BASIC)
+    skipped.phases.append(pb.PHASE_DECODE)
+    engine.create(skipped)
+    seeing = engine.create(spec("block", *BASIC))
+    assert engine._layout is not None and len(engine._layout.modules) == 1  # one shared call
+    sub = broker.subscribe([seeing.id])
+    ids, mask = batch("left")
+    host.run([("input_ids", ids), ("attention_mask", mask)])
+    (got,) = drain(engine, sub)
+    check_basic(got, outputs(host, ids)["block"][mask.bool().numpy()])
+
+
 def test_equal_taps_share_one_selection_and_never_the_whole_tensors_result(rig, monkeypatch) -> None:
     host, broker, engine = rig
     engine.use_op = False  # the plan path's reuse keys (keep_padding taps fire as op calls otherwise)
