@@ -79,8 +79,7 @@ class PaddingCut:
 
     __slots__ = ("lead", "valid", "key", "_host", "_index", "_valid", "_mask")
 
-    def __init__(self, lead: tuple[int, int], index: np.ndarray, key: tuple[object, ...],
-                 valid: np.ndarray | None = None) -> None:
+    def __init__(self, lead: tuple[int, int], index: np.ndarray, key: tuple[object, ...], valid: np.ndarray) -> None:
         self.lead = lead
         self.valid = int(index.size)
         self.key = key
@@ -116,9 +115,7 @@ class PaddingCut:
         without waiting: the op leaves the rest out where it reads the tensor, with no gather."""
         mask = self._mask.get(device)
         if mask is None:
-            host = torch.from_numpy(np.ascontiguousarray(self._valid)) if self._valid is not None else \
-                torch.zeros(self.lead[0] * self.lead[1], dtype=torch.bool).index_fill_(0, self._host, True)
-            host = host.reshape(self.lead)
+            host = torch.from_numpy(np.ascontiguousarray(self._valid))
             host = host.pin_memory() if device.type == "cuda" else host
             mask = self._mask[device] = host.to(device, non_blocking=True)
         return mask

@@ -41,7 +41,7 @@ import torch
 
 from layertap.server.host.model_host import PassContext
 from layertap.server.host.padding import PaddingCut
-from layertap.server.reducers.op import FLOAT_DTYPES, IDENTITY, MAX_DIMS, new_rows, tap_stats_op
+from layertap.server.reducers.op import FLOAT_DTYPES, IDENTITY, MAX_DIMS, new_rows, reset_rows, tap_stats_op
 from layertap.server.reducers.transfer import PassBuffer
 from layertap.server.stream.publisher import Piece
 from layertap.server.taps.tap import Tap
@@ -167,9 +167,9 @@ class OpLayout:
         self._decide = decide
         modules: dict[tuple[str, int, bool], _Module] = {}
         need: dict[tuple[str, int, bool], int] = {}
-        for f in self.firings:
-            # Taps that leave padding out read a part of the tensor: never the whole tensor's row.
-            key = (f.layer, int(f.tap.spec.point), masked and not f.tap.spec.keep_padding)
+        # Taps that leave padding out read a part of the tensor: never the whole tensor's row.
+        keys = [(f.layer, int(f.tap.spec.point), masked and not f.tap.spec.keep_padding) for f in self.firings]
+        for f, key in zip(self.firings, keys):
             module = modules.get(key)
             if module is None:
                 module = modules[key] = _Module()
@@ -207,8 +207,7 @@ class OpLayout:
         self._last: tuple[object, int, tuple[bool, ...], tuple[Piece[Tap], ...], list[list[int]]] = \
             (None, -1, (), (), [])
         # Bound last, once everything a firing reads exists (a training step may be running).
-        for f in self.firings:
-            key = (f.layer, int(f.tap.spec.point), masked and not f.tap.spec.keep_padding)
+        for f, key in zip(self.firings, keys):
             f.module, f.pass_index, f.calls = modules[key], -1, 0
             f.layout = self
 
@@ -252,7 +251,7 @@ class OpLayout:
         # Rows are reset after any call, even one whose pieces are gone (a tap deleted mid-pass): the
         # next pass merges into the identity, never into this pass's values.
         block = self.out.clone() if fired and not ctx.failed and self.pass_index == ctx.index else None
-        self.out.copy_(self._identity.expand_as(self.out))
+        reset_rows(self.out, self._identity)
         if block is None:
             return
         offset = len(pieces)

@@ -20,6 +20,7 @@ body (``op.reference``) where its kernel cannot serve, with the same numbers.
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 from typing import Final
 
 import torch
@@ -78,23 +79,28 @@ def _cpu_fallback(x: torch.Tensor, out: torch.Tensor, row: torch.Tensor, flag: t
 
 
 @functools.cache
-def triton_available() -> bool:
-    """Whether Triton imports (the CUDA kernel's, and ``TRITON_INTERPRET``'s, precondition)."""
+def _triton_kernel() -> ModuleType | None:
+    """The Triton kernel's module, imported once; None without Triton."""
     try:
         import triton  # type: ignore[import-untyped]  # noqa: F401, PLC0415 - optional: a CUDA torch brings it, a CPU server never needs it
     except ImportError:
-        return False
-    return True
+        return None
+    from layertap.server.reducers.op import triton_kernel  # noqa: PLC0415 - imports Triton (optional)
+
+    return triton_kernel
+
+
+def triton_available() -> bool:
+    """Whether Triton imports (the CUDA kernel's, and ``TRITON_INTERPRET``'s, precondition)."""
+    return _triton_kernel() is not None
 
 
 def _cuda_impl(x: torch.Tensor, out: torch.Tensor, row: torch.Tensor, flag: torch.Tensor,
                mask: torch.Tensor | None = None) -> None:
     check_args(x, out, row, flag, mask)
-    if triton_available():
-        from layertap.server.reducers.op import triton_kernel  # noqa: PLC0415 - imports Triton (optional)
-
-        if triton_kernel.launch(x, out, row, flag, mask, _mask_inner(x, mask)):
-            return
+    kernel = _triton_kernel()
+    if kernel is not None and kernel.launch(x, out, row, flag, mask, _mask_inner(x, mask)):
+        return
     reference_stats(x, out, row, flag, mask)
 
 

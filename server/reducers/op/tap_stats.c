@@ -41,12 +41,17 @@ static double bf16_to_double(uint16_t b) {
     return (double)f;
 }
 
+static inline double load_f32(const char *b, int64_t o) { return (double)((const float *)b)[o]; }
+static inline double load_f64(const char *b, int64_t o) { return ((const double *)b)[o]; }
+static inline double load_f16(const char *b, int64_t o) { return half_to_double(((const uint16_t *)b)[o]); }
+static inline double load_bf16(const char *b, int64_t o) { return bf16_to_double(((const uint16_t *)b)[o]); }
+
 static inline double load(const char *base, int64_t off, int dtype) {
     switch (dtype) {
-    case F32: return (double)((const float *)base)[off];
-    case F64: return ((const double *)base)[off];
-    case F16: return half_to_double(((const uint16_t *)base)[off]);
-    default: return bf16_to_double(((const uint16_t *)base)[off]);
+    case F32: return load_f32(base, off);
+    case F64: return load_f64(base, off);
+    case F16: return load_f16(base, off);
+    default: return load_bf16(base, off);
     }
 }
 
@@ -106,10 +111,6 @@ static int64_t offset_of(int64_t index, int ndim, const int64_t *sizes, const in
         if (h0 > *hi) *hi = h0;                                                             \
     }
 
-static inline double load_f32(const char *b, int64_t o) { return (double)((const float *)b)[o]; }
-static inline double load_f64(const char *b, int64_t o) { return ((const double *)b)[o]; }
-static inline double load_f16(const char *b, int64_t o) { return half_to_double(((const uint16_t *)b)[o]); }
-static inline double load_bf16(const char *b, int64_t o) { return bf16_to_double(((const uint16_t *)b)[o]); }
 RUN(f32, load_f32)
 RUN(f64, load_f64)
 RUN(f16, load_f16)
