@@ -64,7 +64,7 @@ def summary_from_proto(s: telemetry_pb2.Summary) -> Summary:
         wall_time=wall.seconds + wall.nanos / 1e9, unsampled=s.unsampled, results=results,
         call_index=s.call_index, rank=s.rank if s.has_rank else None, output_key=s.output_key,
         phase=phase_name(s.phase), position=s.position if s.has_position else None,
-        request_ids=tuple(s.request_ids),
+        request_ids=tuple(s.request_ids), throttle=max(1, s.throttle),
     )
 
 

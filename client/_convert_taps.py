@@ -153,6 +153,7 @@ def tap_info_from_proto(t: telemetry_pb2.TapInfo) -> TapInfo:
         serving=_TAP_SERVING.get(t.serving, ""),
         expires_at=utc(t, "expires_at"),
         created_at=utc(t, "created_at"),
+        throttle=max(1, t.throttle),
     )
 
 

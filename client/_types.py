@@ -214,6 +214,10 @@ class TapInfo:
     #: its passes meanwhile), ``"pending"`` (its graph compiles; it sees no pass
     #: yet) or ``"compile_failed"`` (the previous graph serves; it sees no pass).
     serving: str = ""
+    #: The server's overhead budget (``serve --tap-budget``) has the tap sample
+    #: 1 in ``throttle`` of the passes its own sampling picks (1: all), and why.
+    throttle: int = 1
+    throttle_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -240,6 +244,9 @@ class Summary:
         request_ids: The generations (``Generation.request_id``) whose rows
             the pass holds. A durable tap summarizes the whole batch; a
             generation's own taps only its rows.
+        throttle: The server's overhead budget thinned the tap to 1 in this
+            many of the passes its own sampling picks (1: not thinned); see
+            ``TapInfo.throttle_reason``.
     """
 
     tap: str
@@ -257,6 +264,7 @@ class Summary:
     phase: str = ""
     position: int | None = None
     request_ids: tuple[str, ...] = ()
+    throttle: int = 1
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
         registry: What ``/metrics`` serves, when metrics are on (default: a new one).
     """
     set_telemetry_nice(config.telemetry_nice)  # first: a bad value fails before the model loads
+    if not 0 <= config.tap_budget < 1:
+        raise ValueError(f"--tap-budget {config.tap_budget}: must be at least 0 (off) and below 1")
     if host is None:
         if config.malloc_tuning:
             # The server's own process only: an attached agent's host lives in the user's.
@@ -184,7 +186,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
     broker = Broker(default_queue_size=config.subscriber_queue, max_subscribers=config.max_subscribers, sinks=sinks,
                     queue_bytes=config.subscriber_queue_bytes, budget_bytes=config.subscribers_budget_bytes)
     taps = TapEngine(host, publisher=Publisher(broker, sinks), max_taps=config.max_taps,
-                     transfer_bytes=config.transfer_queue_bytes, stats=shared.stats, graph=graph)
+                     transfer_bytes=config.transfer_queue_bytes, stats=shared.stats, graph=graph,
+                     budget=config.tap_budget)
     taps.use_op = config.tap_op
     metrics = snapshots = None
     if config.metrics_port is None:
@@ -195,6 +198,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None, *, host
         snapshots = SnapshotStore()
         registry.register(ActivationCollector(snapshots.snapshot, loaded.name, max_layers=config.max_export_layers))
         metrics.taps.set_function(lambda: len(taps.all_taps()))
+        metrics.tap_budget.set(config.tap_budget)
         metrics.subscribers.set_function(lambda: broker.subscriber_count)
         sinks.add(MetricsSink(metrics, snapshots, taps.is_durable))
     drift = sinks.add(DriftMonitor(taps, on_score=snapshots.set_drift if snapshots is not None else None, baseline_dir=config.baseline_dir,

@@ -73,6 +73,10 @@ class ServerConfig:
     #: A basic tap's firing is one ``layertap::tap_stats`` call (``taps.firing``); False
     #: (``--no-tap-op``): the reducer plan in the hook, as before issue 42, to compare or as an escape hatch.
     tap_op: bool = True
+    #: The share of the model thread's pass time tap hooks may take (``--tap-budget``, ``taps.budget``):
+    #: past it, the server thins the taps' sampling, the most expensive first and fairly across
+    #: principals. 0 turns the governor off.
+    tap_budget: float = 0.05
     #: Serve Infer from torch.compile'd variants of the model (``--compile-model``), with in-graph tap
     #: statistics; see compile.serving. ``compile_mode`` is inductor's mode, ``compile_fallback`` what
     #: serves a tapped pass while its graph compiles (eager or pending), ``compile_variants`` the cap,

@@ -91,6 +91,8 @@ class LayertapServer:
                 self.state.generator.close()
             self._step = "draining gRPC calls"
             self.grpc_server.stop(self.state.config.grace_seconds if grace is None else grace).wait()
+            self._step = "writing unsaved baselines"
+            _run_bounded("baseline writer", self._last_saves, STOP_STEP_SECONDS)
             if self.health_server is not None:
                 self._step = "stopping the health listener"
                 self.health_server.stop(0).wait()
@@ -105,6 +107,19 @@ class LayertapServer:
             log.info("shutdown complete")
         finally:
             self._finished.set()
+
+    def _last_saves(self) -> None:
+        """Frozen baselines a full disk kept unsaved get one last write; those that still fail are lost,
+        which must not pass in silence (a SIGTERM used to exit 0 without a word)."""
+        lost = self.state.drift.final_saves()
+        if not lost:
+            return
+        if self.state.metrics is not None:
+            self.state.metrics.baselines_lost.inc(len(lost))
+        log.error("shutdown: %d frozen baseline layer(s) could not be written to --baseline-dir and are lost: %s "
+                  "(%s); set them again after the restart", len(lost),
+                  ", ".join(f"{e.tap}/{e.layer}" for e in lost[:8]) + (" ..." if len(lost) > 8 else ""),
+                  lost[0].save_error)
 
     @property
     def step(self) -> str:

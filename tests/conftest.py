@@ -44,8 +44,9 @@ def make_server():
     started = []
 
     def make(loaded=None, **overrides):
-        # Compiling off: background compiles would steal CPU from timing-sensitive tests.
-        cfg = ServerConfig(port=0, metrics_port=None, compile_reducers=False)
+        # Compiling off: background compiles would steal CPU from timing-sensitive tests. The overhead
+        # budget off: features' tests count every pass; the budget's own tests (test_overhead_budget) turn it on.
+        cfg = ServerConfig(port=0, metrics_port=None, compile_reducers=False, tap_budget=0.0)
         for k, v in overrides.items():
             setattr(cfg, k, v)
         srv = start_server(cfg, loaded)
@@ -78,7 +79,8 @@ class ServerProcess:
         full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
         full_env.update(env or {})
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "layertap.cli", "serve", "--port", "0", "--no-compile", *args],
+            # The overhead budget off unless a test names its own (the last --tap-budget wins), as make_server.
+            [sys.executable, "-m", "layertap.cli", "serve", "--port", "0", "--no-compile", "--tap-budget", "0", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
         )
         self.lines: list[str] = []

@@ -872,6 +872,8 @@ class TapInfo(_message.Message):
     CREATED_AT_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
     SERVING_FIELD_NUMBER: _builtins.int
+    THROTTLE_FIELD_NUMBER: _builtins.int
+    THROTTLE_REASON_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     kind: Global___TapKind.ValueType
     hits: _builtins.int
@@ -885,6 +887,11 @@ class TapInfo(_message.Message):
     """
     serving: Global___TapServing.ValueType
     """How its passes are served (compiled model or eager hooks)."""
+    throttle: _builtins.int
+    """The overhead budget's thinning (serve --tap-budget): it samples 1 in
+    `throttle` of the passes its own sampling picks (1: all of them), and why.
+    """
+    throttle_reason: _builtins.str
     @_builtins.property
     def spec(self) -> Global___TapSpec: ...
     @_builtins.property
@@ -911,10 +918,12 @@ class TapInfo(_message.Message):
         created_at: _timestamp_pb2.Timestamp | None = ...,
         owner: _builtins.str = ...,
         serving: Global___TapServing.ValueType = ...,
+        throttle: _builtins.int = ...,
+        throttle_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "disabled", b"disabled", "drops", b"drops", "errors", b"errors", "expires_at", b"expires_at", "hits", b"hits", "id", b"id", "kind", b"kind", "last_error", b"last_error", "layers", b"layers", "owner", b"owner", "serving", b"serving", "spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "disabled", b"disabled", "drops", b"drops", "errors", b"errors", "expires_at", b"expires_at", "hits", b"hits", "id", b"id", "kind", b"kind", "last_error", b"last_error", "layers", b"layers", "owner", b"owner", "serving", b"serving", "spec", b"spec", "throttle", b"throttle", "throttle_reason", b"throttle_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1441,6 +1450,7 @@ class Summary(_message.Message):
     REQUEST_IDS_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     HAS_RANK_FIELD_NUMBER: _builtins.int
+    THROTTLE_FIELD_NUMBER: _builtins.int
     tap: _builtins.str
     layer: _builtins.str
     point: Global___Point.ValueType
@@ -1473,6 +1483,13 @@ class Summary(_message.Message):
     produced this summary; valid when has_rank. Serving replicas have none.
     """
     has_rank: _builtins.bool
+    throttle: _builtins.int
+    """The overhead budget (serve --tap-budget) thinned the tap to 1 in `throttle`
+    of the passes its own sampling picks; 0 or 1: not thinned. An unsampled
+    summary of a thinned pass still carries the always-on reducers (nonfinite).
+    TapInfo.throttle_reason says why. The stride in force when the pass was
+    published (the governor revises it twice a second at most).
+    """
     @_builtins.property
     def wall_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -1504,10 +1521,11 @@ class Summary(_message.Message):
         request_ids: _abc.Iterable[_builtins.str] | None = ...,
         rank: _builtins.int = ...,
         has_rank: _builtins.bool = ...,
+        throttle: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["wall_time", b"wall_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_index", b"call_index", "has_position", b"has_position", "has_rank", b"has_rank", "has_step", b"has_step", "layer", b"layer", "output_index", b"output_index", "output_key", b"output_key", "pass_index", b"pass_index", "phase", b"phase", "point", b"point", "position", b"position", "rank", b"rank", "request_ids", b"request_ids", "results", b"results", "step", b"step", "tap", b"tap", "unsampled", b"unsampled", "wall_time", b"wall_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_index", b"call_index", "has_position", b"has_position", "has_rank", b"has_rank", "has_step", b"has_step", "layer", b"layer", "output_index", b"output_index", "output_key", b"output_key", "pass_index", b"pass_index", "phase", b"phase", "point", b"point", "position", b"position", "rank", b"rank", "request_ids", b"request_ids", "results", b"results", "step", b"step", "tap", b"tap", "throttle", b"throttle", "unsampled", b"unsampled", "wall_time", b"wall_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

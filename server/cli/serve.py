@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-tap-op", dest="tap_op", action="store_false",
                    help="serve basic taps on the reducer-plan path instead of one layertap::tap_stats call per "
                         "firing (to compare, or if the op misbehaves on a platform)")
+    p.add_argument("--tap-budget", type=float, default=d.tap_budget, metavar="FRACTION",
+                   help="share of the model thread's pass time tap hooks may take (default 0.05); past it the "
+                        "server thins taps' sampling, most expensive first, fairly across principals, and says so "
+                        "in each summary and TapInfo. 0: off")
     p.add_argument("--compile-model", action="store_true", default=d.compile_model,
                    help="serve Infer from torch.compile'd variants of the model, tap statistics inside the graph; "
                         "a tap change compiles in the background (see docs/operations.md)")

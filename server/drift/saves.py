@@ -57,6 +57,16 @@ class BaselineSaves:
                     self._save(e)
             return sum(1 for e in entries if e.save_error)
 
+    def final_saves(self) -> list[LayerEntry]:
+        """At shutdown: one last write of every unsaved baseline, backoff or not; returns those still
+        unsaved, which the stopping server loses (it logs and counts them)."""
+        with self._lock:
+            entries = self._all()
+            for e in entries:
+                if e.save_error and e.baseline is not None:
+                    self._save(e)
+            return [e for e in entries if e.save_error]
+
     def unsaved(self) -> int:
         """Frozen baselines whose file is not written yet (``layertap_baselines_unsaved``)."""
         with self._lock:

@@ -92,6 +92,26 @@ class ServerMetrics:
             "Bytes (wire size) of Subscribe messages queued for all subscribers, against --subscribers-budget-bytes.",
             m, registry=r,
         ).labels(model_name)
+        self.overhead_share = Gauge(
+            "layertap_tap_overhead_share",
+            "Share of pass time the taps took over the overhead budget's last window (about 0.5 s): the model "
+            "thread's hooks and the host-transfer thread's publishing, which holds the same GIL.", m, registry=r,
+        ).labels(model_name)
+        self.overhead_floor = Gauge(
+            "layertap_tap_overhead_floor_share",
+            "The part of layertap_tap_overhead_share no sampling stride can cut (hooks of layers whose taps are "
+            "all off, the per-pass decision); above --tap-budget, every tap already runs at its sparsest.",
+            m, registry=r,
+        ).labels(model_name)
+        self.tap_budget = Gauge(
+            "layertap_tap_budget", "The overhead budget (--tap-budget): the hook share the governor keeps to; 0: off.",
+            m, registry=r,
+        ).labels(model_name)
+        self.taps_throttled = Gauge(
+            "layertap_taps_throttled",
+            "Taps the overhead budget thins now (TapInfo.throttle > 1; TapInfo.throttle_reason says why).",
+            m, registry=r,
+        ).labels(model_name)
         self.subscribers = Gauge("layertap_subscribers", "Open Subscribe streams.", m, registry=r).labels(model_name)
         self.taps = Gauge("layertap_taps", "Registered taps, durable and stream.", m, registry=r).labels(model_name)
         self.baseline_load_errors = Counter(
@@ -105,6 +125,11 @@ class ServerMetrics:
         self.baselines_unsaved = Gauge(
             "layertap_baselines_unsaved",
             "Frozen baselines whose file is not written yet (state UNSAVED): they would be lost at restart.",
+            m, registry=r,
+        ).labels(model_name)
+        self.baselines_lost = Counter(
+            "layertap_baselines_lost",
+            "Frozen baselines still unsaved when the server stopped (a last write failed too): lost.",
             m, registry=r,
         ).labels(model_name)
         self._explains = Counter(
@@ -148,6 +173,13 @@ class ServerMetrics:
     def observe_hooks(self, seconds: float) -> None:
         """Hook plus reducer time of one forward pass."""
         self.hook_duration.observe(seconds)
+
+    def observe_overhead(self, share: float, floor: float, budget: float, throttled: int) -> None:
+        """One overhead-budget window: the taps' share of pass time, its floor, the budget, the taps thinned."""
+        self.overhead_share.set(share)
+        self.overhead_floor.set(floor)
+        self.tap_budget.set(budget)
+        self.taps_throttled.set(throttled)
 
     def record_capture(self, code: str, nbytes: int = 0) -> None:
         """Count one finished Capture call and the tensor bytes it sent."""

@@ -54,6 +54,9 @@ class MetricsSink(Sink):
     def on_hook_time(self, seconds: float) -> None:
         self.metrics.observe_hooks(seconds)
 
+    def on_overhead(self, share: float, floor: float, budget: float, throttled: int) -> None:
+        self.metrics.observe_overhead(share, floor, budget, throttled)
+
     def on_delivery(self, dropped: int) -> None:
         self.metrics.stream_messages.inc()
         if dropped:

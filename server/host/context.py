@@ -56,6 +56,8 @@ class PassContext:
     active_owner: object | None = None
     step: int | None = None
     wall_time: float = field(default_factory=time.time)
+    #: ``time.perf_counter()`` at its start: the overhead budget's pass time (``taps.budget``).
+    started: float = field(default_factory=time.perf_counter)
     #: Set when the forward (or backward) raised: observers drop the pass.
     failed: bool = False
     #: The inputs of a server-side pass (Infer, an active capture, a replay);

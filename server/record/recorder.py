@@ -93,6 +93,8 @@ class Recorder(Sink):
         self._lock = threading.Lock()
         self._input_hook: object | None = None
         self._jobs: queue.Queue[_Job | None] = queue.Queue(JOB_QUEUE)
+        #: Kinds of failure whose traceback was logged (once each; later ones get one line).
+        self._traced: set[str] = set()
         #: Firings refused by the rate limit, and incidents lost to a full job queue.
         self.rate_limited = 0
         self.dropped = 0
@@ -210,8 +212,16 @@ class Recorder(Sink):
         while (job := self._jobs.get()) is not None:
             try:
                 self._record(job)
-            except Exception:  # one bad incident must not stop the recorder
-                log.exception("recording incidents of pass %d failed", job.ctx.index)
+            except Exception as exc:  # one bad incident must not stop the recorder
+                # A full disk fails every incident (about one a second): one line each, the traceback
+                # once per kind of failure.
+                kind = type(exc).__name__
+                if kind in self._traced:
+                    log.error("recording incidents of pass %d failed: %s: %s (traceback logged at the first such "
+                              "failure)", job.ctx.index, kind, exc)
+                else:
+                    self._traced.add(kind)
+                    log.exception("recording incidents of pass %d failed", job.ctx.index)
             finally:
                 if self.retention is not None:
                     self.retention.release(job.inputs)

@@ -14,6 +14,7 @@ whole batch, its own request's for a request's inline tap (a piece with
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -40,6 +41,16 @@ class PublishedTap(TapView, Protocol):
     @property
     def disabled(self) -> bool: ...
 
+    @property
+    def throttle(self) -> int:
+        """The overhead budget's stride (``taps.budget``): 1 in this many of its sampled passes."""
+
+    #: Host-transfer-thread seconds spent publishing its sampled pieces and its unsampled ones (the
+    #: overhead budget's figures; this thread is their only writer). It holds the GIL the model thread
+    #: needs, so it counts against the budget.
+    published_seconds: float
+    published_always_seconds: float
+
 
 #: The tap type of a :class:`Piece`: the engine's own ``Tap``, read here as a :class:`PublishedTap`.
 _TapT = TypeVar("_TapT", bound=PublishedTap, covariant=True)
@@ -61,6 +72,22 @@ class Piece(Generic[_TapT]):
     output_key: str = ""
     #: A request's inline tap reduced only these rows of the pass: its summary names that request alone.
     request: RequestRows | None = None
+
+
+def _charge(pieces: Sequence[Piece[PublishedTap]], built: Mapping[tuple[int, bool], float], seconds: float) -> None:
+    """Books a pass's publishing time to its taps, sampled pieces and unsampled apart: what building
+    their messages took, and the rest (the broker's fan-out, the sinks) in proportion to their pieces."""
+    counts: dict[tuple[int, bool], tuple[PublishedTap, int]] = {}
+    for p in pieces:
+        key = (id(p.tap), p.sampled)
+        tap, n = counts.get(key, (p.tap, 0))
+        counts[key] = (tap, n + 1)
+    rest = max(0.0, seconds - sum(built.values())) / max(1, len(pieces))
+    for key, (tap, n) in counts.items():
+        if key[1]:
+            tap.published_seconds += built.get(key, 0.0) + rest * n
+        else:
+            tap.published_always_seconds += built.get(key, 0.0) + rest * n
 
 
 class Publisher:
@@ -113,15 +140,22 @@ class Publisher:
                     basic.append((p, values[i]))
                     continue
             build.append(i)
-        summaries = self._summaries(ctx, [pieces[i] for i in build], [values[i] for i in build], rank) if build else []
-        self.broker.publish(summaries, live)
-        self.sinks.on_summaries(ctx, summaries)
-        if basic:
-            self.sinks.on_basic(ctx, basic)
+        start = time.perf_counter()
+        built: dict[tuple[int, bool], float] = {}  # seconds building messages, by (id(tap), sampled)
+        summaries = self._summaries(ctx, [pieces[i] for i in build], [values[i] for i in build], rank, built) \
+            if build else []
+        try:
+            self.broker.publish(summaries, live)
+            self.sinks.on_summaries(ctx, summaries)
+            if basic:
+                self.sinks.on_basic(ctx, basic)
+        finally:
+            _charge(pieces, built, time.perf_counter() - start)
 
     def _summaries(self, ctx: PassContext, pieces: Sequence[Piece[PublishedTap]], values: Sequence[np.ndarray],
-                   rank: int | None) -> list[pb.Summary]:
-        """The messages of these pieces of one pass, with the pass's fields written once."""
+                   rank: int | None, built: dict[tuple[int, bool], float]) -> list[pb.Summary]:
+        """The messages of these pieces of one pass, with the pass's fields written once; the seconds
+        spent on each tap's go to ``built`` (by ``(id(tap), sampled)``)."""
         wall = timestamp(ctx.wall_time)
         pass_part = SummaryWire.pass_part(ctx.index, ctx.step, wall.seconds, wall.nanos)
         rank_part = SummaryWire.rank_part(rank)
@@ -131,6 +165,8 @@ class Publisher:
         # A request's place and tail, made once per pass for its inline taps' pieces.
         own: dict[str, tuple[Place, bytes]] = {}
         summaries = []
+        clock = time.perf_counter
+        last = clock()
         for p, vec in zip(pieces, values):
             piece_place, piece_tail = place, tail
             if p.request is not None:
@@ -143,10 +179,15 @@ class Publisher:
             if layout is not None and p.lap is None:  # the common case: see summary_wire
                 results = results_bytes(layout, vec.tolist(), p.shape)
                 summary = self._wire.summary(p.tap.id, p.layer, p.tap.spec.point, p.output_index, p.call_index,
-                                             not p.sampled, pass_part, results, piece_tail, p.output_key)
+                                             not p.sampled, pass_part, results, piece_tail, p.output_key,
+                                             p.tap.throttle)
             else:
                 summary = self._summary(ctx, p, wall, vec, rank, piece_place)
             summaries.append(summary)
+            now = clock()
+            key = (id(p.tap), p.sampled)
+            built[key] = built.get(key, 0.0) + now - last
+            last = now
         return summaries
 
     @staticmethod
@@ -168,6 +209,8 @@ class Publisher:
             place.stamp(summary)
         if rank is not None:
             summary.rank, summary.has_rank = rank, True
+        if p.tap.throttle > 1:
+            summary.throttle = p.tap.throttle
         return summary
 
     # -- tap events (any thread) ---------------------------------------------------

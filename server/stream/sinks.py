@@ -115,6 +115,10 @@ class Sink:
     def on_hook_time(self, seconds: float) -> None:
         """Time the model thread spent in tap hooks during one pass."""
 
+    def on_overhead(self, share: float, floor: float, budget: float, throttled: int) -> None:
+        """A budget window ended (``taps.budget``): taps took ``share`` of pass time, ``floor`` of it beyond
+        any stride's reach, against ``budget``; ``throttled`` taps are thinned."""
+
     def on_delivery(self, dropped: int) -> None:
         """One message was queued for a subscriber, ``dropped`` older ones lost."""
 
@@ -199,6 +203,9 @@ class Sinks(Sink):
 
     def on_hook_time(self, seconds: float) -> None:
         self._each(lambda s: s.on_hook_time(seconds))
+
+    def on_overhead(self, share: float, floor: float, budget: float, throttled: int) -> None:
+        self._each(lambda s: s.on_overhead(share, floor, budget, throttled))
 
     def on_delivery(self, dropped: int) -> None:
         self._each(lambda s: s.on_delivery(dropped))

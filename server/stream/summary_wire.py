@@ -182,7 +182,7 @@ class SummaryWire:
     """Writes summaries from cached per-piece headers; one per engine (the host-transfer thread's)."""
 
     def __init__(self) -> None:
-        self._headers: dict[tuple[object, ...], tuple[bytes, bytes]] = {}
+        self._headers: dict[tuple[object, ...], tuple[bytes, bytes, bytes]] = {}
 
     @staticmethod
     def pass_part(pass_index: int, step: int | None, seconds: int, nanos: int) -> bytes:
@@ -201,13 +201,14 @@ class SummaryWire:
         return b"" if rank is None else _summary_field("rank", rank) + _summary_field("has_rank", 1)
 
     def summary(self, tap: str, layer: str, point: int, output_index: int, call_index: int, unsampled: bool,
-                pass_part: bytes, results: bytes, rank_part: bytes = b"", output_key: str = "") -> pb.Summary:
+                pass_part: bytes, results: bytes, rank_part: bytes = b"", output_key: str = "",
+                throttle: int = 1) -> pb.Summary:
         """A parsed ``Summary``; ``results`` is :func:`results_bytes` of its plan.
 
         ``rank_part`` is the summary's tail: a :meth:`Place.wire` (fields 13-16),
-        if any, then :meth:`rank_part`'s (20-21).
+        if any, then :meth:`rank_part`'s (20-21); ``throttle`` (22) follows it.
         """
-        key = (tap, layer, point, output_index, call_index, unsampled, output_key)
+        key = (tap, layer, point, output_index, call_index, unsampled, output_key, throttle)
         header = self._headers.get(key)
         if header is None:
             if len(self._headers) >= MAX_HEADERS:
@@ -217,5 +218,5 @@ class SummaryWire:
             rest = _summary_field("unsampled", unsampled) + _summary_field("call_index", call_index)
             if output_key:  # proto3 writes no empty string: nor do we
                 rest += _summary_field("output_key", output_key)
-            header = self._headers[key] = (head, rest)
-        return pb.Summary.FromString(header[0] + pass_part + results + header[1] + rank_part)
+            header = self._headers[key] = (head, rest, _summary_field("throttle", throttle) if throttle > 1 else b"")
+        return pb.Summary.FromString(header[0] + pass_part + results + header[1] + rank_part + header[2])

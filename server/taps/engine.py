@@ -30,35 +30,31 @@ import torch
 from layertap.server.compile.kernel import BATCH, DENSE, Signature
 from layertap.server.compile.serving import CompiledServing
 from layertap.server.compile.stats import CompiledStats
-from layertap.server.errors import AlreadyExists, InvalidField, LimitExceeded, NotFound, Unsupported, echo
+from layertap.server.errors import AlreadyExists, LimitExceeded, NotFound, echo
 from layertap.server.host.hooks import POINT_NAMES, CallArgs, ParamGrad
 from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
-from layertap.server.limits import check_name, check_ttl
 from layertap.server.reducers.batched import BATCH_DTYPES, PassBatch, Row
-from layertap.server.reducers.derive import derivation as derive_fn
 from layertap.server.reducers.derive import derive
 from layertap.server.reducers.latency import LayerTimer
-from layertap.server.reducers.plan import ReducerPlan, build_reducers
-from layertap.server.reducers.spec import TOKEN_MODEL_SOURCES, SpecError
+from layertap.server.reducers.spec import TOKEN_MODEL_SOURCES
 from layertap.server.reducers.transfer import DEFAULT_TRANSFER_BYTES, HostTransfer, PassBuffer
 from layertap.server.stream.broker import Broker
 from layertap.server.stream.publisher import Piece, Publisher
 from layertap.server.stream.sinks import Sinks, TapView
+from layertap.server.taps.budget import Governor
 from layertap.server.taps.firing import Firing, OpLayout, op_eligible
 from layertap.server.taps.graph import GraphFeed
+from layertap.server.taps.layer_hooks import TapHooks
 from layertap.server.taps.pass_decision import PassDecisions
 from layertap.server.taps.reuse import PassReuse, passthrough_parents
-from layertap.server.taps.sampling import Clock, Sampler
-from layertap.server.taps.selectors import MAX_SELECTOR_BYTES, select_layers
-from layertap.server.taps.tap import SERVER_OWNER, Tap, check_phases
+from layertap.server.taps.sampling import Clock
+from layertap.server.taps.spec_check import SpecChecker
+from layertap.server.taps.tap import SERVER_OWNER, Tap
 from layertap.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger("layertap.server")
 
 DEFAULT_TTL_SECONDS = 600.0
-#: Points a request's inline tap may watch: a Generate pass runs no backward.
-FORWARD_POINTS = (pb.POINT_OUTPUT, pb.POINT_INPUT)
-
 
 class TapEngine:
     """Owns every tap on a model host; is the host's pass observer.
@@ -68,13 +64,15 @@ class TapEngine:
             one the engine makes its own from ``broker`` and ``sinks``.
         stats: The compiled basic-statistics kernel its plans use (``app.py``'s); None: eager.
         graph: The host's compiled serving (``serve --compile-model``), fed the taps' in-graph statistics.
+        budget: The share of pass time hooks may take (``taps.budget``); 0, the default here, turns it off.
     """
 
     def __init__(self, host: ModelHost, broker: Broker | None = None, *, clock: Clock = time.monotonic,
                  wall: Clock = time.time, max_taps: int = 64, rng: random.Random | None = None,
                  transfer_queue: int = 64, sinks: Sinks | None = None,
                  transfer_bytes: int = DEFAULT_TRANSFER_BYTES, publisher: Publisher | None = None,
-                 stats: CompiledStats | None = None, graph: CompiledServing | None = None) -> None:
+                 stats: CompiledStats | None = None, graph: CompiledServing | None = None,
+                 budget: float = 0.0) -> None:
         self.host = host
         self.stats = stats
         self.publisher = publisher if publisher is not None else Publisher(broker, sinks)
@@ -84,9 +82,14 @@ class TapEngine:
         #: Whether the model's 3-d tensors are ``(batch, tokens, hidden)``: the
         #: default feature axis of per-channel reducers and drift is then the last.
         self.token_model = host.loaded.source in TOKEN_MODEL_SOURCES
-        self._rng = rng or random.Random()
+        self.checker = SpecChecker(host, self.publisher.sinks, token_model=self.token_model, stats=stats, clock=clock,
+                                   rng=rng or random.Random())
+        #: The overhead budget (``serve --tap-budget``): thins taps' sampling to keep hooks within it.
+        self.governor = Governor(budget, clock)
         self._lock = threading.RLock()
         self._taps: dict[str, Tap] = {}
+        #: The taps as a tuple, for the model thread's pass decision (copy-on-write under the lock).
+        self._tap_list: tuple[Tap, ...] = ()
         self._buffer: PassBuffer | None = None
         self._pieces: list[Piece[Tap]] = []
         self._hook_seconds = 0.0
@@ -110,8 +113,10 @@ class TapEngine:
         self._reuse_on = False
         #: Model thread only: each tap's pass, settled once (sampling, phases, request rows, padding).
         self.decisions = PassDecisions()
+        #: One hook per hooked (layer, point) for all taps; a pass calls the firings of the taps on in it.
+        self.tap_hooks = TapHooks(host.hooks, self._decide_all)
         #: Feeds compiled passes' in-graph statistics to the taps (``serve --compile-model``).
-        self.graph_feed = GraphFeed(host, self.all_taps, self._pass_buffer, graph)
+        self.graph_feed = GraphFeed(host, self.all_taps, self._pass_buffer, graph, self.tap_hooks.torch_handles)
         if graph is not None:
             graph.taps = self.graph_feed
         host.add_observer(self)
@@ -143,39 +148,9 @@ class TapEngine:
             NotFound: the selector matches no layer.
             LimitExceeded: too many taps.
         """
-        if spec.name:  # first, as the RPCs checked it before any other field
-            self.sinks.check_name(spec.name, owner=owner, field=f"{field_prefix}.name")
-        if not self.host.loaded.hooks_supported:
-            raise Unsupported(f"model source {self.host.loaded.source!r} does not support module hooks")
-        layers = select_layers(spec.selector, self.host.layer_names, f"{field_prefix}.selector",
-                               max_bytes=None if trusted_selector else MAX_SELECTOR_BYTES)
-        point = spec.point or pb.POINT_OUTPUT
-        if point not in POINT_NAMES:
-            raise InvalidField(f"{field_prefix}.point", f"unknown point {spec.point}")
-        if request_id is not None and point not in FORWARD_POINTS:
-            raise InvalidField(f"{field_prefix}.point", "a request's inline tap sees forward passes only: "
-                                                       "use point output or input")
-        phases = check_phases(spec, field_prefix)
-        try:
-            derivation = derive_fn(spec.derive, f"{field_prefix}.derive")
-        except SpecError as exc:
-            raise InvalidField(exc.field, exc.message) from None
-        if not spec.reducers:
-            raise InvalidField(f"{field_prefix}.reducers", "name at least one reducer, e.g. moments")
-        try:
-            reducers = build_reducers(list(spec.reducers), f"{field_prefix}.reducers", tokens=self.token_model)
-        except SpecError as exc:
-            raise InvalidField(exc.field, exc.message) from None
-        if ttl is not None:
-            check_ttl(ttl)
-        if spec.name:
-            check_name(spec.name, f"{field_prefix}.name")
-        sampler = Sampler(spec.sampling, clock=self.clock, rng=self._rng, field=f"{field_prefix}.sampling")
-        self.sinks.check_spec(spec, durable=kind == pb.TAP_KIND_DURABLE, field_prefix=field_prefix)
-        plan = self._foldable(ReducerPlan(reducers, kernel=self.stats), spec)
-        if plan.timed and point != pb.POINT_OUTPUT:
-            raise InvalidField(f"{field_prefix}.point", "the latency reducer times a module's forward: "
-                                                       "use point output")
+        checked = self.checker.check(spec, kind=kind, ttl=ttl, owner=owner, field_prefix=field_prefix,
+                                     trusted_selector=trusted_selector, request_id=request_id)
+        layers, point, plan = checked.layers, checked.point, checked.plan
         # Lock order everywhere: the model lock, then the engine lock. Hooks go
         # in between passes, so a tap never sees half a pass.
         with self.host.pass_lock(), self._lock:
@@ -190,17 +165,16 @@ class TapEngine:
             stored = pb.TapSpec()
             stored.CopyFrom(spec)
             stored.point = point
-            tap = Tap(tap_id, stored, kind, layers, plan, plan.nonfinite_only(), sampler, self.wall())
-            tap.owner = owner
-            tap.phases, tap.request_id, tap.derive = phases, request_id, derivation
+            tap = Tap(tap_id, stored, kind, layers, plan, plan.nonfinite_only(), checked.sampler, self.wall())
+            tap.owner, tap.governed = owner, owner != SERVER_OWNER
+            tap.phases, tap.request_id, tap.derive = checked.phases, request_id, checked.derivation
             tap.serving = self.graph_feed.serving
             if kind == pb.TAP_KIND_DURABLE and not forever:
                 life = DEFAULT_TTL_SECONDS if ttl is None else ttl
                 tap.expires_at = self.clock() + life
                 tap.expires_wall = self.wall() + life
             firings = self._firings[tap_id] = [Firing(tap, layer, self._on_hook, self._fail) for layer in layers]
-            for firing in firings:
-                tap.handles.append(self.host.hooks.add(firing.layer, point, firing))
+            self.tap_hooks.add(firings, point)
             if plan.timed:
                 # Added after the tap's own hook: its stop hook is prepended, so it runs first.
                 timer = tap.timer = LayerTimer(self.host.device)
@@ -213,6 +187,7 @@ class TapEngine:
 
                     tap.handles.append(self.host.hooks.add_timer(layer, start, stop))
             self._taps[tap_id] = tap
+            self._tap_list = tuple(self._taps.values())
             self._update_reuse()
             self._relayout()
         self.publisher.tap_created(tap)
@@ -229,14 +204,16 @@ class TapEngine:
     def delete(self, tap_id: str, reason: str = "deleted") -> Tap:
         with self._lock:
             tap = self._taps.pop(tap_id, None)
-            self._firings.pop(tap_id, None)
+            self._tap_list = tuple(self._taps.values())
             self._update_reuse()  # off before the hooks go: a firing meanwhile reduces afresh, never wrongly
             # A pass may be running (no model lock here): its layout stays until the pass ends; the
             # tap's hooks go now, so it fires no more.
             self._relayout_due = True
+            if tap is not None:
+                self._unhook(tap)
+            self._firings.pop(tap_id, None)
         if tap is None:
             raise NotFound(f"no tap {echo(tap_id)}; list taps with ListTaps / client.taps()")
-        self._unhook(tap)
         self.publisher.tap_removed(tap, reason)
         log.info("tap %s %s", tap_id, reason)
         return tap
@@ -251,31 +228,13 @@ class TapEngine:
                 the old one's plan: NotFound, as when the id is gone.
         """
         current: Tap = tap if tap is not None else self.get(tap_id)
-        try:
-            plan = ReducerPlan(build_reducers(reducers, f"{tap_id}.{layer}.reducers", tokens=self.token_model),
-                               kernel=self.stats)
-        except SpecError as exc:
-            raise InvalidField(exc.field, exc.message) from None
-        plan = self._foldable(plan, current.spec)
+        plan = self.checker.plan(reducers, f"{tap_id}.{layer}.reducers", current.spec)
         with self.host.pass_lock(), self._lock:  # between passes: a pass never mixes plans
             live = self._taps.get(tap_id)
             if live is None or live is not current:
                 raise NotFound(f"no tap {echo(tap_id)} (deleted or replaced meanwhile)")
             live.layer_plans[layer] = plan
             self._relayout()
-
-    def _foldable(self, plan: ReducerPlan, spec: pb.TapSpec) -> ReducerPlan:
-        """``plan``, once it is known to read the folded tensors of a tap that leaves padding out.
-
-        Raises:
-            InvalidField: A per-channel dim that names the batch or token axis.
-        """
-        if self.host.masked and not spec.keep_padding:
-            try:
-                plan.folded()
-            except SpecError as exc:
-                raise InvalidField(exc.field, exc.message) from None
-        return plan
 
     def get(self, tap_id: str) -> Tap:
         with self._lock:
@@ -333,8 +292,20 @@ class TapEngine:
         except Exception:
             log.exception("could not lay out the taps' rows; they run on the plan path until the next pass")
             self._relayout_due = True
+        finally:
+            self.tap_hooks.changed()  # bound or unbound: the layer hooks choose their firings again
+
+    def _decide_all(self, ctx: PassContext) -> tuple[bool, ...]:
+        """Every tap's pass, decided at the pass's first hook (``taps.layer_hooks``); whether each is on."""
+        taps = self._tap_list
+        decide = self.decisions.decide
+        for tap in taps:
+            decide(tap, ctx)
+        return tuple(t._on for t in taps)
 
     def _unhook(self, tap: Tap) -> None:
+        with self._lock:
+            self.tap_hooks.remove(self._firings.get(tap.id, ()), tap.spec.point)
         for h in tap.handles:
             h.remove()
         tap.handles.clear()
@@ -346,7 +317,7 @@ class TapEngine:
             return  # active-capture passes are never fed to taps
         if tap._pass != ctx.index:
             self.decisions.decide(tap, ctx)
-        if tap._skip:
+        if not tap._on:
             return  # as if the tap had no hook: nothing reduced, nothing for reuse to forget
         t0 = time.perf_counter()
         tensors: Sequence[tuple[str, torch.Tensor]]
@@ -419,7 +390,9 @@ class TapEngine:
         except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
             self._fail(tap, layer, exc)
         finally:
-            self._hook_seconds += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            self._hook_seconds += spent
+            tap._spent += spent
 
     def _pass_buffer(self) -> tuple[PassBuffer, list[Piece[Tap]]]:
         """The current pass's buffer (made on first use) and pieces: compiled passes feed them too."""
@@ -455,8 +428,7 @@ class TapEngine:
                     for firing in {id(f.tap): f for f in layout.firings}.values():
                         if not firing.tap.disabled:
                             self._fail(firing.tap, firing.layer, exc)
-            self._hook_seconds += layout.seconds
-            layout.seconds = 0.0
+            self._hook_seconds += layout.book()
         if self._relayout_due or (layout is not None and layout.grow):
             with self._lock:
                 self._relayout()
@@ -475,6 +447,9 @@ class TapEngine:
         hook_seconds, self._hook_seconds = self._hook_seconds, 0.0
         if hook_seconds:
             self.sinks.on_hook_time(hook_seconds)
+        governor = self.governor
+        if governor.pass_ended(time.perf_counter() - ctx.started, hook_seconds, self.all_taps):
+            self.sinks.on_overhead(governor.share, governor.floor, governor.budget, governor.throttled)
         if buffer is None or not pieces or ctx.failed:
             self.sinks.on_pass_skipped(ctx)  # a pass whose forward raised publishes nothing
             return

@@ -211,6 +211,14 @@ class OpLayout:
             f.module, f.pass_index, f.calls = modules[key], -1, 0
             f.layout = self
 
+    def book(self) -> float:
+        """This pass's seconds in op calls, booked to the taps it sampled for the budget; cleared."""
+        seconds, self.seconds = self.seconds, 0.0
+        sampled = [t for t in self.taps if t._sampled]
+        for tap in sampled:  # the rest of it (flags 0 and 2) is the budget's fixed cost
+            tap._spent += seconds / len(sampled)
+        return seconds
+
     def unbind(self) -> None:
         """Hands every firing back to the plan path (a new layout replaces this one)."""
         for f in self.firings:

@@ -55,8 +55,10 @@ class GraphFeed:
 
     def __init__(self, host: ModelHost, taps: Callable[[], list[Tap]],
                  pass_buffer: Callable[[], tuple[PassBuffer, list[Piece[Tap]]]],
-                 graph: CompiledServing | None = None) -> None:
+                 graph: CompiledServing | None, owned_hooks: Callable[[list[Tap]], int]) -> None:
         self._host = host
+        #: The torch hooks that serve the given taps (``TapHooks.torch_handles``): any other hook means eager.
+        self._owned_hooks = owned_hooks
         self._graph = graph
         self._taps = taps
         self._pass_buffer = pass_buffer
@@ -110,7 +112,7 @@ class GraphFeed:
         taps = [t for t in self._taps() if not t.disabled]
         graph = [t for t in taps if self.in_graph(t)]
         self._pass_taps = graph
-        owned = sum(len(h._handles) for t in graph for h in t.handles)
+        owned = self._owned_hooks(graph)
         key = self._key(graph)
         eager = len(graph) != len(taps) or self._host.hooks.active != owned
         mask = ctx.attention_mask

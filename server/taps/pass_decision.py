@@ -22,6 +22,31 @@ from layertap.server.taps.tap import Tap
 __all__ = ["PassDecisions"]
 
 
+def thin(tap: Tap, picked: bool) -> tuple[bool, bool]:
+    """Whether the tap samples this pass, and whether its always-on part runs, once the overhead budget
+    (``taps.budget``) has thinned them: each runs 1 in its stride of the passes it would have run on."""
+    cost = tap.cost
+    sampled = picked
+    if picked:
+        cost.picked += 1
+        if tap.throttle > 1:
+            cost.thin += 1
+            sampled = cost.thin >= tap.throttle
+            if sampled:
+                cost.thin = 0
+        cost.sampled_passes += sampled
+    always = not sampled and tap.always is not None
+    if always:
+        cost.eligible += 1
+        if cost.always_stride > 1:
+            cost.thin_always += 1
+            always = cost.thin_always >= cost.always_stride
+            if always:
+                cost.thin_always = 0
+        cost.always_passes += always
+    return sampled, always
+
+
 class PassDecisions:
     """Decides each tap's pass; holds the current pass's padding, made at the first tap that leaves it out.
 
@@ -37,14 +62,15 @@ class PassDecisions:
             return
         # Cleared before anything that may raise: a firing later in the pass never sees the last pass's state.
         tap.calls.clear()
+        tap.settle()  # before _sampled changes
         tap._padding = tap._cut = None
         tap._skip, tap._sampled, tap._on = True, False, False
         tap._pass = ctx.index
         tap._skip = tap.disabled or not self._feeds(tap, ctx)
         if not tap._skip:  # a pass the tap does not see takes no sampling budget
-            tap._sampled = tap.sampler.sample()
+            sampled, always = thin(tap, tap.sampler.sample())
+            tap._sampled, tap._on = sampled, sampled or always
             tap._padding = self._padding_of(tap, ctx)
-            tap._on = tap._sampled or tap.always is not None
 
     def pass_ended(self) -> None:
         self._padding = (-1, None)

@@ -25,6 +25,36 @@ from layertap.v1 import telemetry_pb2 as pb
 SERVER_OWNER = ""
 
 
+@dataclass(slots=True)
+class TapCost:
+    """One tap's figures for the overhead budget (``taps.budget``), over its current window.
+
+    The model thread writes them (``taps.pass_decision``, :meth:`Tap.settle`); the governor reads and
+    clears them at the window's end, on the same thread.
+    """
+
+    #: Hook and publishing seconds of its sampled passes, and those passes.
+    sampled_seconds: float = 0.0
+    sampled_passes: int = 0
+    #: Passes its own sampling picked (before the budget's thinning).
+    picked: int = 0
+    #: The same for its always-on part (``nonfinite`` on unsampled passes): seconds, passes it ran,
+    #: and unsampled passes it could have run on.
+    always_seconds: float = 0.0
+    always_passes: int = 0
+    eligible: int = 0
+    #: Its last measured cost per sampled pass and per always-on pass (kept while a window measures none).
+    per_sampled: float = 0.0
+    per_always: float = 0.0
+    #: ``Tap.published_*seconds`` already counted.
+    published_seen: float = 0.0
+    published_always_seen: float = 0.0
+    #: The always-on part's stride, and the picks since each part's last thinned run.
+    always_stride: int = 1
+    thin: int = 0
+    thin_always: int = 0
+
+
 @dataclass
 class Tap:
     """A registered tap and its counters."""
@@ -72,10 +102,34 @@ class Tap:
     _padding: PaddingCut | None = None
     #: The current pass gives it a result (its flag in ``taps.firing``): seen, and sampled or with ``always``.
     _on: bool = False
+    #: Whether the overhead budget may thin it: a client's tap (CreateTap, Subscribe, Generate), not the
+    #: server's own (``--taps`` files, drift baselines, made owner SERVER_OWNER whoever asked for them).
+    governed: bool = True
+    #: The overhead budget's thinning (``taps.budget``): it samples 1 in ``throttle`` of the passes its own
+    #: sampling picks (1: all), and why; its figures for the budget.
+    throttle: int = 1
+    throttle_reason: str = ""
+    cost: TapCost = field(default_factory=lambda: TapCost())
+    #: Hook seconds of the current pass (the model thread's; :meth:`settle` books them).
+    _spent: float = 0.0
+    #: Seconds the host-transfer thread spent publishing its sampled pieces and its unsampled
+    #: (always-on) ones; that thread is their only writer.
+    published_seconds: float = 0.0
+    published_always_seconds: float = 0.0
 
     @property
     def durable(self) -> bool:
         return self.kind == pb.TAP_KIND_DURABLE
+
+    def settle(self) -> None:
+        """Books the last pass's hook time for the budget: to its sampled passes', its always-on part's, or
+        to neither (what a pass it is off in costs is the budget's fixed part)."""
+        if self._spent:
+            if self._sampled:
+                self.cost.sampled_seconds += self._spent
+            elif self._on:
+                self.cost.always_seconds += self._spent
+            self._spent = 0.0
 
     def info(self) -> pb.TapInfo:
         msg = pb.TapInfo(
@@ -83,6 +137,7 @@ class Tap:
             drops=self.drops, errors=self.errors, last_error=self.last_error, disabled=self.disabled,
             created_at=timestamp(self.created_wall), owner=self.owner,
             serving=self.serving(self) if self.serving is not None else pb.TAP_SERVING_EAGER,
+            throttle=self.throttle, throttle_reason=self.throttle_reason,
         )
         if self.expires_wall is not None:
             msg.expires_at.CopyFrom(timestamp(self.expires_wall))

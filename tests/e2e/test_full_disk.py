@@ -158,6 +158,41 @@ def test_a_baseline_on_a_full_disk_is_unsaved_until_a_retry_writes_it(disk: Disk
     assert [(d.layer, d.state, d.baseline_passes) for d in reloaded] == [(layer, "ready", 5) for layer in LAYERS]
 
 
+def test_a_baseline_still_unsaved_at_shutdown_is_logged_and_counted_as_lost(disk: Disk, make_server,  # type: ignore[no-untyped-def]
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A stop (SIGTERM) while the disk is full: one last write, then an error line and a count, not silence."""
+    bdir = disk.root / "baselines"
+    bdir.mkdir()
+    disk.fill()
+    srv = make_server(perturbable_loaded(), metrics_port=0, baseline_dir=str(bdir))
+    with layertap.Client(f"127.0.0.1:{srv.port}") as client:
+        client.set_baseline("layer*", passes=5, window=5)
+        feed(srv, client, 5)
+        assert {d.state for d in client.drift()} == {"unsaved"}
+    with caplog.at_level(logging.ERROR, logger="layertap.server"):
+        srv.stop(0)
+    lost = [r.getMessage() for r in caplog.records if "are lost" in r.getMessage()]
+    assert len(lost) == 1 and "4 frozen baseline layer(s)" in lost[0] and ENOSPC_TEXT in lost[0], lost
+    assert srv.state.registry.get_sample_value("layertap_baselines_lost_total", {"model": "perturbable"}) == 4
+
+
+def test_a_baseline_the_last_write_saves_is_not_lost(disk: Disk, make_server,  # type: ignore[no-untyped-def]
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    bdir = disk.root / "baselines"
+    bdir.mkdir()
+    disk.fill()
+    srv = make_server(perturbable_loaded(), baseline_dir=str(bdir))
+    with layertap.Client(f"127.0.0.1:{srv.port}") as client:
+        client.set_baseline("layer*", passes=5, window=5)
+        feed(srv, client, 5)
+        assert {d.state for d in client.drift()} == {"unsaved"}
+    disk.free()  # the disk has room again, but the next retry is seconds away: the stop writes them
+    with caplog.at_level(logging.ERROR, logger="layertap.server"):
+        srv.stop(0)
+    assert not [r for r in caplog.records if "are lost" in r.getMessage()]
+    assert len(list(bdir.glob("baseline-*.json"))) == 4
+
+
 def _guard_taps(path: Path) -> str:
     path.write_text(json.dumps({"taps": [{
         "name": "guard", "selector": "layer[12]", "reducers": ["moments", "minmax", "nonfinite"],
@@ -183,9 +218,11 @@ def test_failed_incident_writes_leave_no_temporary_files(disk: Disk, make_server
             if i:
                 time.sleep(1.1)  # past the trigger's min_interval_seconds
             _nan_pass(srv, client)
-        failures = [r for r in caplog.records if r.levelno >= logging.ERROR and r.exc_info
-                    and ENOSPC_TEXT in str(r.exc_info[1])]
+        failures = [r for r in caplog.records if r.levelno >= logging.ERROR and "recording incidents" in r.getMessage()]
+        # One line per failure, the traceback with the first only (a full disk fails about once a second).
         assert len(failures) == 3, caplog.text
+        assert [r.exc_info is not None for r in failures] == [True, False, False], caplog.text
+        assert ENOSPC_TEXT in str(failures[0].exc_info[1]) and all(ENOSPC_TEXT in r.getMessage() for r in failures[1:])
         assert sorted(p.name for p in idir.iterdir()) == []  # no incident and no temporary file
         assert Incidents(client).list() == []
 

@@ -33,3 +33,6 @@ class FakeTap:
     durable: bool = True
     hits: int = 0
     disabled: bool = False
+    throttle: int = 1
+    published_seconds: float = 0.0
+    published_always_seconds: float = 0.0

@@ -1,0 +1,225 @@
+"""The overhead budget: taps may cost at most a fraction of the model's pass time.
+
+Why: any client with the ``read`` scope can attach taps, and each costs host
+time on every pass it samples. Continuous profilers keep to a budget by
+adapting their sampling; so does this governor (``serve --tap-budget``,
+default 5%).
+
+What counts: the model thread's time in tap hooks, and the host-transfer
+thread's time publishing the taps' pieces (``Tap.published_seconds``). The
+second runs beside the model, but it holds the same GIL: with thirty wide
+subscribers it was most of what slowed Infer once the hooks were thinned.
+
+How it works, once per window (``WINDOW_SECONDS`` and ``WINDOW_PASSES``):
+
+- **Measure.** That time in the window against the window's pass time gives
+  the share. Each tap's hook time is split by the engine into its sampled
+  passes' (``Tap.settle``) and the rest, and its publishing goes with its
+  sampled passes, so the full-rate demand of a tap is *its cost per sampled
+  pass* times *the share of passes its own sampling picks*: a figure that
+  does not depend on the stride the governor set, so the control is stable.
+- **Allocate.** What the budget leaves after the costs no stride can cut
+  (per-pass work, the server's own taps: ``--taps`` files and drift
+  baselines, never thinned) is shared max-min fairly: first
+  across principals (``Tap.owner``), then across each principal's taps. A
+  tap that needs less than its share keeps every pass and leaves the rest to
+  the others; the most expensive taps are the ones thinned.
+- **Thin.** A tap whose demand exceeds its share samples one in ``stride``
+  of the passes its own sampling picks (``Tap.throttle``), with the reason
+  in ``Tap.throttle_reason``. Thinned passes are unsampled passes: a tap with
+  ``nonfinite`` still counts non-finite values on them, and a sampled pass is
+  still reduced exactly. Those always-on parts get the room first; only when
+  they alone exceed it are they thinned too (``TapCost.always_stride``).
+- **Correct.** A gain follows the measured share (down 20% a window while
+  over the budget, back up slowly below 80% of it), so costs the model does
+  not see (caches, the publisher's hold on the GIL) are still bounded.
+
+Model thread only, apart from the figures it publishes (plain attributes).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from layertap.server.taps.tap import Tap, TapCost
+
+__all__ = ["DEFAULT_BUDGET", "MAX_STRIDE", "Governor", "fair_shares"]
+
+#: ``serve --tap-budget``'s default: hooks may take 5% of the model thread's pass time.
+DEFAULT_BUDGET = 0.05
+#: The sparsest thinning: one in this many of a tap's sampled passes.
+MAX_STRIDE = 1000
+#: A window ends after this many seconds and passes, both.
+WINDOW_SECONDS = 0.5
+WINDOW_PASSES = 8
+#: The gain's floor, its step down while over the budget and its step up well under it.
+_GAIN_MIN, _GAIN_DOWN, _GAIN_UP = 0.02, 0.8, 1.1
+
+
+def fair_shares(total: float, demands: Sequence[float]) -> list[float]:
+    """Max-min fair split of ``total``: who asks for less than an equal share gets it, the rest share the remainder."""
+    shares = [0.0] * len(demands)
+    left, todo = max(total, 0.0), sorted(range(len(demands)), key=lambda i: demands[i])
+    while todo:
+        equal = left / len(todo)
+        i = todo[0]
+        if demands[i] <= equal:
+            shares[i] = demands[i]
+            left -= demands[i]
+            todo.pop(0)
+        else:
+            for j in todo:
+                shares[j] = equal
+            break
+    return shares
+
+
+@dataclass
+class _Window:
+    started: float
+    passes: int = 0
+    pass_seconds: float = 0.0
+    hook_seconds: float = 0.0
+
+
+class Governor:
+    """Thins the taps' sampling to keep hook time under ``budget`` of pass time (0: off).
+
+    Args:
+        budget: The fraction of pass time hooks may take, in [0, 1).
+        clock: Monotonic seconds (tests pass a fake).
+    """
+
+    def __init__(self, budget: float = DEFAULT_BUDGET, clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0.0 <= budget < 1.0:
+            raise ValueError(f"tap budget must be in [0, 1), got {budget}")
+        self.budget = budget
+        self._clock = clock
+        self._window = _Window(clock())
+        self.gain = 1.0
+        #: The last window's share of pass time the taps took, the part of it no stride can cut (the
+        #: floor: hooks of layers whose taps are all off, deciding each pass), and the taps thinned.
+        self.share = 0.0
+        self.floor = 0.0
+        self.throttled = 0
+
+    @property
+    def on(self) -> bool:
+        return self.budget > 0.0
+
+    def pass_ended(self, pass_seconds: float, hook_seconds: float, taps: Callable[[], Iterable[Tap]]) -> bool:
+        """Counts one pass; at a window's end, sets every tap's stride. True when it did."""
+        w = self._window
+        w.passes += 1
+        w.pass_seconds += pass_seconds
+        w.hook_seconds += hook_seconds
+        now = self._clock()
+        if w.passes < WINDOW_PASSES or now - w.started < WINDOW_SECONDS:
+            return False
+        self._window = _Window(now)
+        self._allocate(list(taps()), w)
+        return True
+
+    def _allocate(self, taps: list[Tap], w: _Window) -> None:
+        for tap in taps:
+            tap.settle()  # the window's last pass too
+            # Its publishing (host-transfer thread, the same GIL) is part of what its passes cost.
+            cost, sampled, always = tap.cost, tap.published_seconds, tap.published_always_seconds
+            cost.sampled_seconds += sampled - cost.published_seen
+            cost.always_seconds += always - cost.published_always_seen
+            w.hook_seconds += sampled - cost.published_seen + always - cost.published_always_seen
+            cost.published_seen, cost.published_always_seen = sampled, always
+        self.share = w.hook_seconds / w.pass_seconds if w.pass_seconds > 0 else 0.0
+        # The server's own taps (--taps files, drift baselines: an operator's standing monitors, whose
+        # windows and readiness count their passes) are never thinned: their cost is part of the floor.
+        mine = [t for t in taps if not t.governed]
+        taps = [t for t in taps if t.governed]
+        fixed = max(0.0, w.hook_seconds - sum(t.cost.sampled_seconds + t.cost.always_seconds for t in taps))
+        self.floor = fixed / w.pass_seconds if w.pass_seconds > 0 else 0.0
+        demands = [_account(tap.cost, w.passes) for tap in taps]
+        for tap in mine:
+            _account(tap.cost, w.passes)
+            _unthrottle(tap)
+        self.throttled = 0
+        if not self.on:
+            for tap in taps:
+                _unthrottle(tap)
+            return
+        # Over the budget, less room next time; but only for a part strides can cut: a floor over the
+        # budget leaves every tap at its sparsest, and a gain driven down by it would be slow to come back.
+        if self.share > self.budget and self.share - self.floor > 0.2 * self.budget:
+            self.gain = max(_GAIN_MIN, self.gain * _GAIN_DOWN)
+        elif self.share < 0.8 * self.budget:
+            self.gain = min(1.0, self.gain * _GAIN_UP)
+        per_pass = w.pass_seconds / w.passes
+        room = max(0.0, self.gain * self.budget * per_pass - fixed / w.passes)
+        # The always-on parts (nonfinite on every pass) first; what they leave, to the sampled passes.
+        always = self._shares(taps, [d[1] for d in demands], room)
+        left = room - sum(min(d[1], a) for d, a in zip(demands, always))
+        sampled = self._shares(taps, [d[0] for d in demands], left)
+        for tap, (demand, always_demand), share, always_share in zip(taps, demands, sampled, always):
+            stride, always_stride = _stride(demand, share), _stride(always_demand, always_share)
+            cost = tap.cost
+            # Each tap at its own phase (taps thinned alike would all sample one pass, a burst); a new
+            # stride keeps the count so far, so a stride revised every window never starves a tap.
+            if stride > 1:
+                cost.thin = _phase(tap, stride) if tap.throttle == 1 else min(cost.thin, stride - 1)
+            if always_stride > 1:
+                cost.thin_always = _phase(tap, always_stride) if cost.always_stride == 1 else \
+                    min(cost.thin_always, always_stride - 1)
+            tap.throttle, cost.always_stride = stride, always_stride
+            self.throttled += stride > 1 or always_stride > 1
+            tap.throttle_reason = "" if stride == always_stride == 1 else (
+                f"overhead budget: --tap-budget {self.budget:g} leaves taps {room * 1e3:.3f} ms a pass (passes "
+                f"take {per_pass * 1e3:.3f} ms; taps took {self.share:.1%}). At every pass its sampling picks "
+                f"this tap would cost {demand * 1e3:.3f} ms a pass, and its fair share is {share * 1e3:.3f} ms, "
+                f"so it samples 1 in {stride} of its passes"
+                + ("" if always_stride == 1 else
+                   f"; its always-on part (nonfinite on unsampled passes) would cost {always_demand * 1e3:.3f} ms "
+                   f"of a {always_share * 1e3:.3f} ms share, so it runs on 1 in {always_stride} of them"))
+
+    @staticmethod
+    def _shares(taps: list[Tap], demands: list[float], room: float) -> list[float]:
+        """Max-min fair shares of ``room``: across principals (``Tap.owner``), then across each one's taps."""
+        owners: dict[str, list[int]] = {}
+        for i, tap in enumerate(taps):
+            owners.setdefault(tap.owner, []).append(i)
+        groups = list(owners.values())
+        shares = [0.0] * len(taps)
+        for group, owner_share in zip(groups, fair_shares(room, [sum(demands[i] for i in g) for g in groups])):
+            for i, share in zip(group, fair_shares(owner_share, [demands[i] for i in group])):
+                shares[i] = share
+        return shares
+
+
+def _unthrottle(tap: Tap) -> None:
+    tap.throttle, tap.cost.always_stride, tap.throttle_reason = 1, 1, ""
+
+
+def _stride(demand: float, share: float) -> int:
+    """1 in how many runs fit ``demand`` into ``share``."""
+    if demand <= share * (1 + 1e-9):
+        return 1
+    return MAX_STRIDE if share <= 0 else min(MAX_STRIDE, math.ceil(demand / share))
+
+
+def _phase(tap: Tap, stride: int) -> int:
+    return zlib.crc32(tap.id.encode()) % stride
+
+
+def _account(cost: TapCost, passes: int) -> tuple[float, float]:
+    """A tap's full-rate demands (seconds a pass: its sampled passes', its always-on part's) from its
+    window's figures, which it then clears. A cost per pass is kept from an earlier window when this
+    one measured none."""
+    if cost.sampled_passes:
+        cost.per_sampled = cost.sampled_seconds / cost.sampled_passes
+    if cost.always_passes:
+        cost.per_always = cost.always_seconds / cost.always_passes
+    demands = cost.per_sampled * cost.picked / passes, cost.per_always * cost.eligible / passes
+    cost.sampled_seconds = cost.always_seconds = 0.0
+    cost.sampled_passes = cost.picked = cost.always_passes = cost.eligible = 0
+    return demands
