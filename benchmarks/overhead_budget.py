@@ -6,7 +6,8 @@ client give p50 and p95 idle, then with 1, 5 and 30 subscribers whose stream
 taps cover every layer (``**``: moments, histogram, per_channel). The
 subscribers live in another process, as real clients do, and either never read
 or read as fast as messages come. Each row prints its p50 and p95 against the
-same server's idle figures, the summaries each subscriber got (min over
+same server's idle figures, measured right before and right after the row
+(their pooled calls), the summaries each subscriber got (min over
 subscribers) and the strides the budget set (``Summary.throttle``).
 
     python benchmarks/overhead_budget.py --requests 200
@@ -115,24 +116,27 @@ def main() -> int:
     p.add_argument("--budgets", default="0.05,0")
     args = p.parse_args()
     print(f"# {platform.processor() or platform.machine()}, {platform.python_version()}")
-    print("| budget | subscribers | reading | Infer p50 ms | p95 ms | p50 vs idle | p95 vs idle | "
+    print("| budget | subscribers | reading | idle p50 / p95 ms | Infer p50 ms | p95 ms | p50 vs idle | p95 vs idle | "
           "summaries (min per subscriber) | sampled (min) | strides seen |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for budget in (float(b) for b in args.budgets.split(",")):
         proc, port = start_server(budget)
         try:
-            idle = latencies(port, args.requests)
-            p50, p95 = np.percentile(idle, 50), np.percentile(idle, 95)
-            print(f"| {budget:g} | 0 | | {p50:.2f} | {p95:.2f} | 1.00 | 1.00 | | | |", flush=True)
+            after = latencies(port, args.requests)
             for n in (int(c) for c in args.counts.split(",")):
                 for mode in ("never", "read"):
+                    before = after
                     ms, rep = with_subscribers(port, n, mode, args.requests, args.settle)
+                    after = latencies(port, args.requests)
+                    idle = np.concatenate([before, after])
+                    p50, p95 = np.percentile(idle, 50), np.percentile(idle, 95)
                     q50, q95 = np.percentile(ms, 50), np.percentile(ms, 95)
                     strides = ", ".join(f"{k}: {v}" for k, v in sorted(rep["strides"].items(), key=lambda kv:
                                                                        int(kv[0])))
                     got = f"{min(rep['got'])}" if mode == "read" else "(not read)"
                     sampled = f"{min(rep['sampled'])}" if mode == "read" else ""
-                    print(f"| {budget:g} | {n} | {mode} | {q50:.2f} | {q95:.2f} | {q50 / p50:.2f} | {q95 / p95:.2f} "
+                    print(f"| {budget:g} | {n} | {mode} | {p50:.2f} / {p95:.2f} | {q50:.2f} | {q95:.2f} | {q50 / p50:.2f} "
+                          f"| {q95 / p95:.2f} "
                           f"| {got} | {sampled} | {strides} |", flush=True)
         finally:
             proc.terminate()

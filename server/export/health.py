@@ -99,8 +99,10 @@ class ServerMetrics:
         ).labels(model_name)
         self.overhead_floor = Gauge(
             "layertap_tap_overhead_floor_share",
-            "The part of layertap_tap_overhead_share no sampling stride can cut (hooks of layers whose taps are "
-            "all off, the per-pass decision); above --tap-budget, every tap already runs at its sparsest.",
+            "The part of layertap_tap_overhead_share no sampling stride can cut: the layer hooks' dispatch and "
+            "the pass's one decision for all taps, work no tap's figure holds (small tensors reduced together at "
+            "the pass's end), the server's own taps (--taps, baselines); above --tap-budget, every tap already "
+            "runs at its sparsest.",
             m, registry=r,
         ).labels(model_name)
         self.tap_budget = Gauge(

@@ -283,6 +283,11 @@ class ModelHost:
             finally:
                 self.end_pass(ctx)
 
+    def current_pass_index(self) -> int | None:
+        """The index of the pass running now, if any (any thread: a snapshot)."""
+        ctx = self._current
+        return None if ctx is None else ctx.index
+
     def begin_pass(self, *, step: int | None = None, active_owner: object | None = None) -> PassContext:
         """Make a new pass current. The caller serialises passes: the model
         lock (:meth:`pass_context`), or being the training loop's thread."""

@@ -217,9 +217,12 @@ def _account(cost: TapCost, passes: int) -> tuple[float, float]:
     one measured none."""
     if cost.sampled_passes:
         cost.per_sampled = cost.sampled_seconds / cost.sampled_passes
+        cost.sampled_seconds = 0.0
     if cost.always_passes:
         cost.per_always = cost.always_seconds / cost.always_passes
+        cost.always_seconds = 0.0
+    # Seconds with no pass to divide by are kept for the next window: publishing lands after its pass,
+    # often in the next window, and a thinned tap's window may hold none of its sampled passes.
     demands = cost.per_sampled * cost.picked / passes, cost.per_always * cost.eligible / passes
-    cost.sampled_seconds = cost.always_seconds = 0.0
     cost.sampled_passes = cost.picked = cost.always_passes = cost.eligible = 0
     return demands

@@ -45,7 +45,7 @@ from layertap.server.taps.budget import Governor
 from layertap.server.taps.firing import Firing, OpLayout, op_eligible
 from layertap.server.taps.graph import GraphFeed
 from layertap.server.taps.layer_hooks import TapHooks
-from layertap.server.taps.pass_decision import PassDecisions
+from layertap.server.taps.pass_decision import PassDecisions, refund
 from layertap.server.taps.reuse import PassReuse, passthrough_parents
 from layertap.server.taps.sampling import Clock
 from layertap.server.taps.spec_check import SpecChecker
@@ -167,6 +167,8 @@ class TapEngine:
             stored.point = point
             tap = Tap(tap_id, stored, kind, layers, plan, plan.nonfinite_only(), checked.sampler, self.wall())
             tap.owner, tap.governed = owner, owner != SERVER_OWNER
+            # Made during a pass (a training step runs without the model lock): it starts with the next.
+            tap.born = self.host.current_pass_index()
             tap.phases, tap.request_id, tap.derive = checked.phases, request_id, checked.derivation
             tap.serving = self.graph_feed.serving
             if kind == pb.TAP_KIND_DURABLE and not forever:
@@ -295,17 +297,22 @@ class TapEngine:
         finally:
             self.tap_hooks.changed()  # bound or unbound: the layer hooks choose their firings again
 
-    def _decide_all(self, ctx: PassContext) -> tuple[bool, ...]:
-        """Every tap's pass, decided at the pass's first hook (``taps.layer_hooks``); whether each is on."""
+    def _decide_all(self, ctx: PassContext) -> tuple[int, ...]:
+        """Every tap's pass, decided at the pass's first hook (``taps.layer_hooks``); each tap's id,
+        negated when it is off. A tap whose decision raises is disabled; the others are decided."""
         taps = self._tap_list
         decide = self.decisions.decide
         for tap in taps:
-            decide(tap, ctx)
-        return tuple(t._on for t in taps)
+            try:
+                decide(tap, ctx)
+            except Exception as exc:  # noqa: BLE001 - a tap must never fail inference
+                tap._skip, tap._on = True, False
+                self._fail(tap, "(its pass decision)", exc)
+        return tuple(id(t) if t._on else -id(t) for t in taps)
 
     def _unhook(self, tap: Tap) -> None:
-        with self._lock:
-            self.tap_hooks.remove(self._firings.get(tap.id, ()), tap.spec.point)
+        with self._lock:  # its own firings: a tap made since under the same id keeps its own
+            self.tap_hooks.remove([f for f in self._firings.get(tap.id, ()) if f.tap is tap], tap.spec.point)
         for h in tap.handles:
             h.remove()
         tap.handles.clear()
@@ -390,9 +397,7 @@ class TapEngine:
         except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
             self._fail(tap, layer, exc)
         finally:
-            spent = time.perf_counter() - t0
-            self._hook_seconds += spent
-            tap._spent += spent
+            tap._spent += time.perf_counter() - t0  # the pass's total is its layer hooks' (taps.layer_hooks)
 
     def _pass_buffer(self) -> tuple[PassBuffer, list[Piece[Tap]]]:
         """The current pass's buffer (made on first use) and pieces: compiled passes feed them too."""
@@ -420,6 +425,10 @@ class TapEngine:
         self._buffer, self._pieces = None, []
         self._reuse.clear()
         self.decisions.pass_ended()
+        for tap in self._tap_list:  # decided for the pass at its start: those that saw none of it get it back
+            if tap._pass == ctx.index and not tap.calls and not self.tap_hooks.ran(self._firings.get(tap.id, ()),
+                                                                                   ctx.index):
+                refund(tap)
         if layout is not None:
             if buffer is not None:
                 try:
@@ -428,7 +437,7 @@ class TapEngine:
                     for firing in {id(f.tap): f for f in layout.firings}.values():
                         if not firing.tap.disabled:
                             self._fail(firing.tap, firing.layer, exc)
-            self._hook_seconds += layout.book()
+            layout.book()  # to its taps (the pass's total is in the layer hooks' already)
         if self._relayout_due or (layout is not None and layout.grow):
             with self._lock:
                 self._relayout()
@@ -444,7 +453,7 @@ class TapEngine:
 
             self._batch.finish(buffer.add_rows, failed)
             self._hook_seconds += time.perf_counter() - t0
-        hook_seconds, self._hook_seconds = self._hook_seconds, 0.0
+        hook_seconds, self._hook_seconds = self._hook_seconds + self.tap_hooks.take_seconds(), 0.0
         if hook_seconds:
             self.sinks.on_hook_time(hook_seconds)
         governor = self.governor

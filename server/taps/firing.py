@@ -90,7 +90,7 @@ class Firing:
     plan path.
     """
 
-    __slots__ = ("tap", "layer", "plan_path", "fail", "layout", "module", "pass_index", "calls", "need")
+    __slots__ = ("tap", "layer", "plan_path", "fail", "layout", "module", "pass_index", "calls", "need", "hook")
 
     def __init__(self, tap: Tap, layer: str, plan_path: PlanPath, fail: Fail) -> None:
         self.tap, self.layer, self.plan_path, self.fail = tap, layer, plan_path, fail
@@ -100,6 +100,8 @@ class Firing:
         self.calls = 0
         #: The most calls seen in one pass: the layout's next rebuild gives the module as many rows.
         self.need = 1
+        #: The layer hook that calls it (``taps.layer_hooks.LayerHook``; its ``fired`` says whether the layer ran).
+        self.hook: Any = None
 
     def __call__(self, ctx: PassContext, value: Any) -> None:
         layout, module = self.layout, self.module
@@ -211,13 +213,12 @@ class OpLayout:
             f.module, f.pass_index, f.calls = modules[key], -1, 0
             f.layout = self
 
-    def book(self) -> float:
-        """This pass's seconds in op calls, booked to the taps it sampled for the budget; cleared."""
+    def book(self) -> None:
+        """Books this pass's seconds in op calls to the taps it sampled, for the budget; clears them."""
         seconds, self.seconds = self.seconds, 0.0
         sampled = [t for t in self.taps if t._sampled]
         for tap in sampled:  # the rest of it (flags 0 and 2) is the budget's fixed cost
             tap._spent += seconds / len(sampled)
-        return seconds
 
     def unbind(self) -> None:
         """Hands every firing back to the plan path (a new layout replaces this one)."""

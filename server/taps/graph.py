@@ -32,6 +32,7 @@ from layertap.server.host.model_host import ModelHost, PassContext
 from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.reducers.transfer import PassBuffer
 from layertap.server.stream.publisher import Piece
+from layertap.server.taps.pass_decision import thin
 from layertap.server.taps.reuse import passthrough_parents
 from layertap.server.taps.tap import Tap
 from layertap.v1 import telemetry_pb2 as pb
@@ -132,13 +133,15 @@ class GraphFeed:
         for tap in self._pass_taps:
             if tap._pass != ctx.index:
                 tap.calls.clear()
+                tap.settle()
                 tap._pass, tap._padding, tap._cut, tap._skip = ctx.index, None, None, False
-                tap._sampled = tap.sampler.sample()
+                sampled, always = thin(tap, tap.sampler.sample())  # the overhead budget's strides too
+                tap._sampled, tap._on = sampled, sampled or always
             for layer in tap.layers:
                 i = index.get(layer)
                 if i is None:
                     continue  # served by a graph without it (pending, or its compile failed)
-                plan = tap.layer_plans.get(layer, tap.plan) if tap._sampled else tap.always
+                plan = tap.layer_plans.get(layer, tap.plan) if tap._sampled else tap.always if tap._on else None
                 if plan is None:
                     continue
                 tap.calls[layer] = 1

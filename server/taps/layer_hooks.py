@@ -13,6 +13,7 @@ of firings to call is rebuilt only when the set of taps that are on changes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,7 +28,7 @@ __all__ = ["LayerHook", "TapHooks"]
 class LayerHook:
     """The hook callback of one (layer, point): calls the firings that are on in this pass."""
 
-    __slots__ = ("firings", "active", "seen", "handle", "_hooks")
+    __slots__ = ("firings", "active", "seen", "handle", "fired", "_hooks")
 
     def __init__(self, hooks: TapHooks) -> None:
         self._hooks = hooks
@@ -37,21 +38,31 @@ class LayerHook:
         self.active: tuple[Firing, ...] = ()
         self.seen = -1
         self.handle: HookHandle | None = None
+        #: The last pass it was called in: a tap none of whose layer hooks were is refunded its decision.
+        self.fired = -1
 
     def __call__(self, ctx: PassContext, value: Any) -> None:
         if ctx.active:
             return  # active-capture passes are never fed to taps
+        start = time.perf_counter()
         hooks = self._hooks
-        if hooks.index != ctx.index:
-            hooks.start(ctx)
-        if self.seen != hooks.generation:
-            self.seen = hooks.generation
-            index = ctx.index
-            # A tap not yet decided for this pass (made during it) starts with the next one.
-            self.active = tuple(f for f in self.firings
-                                if f.tap._pass == index and (f.tap._on or f.layout is not None))
-        for firing in self.active:
-            firing(ctx, value)
+        self.fired = ctx.index
+        try:
+            if hooks.index != ctx.index:
+                hooks.start(ctx)
+            generation = hooks.generation
+            if self.seen != generation:
+                index = ctx.index
+                firings = self.firings
+                # A tap not yet decided for this pass (made during it) starts with the next one; the
+                # list that leaves it out is not kept past this pass.
+                self.active = tuple(f for f in firings if f.tap._pass == index and (f.tap._on or f.layout is not None))
+                # Set last: a removal meanwhile bumped the generation, so the next call chooses again.
+                self.seen = generation if all(f.tap._pass == index for f in firings) else -1
+            for firing in self.active:
+                firing(ctx, value)
+        finally:
+            hooks.seconds += time.perf_counter() - start
 
 
 class TapHooks:
@@ -59,23 +70,32 @@ class TapHooks:
 
     Args:
         registry: The host's hooks, where each layer hook is installed.
-        decide: Decides every tap's pass (``PassDecisions.decide`` for each) and returns whether each is on.
+        decide: Decides every tap's pass (``PassDecisions.decide`` for each) and returns which are on
+            (a key that changes whenever the taps, or which of them are on, change).
     """
 
-    def __init__(self, registry: HookRegistry, decide: Callable[[PassContext], tuple[bool, ...]]) -> None:
+    def __init__(self, registry: HookRegistry, decide: Callable[[PassContext], tuple[int, ...]]) -> None:
         self._registry = registry
         self._decide = decide
         self._layers: dict[tuple[str, int], LayerHook] = {}
         #: The pass decided last, and a count bumped whenever the firings to call may differ.
         self.index = -1
         self.generation = 0
-        self._on: tuple[bool, ...] = ()
+        self._on: tuple[int, ...] = ()
+        #: Model-thread seconds in the layer hooks since :meth:`take_seconds`: the firings and the
+        #: dispatch around them (the pass's decision included), which no tap's own figure holds.
+        self.seconds = 0.0
+
+    def take_seconds(self) -> float:
+        """The seconds since the last call (the pass's, when called at its end)."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
     def start(self, ctx: PassContext) -> None:
         """The pass's first hook: decide every tap once; layer hooks choose their firings again if that changed."""
         self.index = ctx.index
         on = self._decide(ctx)
-        if on != self._on:
+        if on != self._on:  # (tap ids in it: one tap deleted and another made compare unequal)
             self._on = on
             self.generation += 1
 
@@ -92,6 +112,7 @@ class TapHooks:
                 hook = self._layers[key] = LayerHook(self)
                 hook.handle = self._registry.add(firing.layer, point, hook)
             hook.firings = (*hook.firings, firing)
+            firing.hook = hook
         self.generation += 1
 
     def remove(self, firings: Iterable[Firing], point: int) -> None:
@@ -109,9 +130,14 @@ class TapHooks:
                     hook.handle.remove()
         self.generation += 1
 
+    def ran(self, firings: Iterable[Firing], index: int) -> bool:
+        """Whether any of these firings' layer hooks was called in pass ``index``."""
+        return any(f.hook is not None and f.hook.fired == index for f in firings)
+
     def torch_handles(self, taps: Iterable[Tap]) -> int:
         """The torch hooks that serve ``taps``: their layers' hooks (each once) and their timers."""
         ids = {id(t) for t in taps}
-        count = sum(len(h.handle._handles) for h in self._layers.values()
+        # A copy: deletes (RPC threads, no model lock) change the dict while the model thread counts.
+        count = sum(len(h.handle._handles) for h in list(self._layers.values())
                     if h.handle is not None and any(id(f.tap) in ids for f in h.firings))
         return count + sum(len(h._handles) for t in taps for h in t.handles)

@@ -5,7 +5,7 @@ Why its own module: both paths of a firing read it, the plan path
 (``taps.firing``) for every tap of its layout at the pass's first firing, so
 that sampling reaches the op as a flag decided before any launch.
 
-A tap sees a pass unless it is disabled, the pass is of a phase it does not
+A tap sees a pass unless it is disabled, was made during it, the pass is of a phase it does not
 name (``TapSpec.phases``), or, for a Generate request's inline tap, the pass
 does not hold its request (``host.rows``). A pass it does not see takes no
 sampling budget. Unless the tap keeps padding, a pass with an attention mask
@@ -26,6 +26,7 @@ def thin(tap: Tap, picked: bool) -> tuple[bool, bool]:
     """Whether the tap samples this pass, and whether its always-on part runs, once the overhead budget
     (``taps.budget``) has thinned them: each runs 1 in its stride of the passes it would have run on."""
     cost = tap.cost
+    before = (cost.thin, cost.thin_always)
     sampled = picked
     if picked:
         cost.picked += 1
@@ -44,7 +45,18 @@ def thin(tap: Tap, picked: bool) -> tuple[bool, bool]:
             if always:
                 cost.thin_always = 0
         cost.always_passes += always
+    cost.last = (picked, sampled, not sampled and tap.always is not None, always, *before)
     return sampled, always
+
+
+def refund(tap: Tap) -> None:
+    """The pass decided for ``tap`` ran none of its layers (a branch the model skipped, a gradient tap
+    on a pass with no backward): its sampling budget and the budget's counts are given back, so that a
+    pass the tap does not see takes none of them, as when each tap was decided at its first firing."""
+    if tap._skip:
+        return  # nothing was spent
+    tap.sampler.refund()
+    tap.cost.refund()
 
 
 class PassDecisions:
@@ -66,7 +78,7 @@ class PassDecisions:
         tap._padding = tap._cut = None
         tap._skip, tap._sampled, tap._on = True, False, False
         tap._pass = ctx.index
-        tap._skip = tap.disabled or not self._feeds(tap, ctx)
+        tap._skip = tap.disabled or tap.born == ctx.index or not self._feeds(tap, ctx)
         if not tap._skip:  # a pass the tap does not see takes no sampling budget
             sampled, always = thin(tap, tap.sampler.sample())
             tap._sampled, tap._on = sampled, sampled or always

@@ -39,11 +39,13 @@ class Sampler:
         self._capacity = max(1.0, self.rate)
         self._tokens = self._capacity
         self._last = clock()
+        self._took = False  # the last sample() spent a token
 
     def sample(self) -> bool:
         """Called once per live pass; True when the reducers should run."""
         seen = self._seen
         self._seen += 1
+        self._took = False
         if seen % self.every_n:
             return False
         if self.probability and self._rng.random() >= self.probability:
@@ -55,4 +57,13 @@ class Sampler:
             if self._tokens < 1.0:
                 return False
             self._tokens -= 1.0
+            self._took = True
         return True
+
+    def refund(self) -> None:
+        """Undoes the last :meth:`sample`: the pass turned out not to be the tap's (none of its layers ran),
+        and a pass a tap does not see takes none of its sampling budget."""
+        self._seen -= 1
+        if self._took:
+            self._tokens = min(self._capacity, self._tokens + 1.0)
+            self._took = False

@@ -53,6 +53,18 @@ class TapCost:
     always_stride: int = 1
     thin: int = 0
     thin_always: int = 0
+    #: What the last decision counted, to undo it for a pass the tap turned out not to see:
+    #: (picked, sampled, always eligible, always ran, thin before, thin_always before).
+    last: tuple[bool, bool, bool, bool, int, int] = (False, False, False, False, 0, 0)
+
+    def refund(self) -> None:
+        """Undoes the counts of the last decision (see ``taps.pass_decision.refund``)."""
+        picked, sampled, eligible, always, self.thin, self.thin_always = self.last
+        self.picked -= picked
+        self.sampled_passes -= sampled
+        self.eligible -= eligible
+        self.always_passes -= always
+        self.last = (False, False, False, False, self.thin, self.thin_always)
 
 
 @dataclass
@@ -105,6 +117,8 @@ class Tap:
     #: Whether the overhead budget may thin it: a client's tap (CreateTap, Subscribe, Generate), not the
     #: server's own (``--taps`` files, drift baselines, made owner SERVER_OWNER whoever asked for them).
     governed: bool = True
+    #: The pass running when it was made (None: none): it sees passes from the next one on.
+    born: int | None = None
     #: The overhead budget's thinning (``taps.budget``): it samples 1 in ``throttle`` of the passes its own
     #: sampling picks (1: all), and why; its figures for the budget.
     throttle: int = 1

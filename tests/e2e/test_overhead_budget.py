@@ -18,6 +18,7 @@ from support.e2e import batch, scrape, wait_for
 from support.reductions import count_reductions
 
 from layertap import Client
+from layertap.server.taps.budget import MAX_STRIDE
 from layertap.v1 import telemetry_pb2 as pb
 from layertap.v1 import telemetry_pb2_grpc
 
@@ -75,12 +76,16 @@ def test_thirty_wide_subscribers_are_held_to_the_budget_and_told_their_rate(make
     engine = srv.state.taps
     governor = engine.governor
     shares: list[float] = []
+    cuttable: list[float] = []  # the share less its floor (what no stride can cut)
+    sparsest: list[bool] = []  # every client tap at the sparsest stride
     real = governor.pass_ended
 
     def record(pass_seconds: float, hook_seconds: float, taps: object) -> bool:
         ended = real(pass_seconds, hook_seconds, taps)  # type: ignore[arg-type]
         if ended:
             shares.append(governor.share)
+            cuttable.append(governor.share - governor.floor)
+            sparsest.append(all(t.throttle == MAX_STRIDE for t in engine.all_taps()))
         return ended
 
     governor.pass_ended = record  # type: ignore[method-assign]
@@ -93,10 +98,17 @@ def test_thirty_wide_subscribers_are_held_to_the_budget_and_told_their_rate(make
     try:
         assert wait_for(lambda: len(engine.all_taps()) == 30, 30)
         driver.start()
-        # Over the budget at first (every pass reduced for thirty taps), then thinned until the windows'
-        # share is back under it: three windows in a row.
+        # Over the budget at first (every pass reduced for thirty taps), then thinned until, three windows in
+        # a row, the share is back under it; or, where the floor alone is over it (a hook call per hooked
+        # layer and pass: 2,010 of them here, slowed by the readers' threads in this process), every tap
+        # runs at its sparsest and what strides can cut is under it.
         assert wait_for(lambda: len(shares) >= 2 and max(shares) > 0.05, 60), shares
-        assert wait_for(lambda: len(shares) >= 3 and max(shares[-3:]) <= 0.05, 120), shares[-10:]
+
+        def held() -> bool:
+            last = range(len(shares) - 3, len(shares))
+            return len(shares) >= 3 and all(cuttable[i] <= 0.05 and (shares[i] <= 0.05 or sparsest[i]) for i in last)
+
+        assert wait_for(held, 120), list(zip(shares, cuttable, sparsest))[-10:]
         taps = engine.all_taps()
         assert governor.throttled > 0 and sum(t.throttle > 1 for t in taps) == governor.throttled
         # Everyone still hears from the model, and the thinned taps' summaries say by how much.
