@@ -158,10 +158,10 @@ class Governor:
         per_pass = w.pass_seconds / w.passes
         room = max(0.0, self.gain * self.budget * per_pass - fixed / w.passes)
         # The always-on parts (nonfinite on every pass) first; what they leave, to the sampled passes.
-        always = self._shares(taps, [d[1] for d in demands], room)
-        left = room - sum(min(d[1], a) for d, a in zip(demands, always))
-        sampled = self._shares(taps, [d[0] for d in demands], left)
-        for tap, (demand, always_demand), share, always_share in zip(taps, demands, sampled, always):
+        always_shares = self._shares(taps, [d[1] for d in demands], room)
+        left = room - sum(min(d[1], a) for d, a in zip(demands, always_shares))
+        shares = self._shares(taps, [d[0] for d in demands], left)
+        for tap, (demand, always_demand), share, always_share in zip(taps, demands, shares, always_shares):
             stride, always_stride = _stride(demand, share), _stride(always_demand, always_share)
             cost = tap.cost
             # Each tap at its own phase (taps thinned alike would all sample one pass, a burst); a new

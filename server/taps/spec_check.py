@@ -37,7 +37,7 @@ class CheckedSpec:
     """What a valid spec asks for, built: its layers, point, phases, derivation, plan and sampler."""
 
     layers: list[str]
-    point: int
+    point: pb.Point.ValueType
     phases: frozenset[int] | None
     derivation: Derivation | None
     plan: ReducerPlan
