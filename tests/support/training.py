@@ -65,10 +65,10 @@ def free_port_pair() -> int:
     for _ in range(50):
         with socket.socket() as a:
             a.bind(("127.0.0.1", 0))
-            base = a.getsockname()[1] - 1
+            base = a.getsockname()[1] - 1  # the port above it was free: is this one? (it went unchecked)
         try:
             with socket.socket() as b:
-                b.bind(("127.0.0.1", base + 1))
+                b.bind(("127.0.0.1", base))
             return base
         except OSError:
             continue
