@@ -78,7 +78,10 @@ def test_past_the_limit_a_call_is_refused_at_once_and_reads_nothing(serve):
     try:
         held = [client.start(HEALTH_CHECK, b"\x00\x00", end=False) for _ in range(2)]
         client.flush()
-        client.pump(0.3)
+        end = time.monotonic() + 15  # both held calls admitted (a busy machine may take a while)
+        while pool.pool()[0] < 2 and time.monotonic() < end:
+            client.pump(0.05)
+        assert pool.pool() == (2, 0), "the two held calls never reached the pool"
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             with pytest.raises(grpc.RpcError) as refused:
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
