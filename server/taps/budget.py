@@ -30,9 +30,16 @@ How it works, once per window (``WINDOW_SECONDS`` and ``WINDOW_PASSES``):
   ``nonfinite`` still counts non-finite values on them, and a sampled pass is
   still reduced exactly. Those always-on parts get the room first; only when
   they alone exceed it are they thinned too (``TapCost.always_stride``).
+- **Share.** Taps that ask for the same reductions of the same tensors
+  (:func:`share_key`: plan, layers, point, sampling...) share them within a
+  pass (``taps.reuse``), so such a group is costed and thinned as one tap
+  with its members' shares pooled, and its members count in step: thirty
+  identical subscribers sample the same passes and cost what one costs.
 - **Correct.** A gain follows the measured share (down 20% a window while
   over the budget, back up slowly below 80% of it), so costs the model does
-  not see (caches, the publisher's hold on the GIL) are still bounded.
+  not see (caches, the publisher's hold on the GIL) are still bounded. A
+  scale follows what taps cost against their plans' estimates
+  (``taps.cost_model``), for admission by cost.
 
 Model thread only, apart from the figures it publishes (plain attributes).
 """
@@ -42,12 +49,12 @@ from __future__ import annotations
 import math
 import time
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from layertap.server.taps.tap import Tap, TapCost
 
-__all__ = ["DEFAULT_BUDGET", "MAX_STRIDE", "Governor", "fair_shares"]
+__all__ = ["DEFAULT_BUDGET", "MAX_STRIDE", "Governor", "fair_shares", "share_key"]
 
 #: ``serve --tap-budget``'s default: hooks may take 5% of the model thread's pass time.
 DEFAULT_BUDGET = 0.05
@@ -58,6 +65,8 @@ WINDOW_SECONDS = 0.5
 WINDOW_PASSES = 8
 #: The gain's floor, its step down while over the budget and its step up well under it.
 _GAIN_MIN, _GAIN_DOWN, _GAIN_UP = 0.02, 0.8, 1.1
+#: How far each window moves :attr:`Governor.scale` toward its measured ratio.
+_SCALE_RATE = 0.3
 
 
 def fair_shares(total: float, demands: Sequence[float]) -> list[float]:
@@ -106,6 +115,10 @@ class Governor:
         self.share = 0.0
         self.floor = 0.0
         self.throttled = 0
+        #: The last window's pass time (seconds a pass; 0 before the first window), and what taps cost
+        #: against their plans' estimates (``taps.cost_model``), smoothed: admission scales by it.
+        self.per_pass = 0.0
+        self.scale = 1.0
 
     @property
     def on(self) -> bool:
@@ -144,6 +157,15 @@ class Governor:
         for tap in mine:
             _account(tap.cost, w.passes)
             _unthrottle(tap)
+        self.per_pass = w.pass_seconds / w.passes
+        # Taps that ask for the same reductions of the same tensors share them (``taps.reuse``): a group
+        # pays once, so it is costed and thinned as one, at one phase; its members' demands split evenly.
+        groups = _groups(taps)
+        self._rescale(taps, groups)
+        for group in groups:
+            pooled = (sum(demands[i][0] for i in group) / len(group), sum(demands[i][1] for i in group) / len(group))
+            for i in group:
+                demands[i] = pooled
         self.throttled = 0
         if not self.on:
             for tap in taps:
@@ -155,32 +177,53 @@ class Governor:
             self.gain = max(_GAIN_MIN, self.gain * _GAIN_DOWN)
         elif self.share < 0.8 * self.budget:
             self.gain = min(1.0, self.gain * _GAIN_UP)
-        per_pass = w.pass_seconds / w.passes
+        per_pass = self.per_pass
         room = max(0.0, self.gain * self.budget * per_pass - fixed / w.passes)
         # The always-on parts (nonfinite on every pass) first; what they leave, to the sampled passes.
         always_shares = self._shares(taps, [d[1] for d in demands], room)
         left = room - sum(min(d[1], a) for d, a in zip(demands, always_shares))
         shares = self._shares(taps, [d[0] for d in demands], left)
-        for tap, (demand, always_demand), share, always_share in zip(taps, demands, shares, always_shares):
+        for group in groups:
+            n = len(group)
+            demand, always_demand = demands[group[0]][0] * n, demands[group[0]][1] * n
+            share, always_share = sum(shares[i] for i in group), sum(always_shares[i] for i in group)
             stride, always_stride = _stride(demand, share), _stride(always_demand, always_share)
-            cost = tap.cost
-            # Each tap at its own phase (taps thinned alike would all sample one pass, a burst); a new
+            lead = taps[group[0]]
+            cost = lead.cost
+            # Each group at its own phase (taps thinned alike would all sample one pass, a burst); a new
             # stride keeps the count so far, so a stride revised every window never starves a tap.
             if stride > 1:
-                cost.thin = _phase(tap, stride) if tap.throttle == 1 else min(cost.thin, stride - 1)
+                cost.thin = _phase(lead, stride) if lead.throttle == 1 else min(cost.thin, stride - 1)
             if always_stride > 1:
-                cost.thin_always = _phase(tap, always_stride) if cost.always_stride == 1 else \
+                cost.thin_always = _phase(lead, always_stride) if cost.always_stride == 1 else \
                     min(cost.thin_always, always_stride - 1)
-            tap.throttle, cost.always_stride = stride, always_stride
-            self.throttled += stride > 1 or always_stride > 1
-            tap.throttle_reason = "" if stride == always_stride == 1 else (
+            reason = "" if stride == always_stride == 1 else (
                 f"overhead budget: --tap-budget {self.budget:g} leaves taps {room * 1e3:.3f} ms a pass (passes "
                 f"take {per_pass * 1e3:.3f} ms; taps took {self.share:.1%}). At every pass its sampling picks "
-                f"this tap would cost {demand * 1e3:.3f} ms a pass, and its fair share is {share * 1e3:.3f} ms, "
-                f"so it samples 1 in {stride} of its passes"
+                f"this tap would cost {demand * 1e3:.3f} ms a pass"
+                + ("" if n == 1 else f" (shared by {n} taps asking for the same reductions of the same layers)")
+                + f", and its fair share is {share * 1e3:.3f} ms, so it samples 1 in {stride} of its passes"
                 + ("" if always_stride == 1 else
                    f"; its always-on part (nonfinite on unsampled passes) would cost {always_demand * 1e3:.3f} ms "
                    f"of a {always_share * 1e3:.3f} ms share, so it runs on 1 in {always_stride} of them"))
+            for i in group:
+                tap = taps[i]
+                # The members count as the lead does, so they sample the same passes and share them.
+                tap.cost.thin, tap.cost.thin_always = cost.thin, cost.thin_always
+                tap.throttle, tap.cost.always_stride, tap.throttle_reason = stride, always_stride, reason
+                self.throttled += stride > 1 or always_stride > 1
+
+    def _rescale(self, taps: list[Tap], groups: list[list[int]]) -> None:
+        """Moves :attr:`scale` toward the groups' measured cost per sampled pass over their estimates."""
+        measured = estimated = 0.0
+        for group in groups:
+            fresh = [taps[i].cost.per_sampled for i in group if taps[i].cost.fresh]
+            if fresh and taps[group[0]].cost.estimate > 0:
+                # The most any member paid: the one that reduced, when the others reused its results.
+                measured += max(fresh)
+                estimated += taps[group[0]].cost.estimate
+        if estimated > 0:
+            self.scale += _SCALE_RATE * (measured / estimated - self.scale)
 
     @staticmethod
     def _shares(taps: list[Tap], demands: list[float], room: float) -> list[float]:
@@ -207,6 +250,24 @@ def _stride(demand: float, share: float) -> int:
     return MAX_STRIDE if share <= 0 else min(MAX_STRIDE, math.ceil(demand / share))
 
 
+def share_key(tap: Tap) -> Hashable:
+    """Equal for taps whose sampled passes reduce the same tensors the same way (``taps.reuse``): the same
+    plan, layers, point, sampling, phases, request and padding. A timed plan (latency) shares nothing."""
+    if tap.plan.reuse_key is None or tap.layer_plans:
+        return id(tap)
+    spec = tap.spec
+    return (spec.point, tuple(tap.layers), tap.plan.reuse_key, spec.sampling.SerializeToString(deterministic=True),
+            tap.phases, tap.request_id, spec.keep_padding, spec.derive)
+
+
+def _groups(taps: list[Tap]) -> list[list[int]]:
+    """Indices of ``taps`` grouped by :func:`share_key`, each group in the taps' order (its lead first)."""
+    groups: dict[Hashable, list[int]] = {}
+    for i, tap in enumerate(taps):
+        groups.setdefault(share_key(tap), []).append(i)
+    return list(groups.values())
+
+
 def _phase(tap: Tap, stride: int) -> int:
     return zlib.crc32(tap.id.encode()) % stride
 
@@ -215,6 +276,7 @@ def _account(cost: TapCost, passes: int) -> tuple[float, float]:
     """A tap's full-rate demands (seconds a pass: its sampled passes', its always-on part's) from its
     window's figures, which it then clears. A cost per pass is kept from an earlier window when this
     one measured none."""
+    cost.fresh = cost.sampled_passes > 0
     if cost.sampled_passes:
         cost.per_sampled = cost.sampled_seconds / cost.sampled_passes
         cost.sampled_seconds = 0.0

@@ -42,6 +42,7 @@ from layertap.server.stream.broker import Broker
 from layertap.server.stream.publisher import Piece, Publisher
 from layertap.server.stream.sinks import Sinks, TapView
 from layertap.server.taps.budget import Governor
+from layertap.server.taps.cost_model import CostModel
 from layertap.server.taps.firing import Firing, OpLayout, op_eligible
 from layertap.server.taps.graph import GraphFeed
 from layertap.server.taps.layer_hooks import TapHooks
@@ -86,6 +87,8 @@ class TapEngine:
                                    rng=rng or random.Random())
         #: The overhead budget (``serve --tap-budget``): thins taps' sampling to keep hooks within it.
         self.governor = Governor(budget, clock)
+        #: Plans' costs measured per element and per firing, for admission (``taps.cost_model``).
+        self.costs = CostModel(host)
         self._lock = threading.RLock()
         self._taps: dict[str, Tap] = {}
         #: The taps as a tuple, for the model thread's pass decision (copy-on-write under the lock).
@@ -151,6 +154,10 @@ class TapEngine:
         checked = self.checker.check(spec, kind=kind, ttl=ttl, owner=owner, field_prefix=field_prefix,
                                      trusted_selector=trusted_selector, request_id=request_id)
         layers, point, plan = checked.layers, checked.point, checked.plan
+        # Admission by cost, before any hook (the plan is timed here, on this thread, once per shape).
+        estimate = 0.0 if owner == SERVER_OWNER else self.costs.admit(
+            plan, layers, point, governor=self.governor, owner=owner, field=f"{field_prefix}.reducers",
+            owners={t.owner for t in self._tap_list if t.governed})
         # Lock order everywhere: the model lock, then the engine lock. Hooks go
         # in between passes, so a tap never sees half a pass.
         with self.host.pass_lock(), self._lock:
@@ -166,7 +173,7 @@ class TapEngine:
             stored.CopyFrom(spec)
             stored.point = point
             tap = Tap(tap_id, stored, kind, layers, plan, plan.nonfinite_only(), checked.sampler, self.wall())
-            tap.owner, tap.governed = owner, owner != SERVER_OWNER
+            tap.owner, tap.governed, tap.cost.estimate = owner, owner != SERVER_OWNER, estimate
             # Made during a pass (a training step runs without the model lock): it starts with the next.
             tap.born = self.host.current_pass_index()
             tap.phases, tap.request_id, tap.derive = checked.phases, request_id, checked.derivation

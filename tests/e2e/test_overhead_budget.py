@@ -18,6 +18,7 @@ from support.e2e import batch, scrape, wait_for
 from support.reductions import count_reductions
 
 from layertap import Client
+from layertap.server.taps import budget
 from layertap.server.taps.budget import MAX_STRIDE
 from layertap.v1 import telemetry_pb2 as pb
 from layertap.v1 import telemetry_pb2_grpc
@@ -71,7 +72,10 @@ def infer_until(port: int, stop: threading.Event, n: int) -> None:
             c.infer(x, timeout=60)
 
 
-def test_thirty_wide_subscribers_are_held_to_the_budget_and_told_their_rate(make_server) -> None:
+def test_thirty_wide_subscribers_are_held_to_the_budget_and_told_their_rate(make_server, monkeypatch) -> None:
+    # Windows of 3 passes, not 8: on busy cores a pass of thirty unthinned wide taps took seconds, and
+    # no 8-pass window ended within the first wait (shares == []); the control is the same.
+    monkeypatch.setattr(budget, "WINDOW_PASSES", 3)
     srv = make_server(tap_budget=0.05, metrics_port=0)
     engine = srv.state.taps
     governor = engine.governor
@@ -102,7 +106,7 @@ def test_thirty_wide_subscribers_are_held_to_the_budget_and_told_their_rate(make
         # a row, the share is back under it; or, where the floor alone is over it (a hook call per hooked
         # layer and pass: 2,010 of them here, slowed by the readers' threads in this process), every tap
         # runs at its sparsest and what strides can cut is under it.
-        assert wait_for(lambda: len(shares) >= 2 and max(shares) > 0.05, 60), shares
+        assert wait_for(lambda: len(shares) >= 2 and max(shares) > 0.05, 180), shares
 
         def held() -> bool:
             last = range(len(shares) - 3, len(shares))
@@ -204,3 +208,31 @@ def test_a_baseline_is_never_thinned_and_becomes_ready_on_time(make_server) -> N
         (tap,) = engine.all_taps()
         assert tap.owner == "anonymous" and not tap.governed and tap.throttle == 1
         assert all(d.state == "ready" for d in c.drift()), (sent, c.drift())
+
+
+def test_a_plan_that_cannot_fit_the_budget_even_at_its_slowest_rate_is_refused(make_server) -> None:
+    """Admission by cost: a 1e-4 budget of a ~4 ms pass leaves 0.4 us; thirty layers of histograms and
+    per-channel statistics cost milliseconds, so 1 in 1000 of them still would not fit (RESOURCE_EXHAUSTED,
+    naming the budget), while moments of one layer (tens of microseconds a pass) are admitted."""
+    srv = make_server(tap_budget=1e-4)
+    governor = srv.state.taps.governor
+    with Client(f"127.0.0.1:{srv.port}") as c:
+        x = batch(1)
+        assert wait_for(lambda: c.infer(x, timeout=60) is not None and governor.per_pass > 0, 60)
+        wide = [pb.ReducerSpec(kind=k) for k in KINDS]
+        channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+        stub = telemetry_pb2_grpc.TelemetryServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.CreateTap(pb.CreateTapRequest(spec=pb.TapSpec(selector="**", reducers=wide)), timeout=60)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "spec.reducers" in refused.value.details() and "--tap-budget 0.0001" in refused.value.details()
+        stream = stub.Subscribe(pb.SubscribeRequest(stream_taps=[pb.TapSpec(selector="**", reducers=wide)]),
+                                  timeout=60)
+        with pytest.raises(grpc.RpcError) as refused:
+            next(stream)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "stream_taps[0].reducers" in refused.value.details()
+        tap = c.create_tap("layer2", reducers=["moments"], ttl=60)
+        assert srv.state.taps.get(tap.id).cost.estimate > 0
+        assert [t.id for t in c.taps()] == [tap.id]  # nothing of the refused ones was left behind
+        channel.close()

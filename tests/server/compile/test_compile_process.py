@@ -259,13 +259,14 @@ class _Shrinks(nn.Module):
 def test_tapped_output_sizes_computed_from_input_sizes_are_read_back(tmp_path: Path) -> None:
     model = _Shrinks().eval()
     (tmp_path / "skeleton").write_bytes(skeleton_bytes(model))
-    v = ProcessVariant(model, ("conv", "flat"), str(tmp_path / "skeleton"), GraphFeed.statistics, {0: (0, 2, 3)}, {},
+    # The batch and the height free (not the width too: a third symbol doubled the compile, ~95 s on 2 cores).
+    v = ProcessVariant(model, ("conv", "flat"), str(tmp_path / "skeleton"), GraphFeed.statistics, {0: (0, 2)}, {},
                        str(tmp_path))
     with torch.inference_mode():
         v.compile((torch.zeros(2, 3, 9, 9),), {})
-        result = v.run((torch.randn(3, 3, 7, 6),), {})
+        result = v.run((torch.randn(3, 3, 7, 9),), {})
     assert result is not None
-    assert result[2] == [(3, 4, 5, 4), (3, 80)]
+    assert result[2] == [(3, 4, 5, 7), (3, 140)]
 
 
 def test_a_model_the_child_cannot_import_compiles_in_the_server_process() -> None:

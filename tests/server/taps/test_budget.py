@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from layertap.server.host.context import PassContext
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
-from layertap.server.taps.budget import MAX_STRIDE, WINDOW_SECONDS, Governor, fair_shares
+from layertap.server.taps.budget import MAX_STRIDE, WINDOW_SECONDS, Governor, fair_shares, share_key
 from layertap.server.taps.pass_decision import PassDecisions
 from layertap.server.taps.sampling import Sampler
 from layertap.server.taps.tap import SERVER_OWNER, Tap
@@ -25,10 +25,13 @@ MOMENTS = pb.ReducerSpec(kind=pb.REDUCER_KIND_MOMENTS)
 NONFINITE = pb.ReducerSpec(kind=pb.REDUCER_KIND_NONFINITE)
 
 
-def make_tap(tap_id: str, owner: str = "alice", every: int = 1, nonfinite: bool = False) -> Tap:
+def make_tap(tap_id: str, owner: str = "alice", every: int = 1, nonfinite: bool = False,
+             layer: str | None = None) -> Tap:
+    """A tap on ``layer`` (its own, named as it is, unless given: taps on one layer share reductions)."""
     reducers = build_reducers([MOMENTS, NONFINITE] if nonfinite else [MOMENTS], "reducers")
     plan = ReducerPlan(reducers)
-    tap = Tap(tap_id, pb.TapSpec(selector="l"), pb.TAP_KIND_DURABLE, ["l"], plan, plan.nonfinite_only(),
+    layer = layer or tap_id
+    tap = Tap(tap_id, pb.TapSpec(selector=layer), pb.TAP_KIND_DURABLE, [layer], plan, plan.nonfinite_only(),
               Sampler(pb.Sampling(every_n=every)), 0.0)
     tap.owner, tap.governed = owner, owner != SERVER_OWNER  # as TapEngine.create
     return tap
@@ -61,9 +64,13 @@ class Sim:
             ctx = PassContext(self.index)
             self.index += 1
             hook = 0.0
+            reduced: set[object] = set()  # as taps.reuse: a reduction an equal tap ran this pass is shared
             for tap in self.taps:
                 self.decisions.decide(tap, ctx)
                 spent = self.cost[tap.id] if tap._sampled else self.floor[tap.id] if tap._on else 0.0
+                if tap._sampled:
+                    spent = 0.0 if share_key(tap) in reduced else spent
+                    reduced.add(share_key(tap))
                 tap._spent += spent
                 hook += spent
                 self.sampled[tap.id] = self.sampled.get(tap.id, 0) + tap._sampled
@@ -242,3 +249,34 @@ def test_a_tap_that_costs_more_than_the_whole_budget_at_the_sparsest_stride_stil
 def test_a_budget_outside_zero_to_one_is_refused(budget: float) -> None:
     with pytest.raises(ValueError, match="tap budget"):
         Governor(budget)
+
+
+def test_identical_taps_are_thinned_as_one_and_sample_the_same_passes() -> None:
+    """Thirty subscribers asking for the same reductions of one layer share them (``taps.reuse``): the
+    group pays once a pass, so it is thinned as one tap with thirty shares, all members in step."""
+    sim = Sim(budget=0.05)
+    same = [sim.add(make_tap(f"s{i}", owner=f"user{i % 3}", layer="shared"), cost=1e-3) for i in range(30)]
+    sim.run(windows(3.0))
+    assert sim.share(windows(1.0)) <= 0.05
+    strides = {t.throttle for t in same}
+    # 1 ms a sampled pass against 0.2 ms of budget: about 1 in 5 (thinned alone, each would be ~1 in 150).
+    assert len(strides) == 1 and 2 <= strides.pop() <= 10
+    assert all("shared by 30 taps" in t.throttle_reason for t in same)
+    sim.reset_counts()
+    passes = {t.id: [] for t in same}
+    for _ in range(40):
+        sim.run(1)
+        for t in same:
+            if t._sampled:
+                passes[t.id].append(sim.index)
+    assert all(p == passes["s0"] for p in passes.values()) and passes["s0"]  # in step, never starved
+
+
+def test_the_scale_learns_what_taps_cost_against_their_estimates() -> None:
+    sim = Sim(budget=0.05)
+    taps = [sim.add(make_tap(f"t{i}"), cost=40e-6) for i in range(3)]
+    for tap in taps:
+        tap.cost.estimate = 10e-6  # the plan's estimate; live passes cost four times that
+    sim.run(windows(5.0))
+    assert sim.governor.scale == pytest.approx(4.0, rel=0.05)
+    assert sim.governor.per_pass == pytest.approx(4e-3 + 120e-6, rel=0.05)
