@@ -67,6 +67,8 @@ WINDOW_PASSES = 8
 _GAIN_MIN, _GAIN_DOWN, _GAIN_UP = 0.02, 0.8, 1.1
 #: How far each window moves :attr:`Governor.scale` toward its measured ratio.
 _SCALE_RATE = 0.3
+#: :attr:`Governor.scale` stays within [1 / this, this].
+_SCALE_MAX = 4.0
 
 
 def fair_shares(total: float, demands: Sequence[float]) -> list[float]:
@@ -223,7 +225,10 @@ class Governor:
                 measured += max(fresh)
                 estimated += taps[group[0]].cost.estimate
         if estimated > 0:
-            self.scale += _SCALE_RATE * (measured / estimated - self.scale)
+            # Bounded: a tap that reuses another's reduction measures ~0, and estimates made at one batch
+            # size meet passes of another; neither may make admission refuse or admit everything.
+            ratio = min(_SCALE_MAX, max(1 / _SCALE_MAX, measured / estimated))
+            self.scale += _SCALE_RATE * (ratio - self.scale)
 
     @staticmethod
     def _shares(taps: list[Tap], demands: list[float], room: float) -> list[float]:
@@ -252,12 +257,17 @@ def _stride(demand: float, share: float) -> int:
 
 def share_key(tap: Tap) -> Hashable:
     """Equal for taps whose sampled passes reduce the same tensors the same way (``taps.reuse``): the same
-    plan, layers, point, sampling, phases, request and padding. A timed plan (latency) shares nothing."""
-    if tap.plan.reuse_key is None or tap.layer_plans:
-        return id(tap)
+    plan, layers, point, phases, request and padding, each sampling every pass it sees. A timed plan
+    (latency) shares nothing."""
     spec = tap.spec
-    return (spec.point, tuple(tap.layers), tap.plan.reuse_key, spec.sampling.SerializeToString(deterministic=True),
-            tap.phases, tap.request_id, spec.keep_padding, spec.derive)
+    sampling = spec.sampling
+    # Only taps that sample every pass they see are in step: every_n counts from each tap's birth, and
+    # probability and max_per_second draw and meter per tap.
+    if tap.plan.reuse_key is None or tap.layer_plans or sampling.every_n > 1 or sampling.probability \
+            or sampling.max_per_second:
+        return id(tap)
+    return (spec.point, tuple(tap.layers), tap.plan.reuse_key, tap.phases, tap.request_id, spec.keep_padding,
+            spec.derive)
 
 
 def _groups(taps: list[Tap]) -> list[list[int]]:

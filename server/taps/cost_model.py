@@ -9,16 +9,21 @@ naming the budget and the estimate).
 How a plan is estimated:
 
 - **Measured, per element and per firing.** The plan's reducers run on two
-  random tensors of a hooked layer's trailing shape (about 2^12 and 2^16
-  elements, on the host's device and dtype), timed. The two times give a
-  cost per firing and a cost per element; a layer costs ``a + b * numel``.
-  Each (plan, trailing shape, device, dtype) is measured once and kept (a
-  bounded cache), so thirty identical subscribers measure once.
-- **Kept up to date.** The layers' element counts come from the host's shape
-  probe (``ModelHost.layer_shapes``), a batch-1 pass; live traffic differs
-  (batches, caches, the GIL), so the governor keeps a scale: the taps'
+  random tensors of a hooked layer's trailing shape, cut to about 2^12 and
+  2^16 elements (:func:`_shrunk`: bounded memory and time whatever the
+  layer), on the host's device and dtype, timed. The two times give a cost
+  per firing and a cost per element; a layer costs ``a + b * numel``. Each
+  (reducers, trailing shape, device, dtype) is measured once and kept (a
+  bounded cache; a plan that cannot run on a shape is kept as such), so
+  thirty identical subscribers measure once.
+- **Kept up to date.** The layers' element counts come from the host's last
+  shape probe (``ModelHost.layer_shapes``: the warm-up's batch-1 pass, then
+  a live pass every second). Live passes still differ (compiled kernels,
+  caches, the GIL), so the governor keeps a bounded scale: the taps'
   measured cost per sampled pass against their estimates, smoothed
   (``Governor.scale``). Estimates are multiplied by it.
+- **Per principal.** A plan is held, with the caller's other taps, against
+  the caller's share at the sparsest stride.
 
 Off the hot path: it runs when a tap is created, on the model thread between
 passes (torch work elsewhere would start a second OpenMP team,
@@ -27,7 +32,9 @@ passes (torch work elsewhere would start a second OpenMP team,
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -37,11 +44,13 @@ import torch
 from layertap.server.errors import LimitExceeded
 from layertap.server.host.model_host import ModelHost
 from layertap.server.reducers.plan import ReducerPlan
-from layertap.server.reducers.spec import SpecError
 from layertap.server.taps.budget import MAX_STRIDE, Governor
+from layertap.server.taps.tap import Tap
 from layertap.v1 import telemetry_pb2 as pb
 
 __all__ = ["CostModel", "PlanCost", "admit"]
+
+log = logging.getLogger("layertap.server")
 
 #: The two calibration sizes (elements): small enough to cost microseconds, apart enough to split
 #: a firing's fixed cost from its per-element cost.
@@ -50,6 +59,8 @@ SMALL, LARGE = 1 << 12, 1 << 16
 MAX_KEPT = 256
 #: Timed runs per size (the least is kept: the others met a busy core).
 RUNS = 3
+#: A plan that could not run on a shape (kept too, so a retry costs nothing).
+_CANNOT: object = object()
 
 
 class PlanCost:
@@ -69,7 +80,8 @@ class CostModel:
 
     def __init__(self, host: ModelHost) -> None:
         self.host = host
-        self._kept: OrderedDict[Hashable, PlanCost] = OrderedDict()
+        self._kept: OrderedDict[Hashable, object] = OrderedDict()  # PlanCost, or _CANNOT
+        self._lock = threading.Lock()
         #: Calibrations run (tests count them: one per plan and shape).
         self.measured = 0
 
@@ -85,39 +97,53 @@ class CostModel:
         return total
 
     def admit(self, plan: ReducerPlan, layers: Sequence[str], point: int, *, governor: Governor, owner: str,
-              owners: set[str], field: str) -> float:
-        """:func:`admit` for ``plan`` on ``layers``; returns its estimate (0 when the budget is off: nothing
-        is measured then)."""
-        if not governor.on:
-            return 0.0
+              live: Sequence[Tap], field: str) -> tuple[float, float]:
+        """:func:`admit` for ``plan`` on ``layers`` beside the principal's ``live`` taps; returns its estimates
+        (sampled pass, always-on part), both 0 where nothing is measured: the budget off; a training host,
+        whose steps run on the caller's thread (a timing would run beside a step); parameter gradients,
+        whose tensors the shape probe does not see."""
+        if not governor.on or self.host.training or point == pb.POINT_PARAM_GRAD:
+            return 0.0, 0.0
         estimate = self.estimate(plan, layers, point)
-        always = plan.nonfinite_only()
-        admit(estimate, 0.0 if always is None else self.estimate(always, layers, point), governor=governor,
-              owner=owner, owners=owners, field=field)
-        return estimate
+        nonfinite = plan.nonfinite_only()
+        always = 0.0 if nonfinite is None else self.estimate(nonfinite, layers, point)
+        governed = [t for t in live if t.governed]
+        held = sum(t.cost.estimate + t.cost.estimate_always for t in governed if t.owner == owner)
+        admit(estimate, always, governor=governor, owner=owner, owners={t.owner for t in governed}, held=held,
+              field=field)
+        return estimate, always
 
     def cost(self, plan: ReducerPlan, shape: Sequence[int]) -> PlanCost | None:
         """``plan``'s measured cost on tensors of ``shape``'s trailing dims; None when it cannot run there."""
         inner = tuple(int(d) for d in shape[1:])
-        key = (plan.reuse_key or repr(plan), inner, self.host.device, self.host.dtype)
-        kept = self._kept.get(key)
-        if kept is not None:
-            self._kept.move_to_end(key)
-            return kept
-        width = max(1, math.prod(inner))
-        small, large = max(1, SMALL // width), max(1, LARGE // width)
+        key = (tuple(r.key() for r in plan.reducers), inner, self.host.device, self.host.dtype)
+        with self._lock:
+            kept = self._kept.get(key)
+            if kept is not None:
+                self._kept.move_to_end(key)
+                return kept if isinstance(kept, PlanCost) else None
+        base = (1, *inner) if inner else (LARGE,)  # a 1-d tensor: its one dim is the data
+        small, large = _shrunk(base, SMALL), _shrunk(base, LARGE)
+        # A plan of its own: timing the tap's would move its sampling generators and the kernel's counters.
+        probe = ReducerPlan(plan.reducers, plan.seed)
         try:  # on the model thread: torch work on an RPC thread would start a second OpenMP team
-            t_small, t_large = self.host.on_model_thread(self._time_both, plan, (small, *inner), (large, *inner))
-        except (SpecError, TypeError, RuntimeError):
-            return None  # a reducer that cannot read this shape never fires on it either
-        n_small, n_large = small * width, large * width
+            t_small, t_large = self.host.on_model_thread(self._time_both, probe, small, large)
+        except Exception as exc:  # noqa: BLE001  # a reducer that cannot read this shape never fires on it either
+            log.info("cost model: %r cannot run on %s (%s); it adds nothing to estimates", plan, list(inner), exc)
+            self._keep(key, _CANNOT)
+            return None
+        n_small, n_large = math.prod(small), math.prod(large)
         per_element = max(0.0, (t_large - t_small) / (n_large - n_small)) if n_large > n_small else \
-            t_small / n_small
+            t_small / max(1, n_small)
         cost = PlanCost(max(0.0, t_small - per_element * n_small), per_element)
-        self._kept[key] = cost
-        if len(self._kept) > MAX_KEPT:
-            self._kept.popitem(last=False)
+        self._keep(key, cost)
         return cost
+
+    def _keep(self, key: Hashable, value: object) -> None:
+        with self._lock:
+            self._kept[key] = value
+            if len(self._kept) > MAX_KEPT:
+                self._kept.popitem(last=False)
 
     def _time_both(self, plan: ReducerPlan, small: tuple[int, ...], large: tuple[int, ...]) -> tuple[float, float]:
         t_small = self._time(plan, small)
@@ -149,20 +175,42 @@ class CostModel:
         return [tuple(s) for s in tensors if len(s) >= 1] * max(1, seen.calls)  # each call fires
 
 
+def _shrunk(shape: tuple[int, ...], limit: int) -> tuple[int, ...]:
+    """``shape`` with at most about ``limit`` elements and the same rank: as many rows (dim 0) as fit,
+    then the next dims cut in turn, the last one last. The estimate extrapolates linearly, so a
+    layer of any size is measured in bounded memory and time."""
+    dims = list(shape)
+    width = math.prod(dims[1:]) if len(dims) > 1 else 1
+    dims[0] = max(1, limit // max(1, width)) if len(dims) > 1 else min(dims[0], limit) or 1
+    for i in range(1, len(dims) - 1):
+        if math.prod(dims) <= limit:
+            break
+        dims[i] = max(1, limit // (math.prod(dims) // dims[i]))
+    if math.prod(dims) > limit:
+        dims[-1] = max(1, limit // max(1, math.prod(dims[:-1])))
+    return tuple(dims)
+
+
 def _sync(device: torch.device) -> None:
+    if device.type == "cpu":
+        return
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif hasattr(torch, "accelerator"):  # MPS, XPU...: without it a timing would see the launch only
+        torch.accelerator.synchronize(device)
 
 
-def admit(estimate: float, always: float, *, governor: Governor, owner: str, owners: set[str],
+def admit(estimate: float, always: float, *, governor: Governor, owner: str, owners: set[str], held: float = 0.0,
           field: str = "spec.reducers") -> None:
-    """Refuses a plan that would exceed its principal's share of the budget at its slowest allowed rate.
+    """Refuses a plan that, with the principal's other taps, would exceed its share of the budget even at
+    the slowest allowed rate.
 
     Args:
         estimate: The plan's seconds per sampled pass, unscaled (:meth:`CostModel.estimate`).
         always: Its always-on part's (``nonfinite`` on unsampled passes), unscaled.
         owner: The principal asking.
         owners: The principals whose taps the governor already shares the budget among.
+        held: The unscaled estimates of the principal's live taps, both parts.
         field: The request field the refusal names.
 
     Raises:
@@ -172,12 +220,14 @@ def admit(estimate: float, always: float, *, governor: Governor, owner: str, own
         return  # no budget, or no pass measured yet: nothing to hold the plan against
     principals = len(owners | {owner})
     share = governor.budget * governor.per_pass / principals
-    slowest = governor.scale * (estimate + always) / MAX_STRIDE
+    slowest = governor.scale * (estimate + always + held) / MAX_STRIDE
     if slowest > share:
         raise LimitExceeded(
             f"{field}: the tap's reducers would cost about {governor.scale * estimate * 1e3:.3f} ms a sampled pass "
-            f"(measured per element and per firing on its layers), {slowest * 1e6:.2f} us a pass even at its "
-            f"slowest rate (1 in {MAX_STRIDE}); --tap-budget {governor.budget:g} of {governor.per_pass * 1e3:.3f} ms "
-            f"passes gives each of {principals} principal(s) {share * 1e6:.2f} us: tap fewer layers or ask for "
-            "cheaper reducers", metadata={"budget": f"{governor.budget:g}", "estimate_seconds": f"{slowest:.9f}",
-                                          "share_seconds": f"{share:.9f}"}, field=field)
+            f"(measured per element and per firing on its layers)"
+            + ("" if not held else f", and the caller's other taps {governor.scale * held * 1e3:.3f} ms")
+            + f": {slowest * 1e6:.2f} us a pass even at the slowest rate (1 in {MAX_STRIDE}); --tap-budget "
+            f"{governor.budget:g} of {governor.per_pass * 1e3:.3f} ms passes gives each of {principals} principal(s) "
+            f"{share * 1e6:.2f} us: tap fewer layers, ask for cheaper reducers or delete other taps",
+            metadata={"budget": f"{governor.budget:g}", "estimate_seconds": f"{slowest:.9f}",
+                      "share_seconds": f"{share:.9f}"}, field=field)

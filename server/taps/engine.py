@@ -154,26 +154,23 @@ class TapEngine:
         checked = self.checker.check(spec, kind=kind, ttl=ttl, owner=owner, field_prefix=field_prefix,
                                      trusted_selector=trusted_selector, request_id=request_id)
         layers, point, plan = checked.layers, checked.point, checked.plan
-        # Admission by cost, before any hook (the plan is timed here, on this thread, once per shape).
-        estimate = 0.0 if owner == SERVER_OWNER else self.costs.admit(
-            plan, layers, point, governor=self.governor, owner=owner, field=f"{field_prefix}.reducers",
-            owners={t.owner for t in self._tap_list if t.governed})
+        if owner != SERVER_OWNER:  # admission by cost (each plan and shape timed once, on the model thread)
+            with self._lock:  # first what the lock checks again below: a refusal for those costs no timing
+                self._check_room(spec.name, field_prefix)
+            estimates = self.costs.admit(plan, layers, point, governor=self.governor, owner=owner,
+                                         live=self._tap_list, field=f"{field_prefix}.reducers")
         # Lock order everywhere: the model lock, then the engine lock. Hooks go
         # in between passes, so a tap never sees half a pass.
         with self.host.pass_lock(), self._lock:
-            if len(self._taps) >= self.max_taps:
-                raise LimitExceeded(f"{len(self._taps)} taps exist, the server limit is {self.max_taps}")
             tap_id = spec.name or f"tap-{secrets.token_hex(4)}"
-            if tap_id in self._taps:
-                # The holder's owner lets the RPC layer tell the caller's own name from another's.
-                raise AlreadyExists(f"{field_prefix}.name: a tap named {echo(tap_id)} exists; delete it or pick "
-                                    "another name", field=f"{field_prefix}.name",
-                                    metadata={"owner": self._taps[tap_id].owner})
+            self._check_room(tap_id, field_prefix)
             stored = pb.TapSpec()
             stored.CopyFrom(spec)
             stored.point = point
             tap = Tap(tap_id, stored, kind, layers, plan, plan.nonfinite_only(), checked.sampler, self.wall())
-            tap.owner, tap.governed, tap.cost.estimate = owner, owner != SERVER_OWNER, estimate
+            tap.owner, tap.governed = owner, owner != SERVER_OWNER
+            if owner != SERVER_OWNER:
+                tap.cost.estimate, tap.cost.estimate_always = estimates
             # Made during a pass (a training step runs without the model lock): it starts with the next.
             tap.born = self.host.current_pass_index()
             tap.phases, tap.request_id, tap.derive = checked.phases, request_id, checked.derivation
@@ -209,6 +206,15 @@ class TapEngine:
                                                        grad=False, inference=True, autocast=None))
         log.info("tap %s created: kind=%s layers=%d point=%s", tap_id, pb.TapKind.Name(kind), len(layers), POINT_NAMES[point])
         return tap
+
+    def _check_room(self, name: str, field_prefix: str) -> None:
+        """Room for one more tap, and ``name`` free (under the engine lock)."""
+        if len(self._taps) >= self.max_taps:
+            raise LimitExceeded(f"{len(self._taps)} taps exist, the server limit is {self.max_taps}")
+        if name in self._taps:
+            # The holder's owner lets the RPC layer tell the caller's own name from another's.
+            raise AlreadyExists(f"{field_prefix}.name: a tap named {echo(name)} exists; delete it or pick "
+                                "another name", field=f"{field_prefix}.name", metadata={"owner": self._taps[name].owner})
 
     def delete(self, tap_id: str, reason: str = "deleted") -> Tap:
         with self._lock:

@@ -232,7 +232,12 @@ def test_a_plan_that_cannot_fit_the_budget_even_at_its_slowest_rate_is_refused(m
             next(stream)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "stream_taps[0].reducers" in refused.value.details()
-        tap = c.create_tap("layer2", reducers=["moments"], ttl=60)
+        tap = c.create_tap("layer2", reducers=["moments"], name="cheap", ttl=60)
         assert srv.state.taps.get(tap.id).cost.estimate > 0
         assert [t.id for t in c.taps()] == [tap.id]  # nothing of the refused ones was left behind
+        # The name is checked first: a taken name is ALREADY_EXISTS, whatever the plan would cost.
+        with pytest.raises(grpc.RpcError) as taken:
+            stub.CreateTap(pb.CreateTapRequest(spec=pb.TapSpec(name="cheap", selector="**", reducers=wide)),
+                           timeout=60)
+        assert taken.value.code() == grpc.StatusCode.ALREADY_EXISTS
         channel.close()

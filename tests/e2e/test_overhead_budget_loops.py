@@ -118,6 +118,8 @@ def test_a_training_agent_holds_its_steps_to_the_budget_by_default(monkeypatch) 
             assert stepped_until(windows.over), windows.rows
             assert stepped_until(windows.held), windows.rows[-10:]
             assert any(t.throttle > 1 for t in engine.all_taps())
+            # Thinned, never admitted by cost: a timing would run beside the caller's training step.
+            assert all(t.cost.estimate == 0 for t in engine.all_taps())
             assert all(info.throttle >= 1 for info in c.taps())
             assert any(info.throttle > 1 and info.throttle_reason for info in c.taps())
     finally:

@@ -31,8 +31,9 @@ def make_tap(tap_id: str, owner: str = "alice", every: int = 1, nonfinite: bool 
     reducers = build_reducers([MOMENTS, NONFINITE] if nonfinite else [MOMENTS], "reducers")
     plan = ReducerPlan(reducers)
     layer = layer or tap_id
-    tap = Tap(tap_id, pb.TapSpec(selector=layer), pb.TAP_KIND_DURABLE, [layer], plan, plan.nonfinite_only(),
-              Sampler(pb.Sampling(every_n=every)), 0.0)
+    sampling = pb.Sampling(every_n=every)
+    tap = Tap(tap_id, pb.TapSpec(selector=layer, sampling=sampling), pb.TAP_KIND_DURABLE, [layer], plan,
+              plan.nonfinite_only(), Sampler(sampling), 0.0)
     tap.owner, tap.governed = owner, owner != SERVER_OWNER  # as TapEngine.create
     return tap
 
@@ -280,3 +281,19 @@ def test_the_scale_learns_what_taps_cost_against_their_estimates() -> None:
     sim.run(windows(5.0))
     assert sim.governor.scale == pytest.approx(4.0, rel=0.05)
     assert sim.governor.per_pass == pytest.approx(4e-3 + 120e-6, rel=0.05)
+
+
+def test_taps_that_sample_on_passes_of_their_own_are_not_grouped() -> None:
+    every, plain = make_tap("a", layer="l", every=3), make_tap("b", layer="l")
+    assert share_key(every) != share_key(make_tap("c", layer="l", every=3))  # each counts from its birth
+    assert share_key(plain) == share_key(make_tap("d", layer="l"))
+    assert share_key(plain) != share_key(make_tap("e", layer="other"))
+
+
+def test_the_scale_is_bounded_when_a_tap_measures_nothing() -> None:
+    """A tap that reuses the server's own reduction measures ~0 against its estimate: the scale stops at 1/4."""
+    sim = Sim(budget=0.05)
+    tap = sim.add(make_tap("t"), cost=1e-9)
+    tap.cost.estimate = 50e-6
+    sim.run(windows(10.0))
+    assert sim.governor.scale == pytest.approx(0.25, rel=0.01)

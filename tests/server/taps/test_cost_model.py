@@ -6,13 +6,15 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from layertap.server.errors import LimitExceeded
 from layertap.server.host.model_host import ModelHost
 from layertap.server.host.sources import load_model
 from layertap.server.reducers.plan import ReducerPlan, build_reducers
 from layertap.server.taps.budget import MAX_STRIDE, Governor
-from layertap.server.taps.cost_model import CostModel, admit
+from layertap.server.taps.cost_model import LARGE, SMALL, CostModel, _shrunk, admit
 from layertap.v1 import telemetry_pb2 as pb
 
 pytestmark = pytest.mark.unit
@@ -87,3 +89,30 @@ def test_a_plan_over_its_principals_share_at_its_slowest_rate_is_refused_naming_
 def test_no_budget_or_no_pass_measured_yet_admits_anything() -> None:
     admit(1e9, 1e9, governor=governor(0.0), owner="a", owners=set())
     admit(1e9, 1e9, governor=governor(0.05, per_pass=0.0), owner="a", owners=set())
+
+
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=5), st.sampled_from([SMALL, LARGE]))
+def test_calibration_tensors_keep_the_rank_and_stay_within_their_size(dims: list[int], limit: int) -> None:
+    """A layer of any size is timed on a tensor of at most ``limit`` elements (a (32, 2048, 2048) attention
+    map too), so a client's tap never makes the model thread allocate a layer-sized tensor to estimate it."""
+    shape = (1, *dims) if len(dims) > 1 else (limit,)
+    cut = _shrunk(tuple(shape), limit)
+    assert len(cut) == len(shape) and all(d >= 1 for d in cut)
+    assert math.prod(cut) <= limit
+    assert all(c <= max(s, 1) or i == 0 for i, (c, s) in enumerate(zip(cut, shape)))
+
+
+def test_a_plan_that_cannot_run_on_a_shape_is_kept_as_such_and_never_timed_again(host: ModelHost) -> None:
+    model = CostModel(host)
+    channel_4 = plan([pb.ReducerSpec(kind=pb.REDUCER_KIND_PER_CHANNEL, per_channel=pb.PerChannelParams(dim=4))])
+    assert model.cost(channel_4, (1, 64, 16)) is None  # a 3-d tensor has no dim 4
+    measured = model.measured
+    assert model.cost(channel_4, (1, 64, 16)) is None and model.measured == measured
+
+
+def test_the_callers_other_taps_count_against_its_share() -> None:
+    share = 0.05 * 4e-3
+    admit(0.6 * share * MAX_STRIDE, 0.0, governor=governor(0.05), owner="alice", owners={"alice"})
+    with pytest.raises(LimitExceeded, match="the caller's other taps"):
+        admit(0.6 * share * MAX_STRIDE, 0.0, governor=governor(0.05), owner="alice", owners={"alice"},
+              held=0.6 * share * MAX_STRIDE)
