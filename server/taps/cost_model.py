@@ -22,8 +22,9 @@ How a plan is estimated:
   caches, the GIL), so the governor keeps a bounded scale: the taps'
   measured cost per sampled pass against their estimates, smoothed
   (``Governor.scale``). Estimates are multiplied by it.
-- **Per principal.** A plan is held, with the caller's other taps, against
-  the caller's share at the sparsest stride.
+- **Per plan.** Each plan alone is held against its principal's share at
+  the sparsest stride, as issue 43 asks: the governor thins the sum, and
+  identical taps share their reductions.
 
 Off the hot path: it runs when a tap is created, on the model thread between
 passes (torch work elsewhere would start a second OpenMP team,
@@ -97,21 +98,19 @@ class CostModel:
         return total
 
     def admit(self, plan: ReducerPlan, layers: Sequence[str], point: int, *, governor: Governor, owner: str,
-              live: Sequence[Tap], field: str) -> tuple[float, float]:
-        """:func:`admit` for ``plan`` on ``layers`` beside the principal's ``live`` taps; returns its estimates
-        (sampled pass, always-on part), both 0 where nothing is measured: the budget off; a training host,
+              live: Sequence[Tap], field: str) -> float:
+        """:func:`admit` for ``plan`` on ``layers`` (``live``: the taps now, for the principals); returns its estimate
+        per sampled pass, 0 where nothing is measured: the budget off; a training host,
         whose steps run on the caller's thread (a timing would run beside a step); parameter gradients,
         whose tensors the shape probe does not see."""
         if not governor.on or self.host.training or point == pb.POINT_PARAM_GRAD:
-            return 0.0, 0.0
+            return 0.0
         estimate = self.estimate(plan, layers, point)
         nonfinite = plan.nonfinite_only()
         always = 0.0 if nonfinite is None else self.estimate(nonfinite, layers, point)
-        governed = [t for t in live if t.governed]
-        held = sum(t.cost.estimate + t.cost.estimate_always for t in governed if t.owner == owner)
-        admit(estimate, always, governor=governor, owner=owner, owners={t.owner for t in governed}, held=held,
+        admit(estimate, always, governor=governor, owner=owner, owners={t.owner for t in live if t.governed},
               field=field)
-        return estimate, always
+        return estimate
 
     def cost(self, plan: ReducerPlan, shape: Sequence[int]) -> PlanCost | None:
         """``plan``'s measured cost on tensors of ``shape``'s trailing dims; None when it cannot run there."""
@@ -200,17 +199,17 @@ def _sync(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def admit(estimate: float, always: float, *, governor: Governor, owner: str, owners: set[str], held: float = 0.0,
+def admit(estimate: float, always: float, *, governor: Governor, owner: str, owners: set[str],
           field: str = "spec.reducers") -> None:
-    """Refuses a plan that, with the principal's other taps, would exceed its share of the budget even at
-    the slowest allowed rate.
+    """Refuses a plan that alone would exceed its principal's share of the budget even at the slowest
+    allowed rate. Alone: the governor thins the sum of a principal's taps, and identical taps share their
+    reductions, so thirty dashboards on one layer set are admitted as one would be.
 
     Args:
         estimate: The plan's seconds per sampled pass, unscaled (:meth:`CostModel.estimate`).
         always: Its always-on part's (``nonfinite`` on unsampled passes), unscaled.
         owner: The principal asking.
         owners: The principals whose taps the governor already shares the budget among.
-        held: The unscaled estimates of the principal's live taps, both parts.
         field: The request field the refusal names.
 
     Raises:
@@ -220,14 +219,12 @@ def admit(estimate: float, always: float, *, governor: Governor, owner: str, own
         return  # no budget, or no pass measured yet: nothing to hold the plan against
     principals = len(owners | {owner})
     share = governor.budget * governor.per_pass / principals
-    slowest = governor.scale * (estimate + always + held) / MAX_STRIDE
+    slowest = governor.scale * (estimate + always) / MAX_STRIDE
     if slowest > share:
         raise LimitExceeded(
             f"{field}: the tap's reducers would cost about {governor.scale * estimate * 1e3:.3f} ms a sampled pass "
-            f"(measured per element and per firing on its layers)"
-            + ("" if not held else f", and the caller's other taps {governor.scale * held * 1e3:.3f} ms")
-            + f": {slowest * 1e6:.2f} us a pass even at the slowest rate (1 in {MAX_STRIDE}); --tap-budget "
-            f"{governor.budget:g} of {governor.per_pass * 1e3:.3f} ms passes gives each of {principals} principal(s) "
-            f"{share * 1e6:.2f} us: tap fewer layers, ask for cheaper reducers or delete other taps",
-            metadata={"budget": f"{governor.budget:g}", "estimate_seconds": f"{slowest:.9f}",
-                      "share_seconds": f"{share:.9f}"}, field=field)
+            f"(measured per element and per firing on its layers): {slowest * 1e6:.2f} us a pass even at the "
+            f"slowest rate (1 in {MAX_STRIDE}); --tap-budget {governor.budget:g} of {governor.per_pass * 1e3:.3f} ms "
+            f"passes gives each of {principals} principal(s) {share * 1e6:.2f} us: tap fewer layers or ask for "
+            "cheaper reducers", metadata={"budget": f"{governor.budget:g}", "estimate_seconds": f"{slowest:.9f}",
+                                          "share_seconds": f"{share:.9f}"}, field=field)

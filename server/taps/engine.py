@@ -157,8 +157,8 @@ class TapEngine:
         if owner != SERVER_OWNER:  # admission by cost (each plan and shape timed once, on the model thread)
             with self._lock:  # first what the lock checks again below: a refusal for those costs no timing
                 self._check_room(spec.name, field_prefix)
-            estimates = self.costs.admit(plan, layers, point, governor=self.governor, owner=owner,
-                                         live=self._tap_list, field=f"{field_prefix}.reducers")
+            estimate = self.costs.admit(plan, layers, point, governor=self.governor, owner=owner,
+                                        live=self._tap_list, field=f"{field_prefix}.reducers")
         # Lock order everywhere: the model lock, then the engine lock. Hooks go
         # in between passes, so a tap never sees half a pass.
         with self.host.pass_lock(), self._lock:
@@ -170,7 +170,7 @@ class TapEngine:
             tap = Tap(tap_id, stored, kind, layers, plan, plan.nonfinite_only(), checked.sampler, self.wall())
             tap.owner, tap.governed = owner, owner != SERVER_OWNER
             if owner != SERVER_OWNER:
-                tap.cost.estimate, tap.cost.estimate_always = estimates
+                tap.cost.estimate = estimate
             # Made during a pass (a training step runs without the model lock): it starts with the next.
             tap.born = self.host.current_pass_index()
             tap.phases, tap.request_id, tap.derive = checked.phases, request_id, checked.derivation

@@ -48,10 +48,8 @@ class TapCost:
     per_always: float = 0.0
     #: Whether the last window measured its sampled passes (``per_sampled`` is that window's).
     fresh: bool = False
-    #: Its plan's estimated seconds per sampled pass and per always-on pass (``taps.cost_model``, unscaled;
-    #: 0: none).
+    #: Its plan's estimated seconds per sampled pass (``taps.cost_model``, unscaled; 0: none).
     estimate: float = 0.0
-    estimate_always: float = 0.0
     #: ``Tap.published_*seconds`` already counted.
     published_seen: float = 0.0
     published_always_seen: float = 0.0

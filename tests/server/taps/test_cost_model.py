@@ -109,10 +109,3 @@ def test_a_plan_that_cannot_run_on_a_shape_is_kept_as_such_and_never_timed_again
     measured = model.measured
     assert model.cost(channel_4, (1, 64, 16)) is None and model.measured == measured
 
-
-def test_the_callers_other_taps_count_against_its_share() -> None:
-    share = 0.05 * 4e-3
-    admit(0.6 * share * MAX_STRIDE, 0.0, governor=governor(0.05), owner="alice", owners={"alice"})
-    with pytest.raises(LimitExceeded, match="the caller's other taps"):
-        admit(0.6 * share * MAX_STRIDE, 0.0, governor=governor(0.05), owner="alice", owners={"alice"},
-              held=0.6 * share * MAX_STRIDE)
