@@ -195,15 +195,18 @@ class PassBuffer:
 
     def __init__(self, pool: PinnedPool | None = None) -> None:
         self._pool = pool if pool is not None else _default_pool()
-        #: What was added, in order: a 1-D tensor and its key, or a 2-D block and each row's keys.
+        #: What was added, in order: a 1-D tensor and its keys, or a 2-D block and each row's keys.
         self._entries: list[tuple[torch.Tensor, Sequence[Sequence[Hashable]]]] = []
         self._keys: set[Hashable] = set()
+        #: A 1-D tensor added under several keys (a reduction taps share, ``taps.reuse``): its keys' list.
+        self._shared: dict[int, list[Hashable]] = {}
 
     def __len__(self) -> int:
         return len(self._keys)
 
     def add(self, key: Hashable, values: torch.Tensor) -> None:
-        """Adds a key's 1-D float64 values (on any device).
+        """Adds a key's 1-D float64 values (on any device). The same tensor added again under another key
+        (taps sharing a reduction) is copied once: both keys read one slice.
 
         Raises:
             ValueError: If the key was already added or the tensor is not 1-D float64.
@@ -213,7 +216,12 @@ class PassBuffer:
         if key in self._keys:
             raise ValueError(f"key {key!r} was already added to this pass")
         self._keys.add(key)
-        self._entries.append((values, ((key,),)))
+        keys = self._shared.get(id(values))  # the entry holds the tensor, so its id is not reused meanwhile
+        if keys is not None:
+            keys.append(key)  # copied once: every key reads the same slice
+            return
+        keys = self._shared[id(values)] = [key]
+        self._entries.append((values, (keys,)))
 
     def add_rows(self, keys: Sequence[Sequence[Hashable]], values: torch.Tensor) -> None:
         """Adds a ``(rows, width)`` float64 block: row ``i`` is the values of every key in ``keys[i]``.
@@ -243,7 +251,7 @@ class PassBuffer:
         Never blocks on the device: on CUDA the copy is ``non_blocking`` into
         pinned memory, followed by an event on the current stream.
         """
-        entries, self._entries, self._keys = self._entries, [], set()
+        entries, self._entries, self._keys, self._shared = self._entries, [], set(), {}
         by_device: dict[torch.device, list[tuple[torch.Tensor, Sequence[Sequence[Hashable]]]]] = {}
         for t, keys in entries:
             by_device.setdefault(t.device, []).append((t, keys))

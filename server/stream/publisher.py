@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -165,6 +165,9 @@ class Publisher:
         # A request's place and tail, made once per pass for its inline taps' pieces.
         own: dict[str, tuple[Place, bytes]] = {}
         summaries = []
+        # Results decoded once per shared reduction (taps.reuse: one slice of the pass for every tap that
+        # shares it, reducers.transfer), so thirty identical subscribers decode what one does.
+        decoded: dict[Hashable, Any] = {}
         clock = time.perf_counter
         last = clock()
         for p, vec in zip(pieces, values):
@@ -176,13 +179,19 @@ class Publisher:
                     mine = own[p.request.request_id] = (at, at.wire() + rank_part)
                 piece_place, piece_tail = mine
             layout = p.plan.basic_layout
+            shared = None if p.plan.reuse_key is None or p.lap is not None else \
+                (vec.__array_interface__["data"][0], vec.size, p.shape, p.plan.reuse_key)
+            done = None if shared is None else decoded.get(shared)
             if layout is not None and p.lap is None:  # the common case: see summary_wire
-                results = results_bytes(layout, vec.tolist(), p.shape)
+                results = done if done is not None else results_bytes(layout, vec.tolist(), p.shape)
                 summary = self._wire.summary(p.tap.id, p.layer, p.tap.spec.point, p.output_index, p.call_index,
                                              not p.sampled, pass_part, results, piece_tail, p.output_key,
                                              p.tap.throttle)
             else:
-                summary = self._summary(ctx, p, wall, vec, rank, piece_place)
+                results = done if done is not None else p.plan.decode(vec, p.shape)
+                summary = self._summary(ctx, p, wall, results, rank, piece_place)
+            if shared is not None and done is None:
+                decoded[shared] = results
             summaries.append(summary)
             now = clock()
             key = (id(p.tap), p.sampled)
@@ -191,10 +200,10 @@ class Publisher:
         return summaries
 
     @staticmethod
-    def _summary(ctx: PassContext, p: Piece[PublishedTap], wall: Timestamp, values: np.ndarray, rank: int | None,
-                 place: Place | None = None) -> pb.Summary:
-        """A summary built from messages: plans with distribution or latency reducers."""
-        results = p.plan.decode(values, p.shape)
+    def _summary(ctx: PassContext, p: Piece[PublishedTap], wall: Timestamp, results: list[pb.ReducerResult],
+                 rank: int | None, place: Place | None = None) -> pb.Summary:
+        """A summary built from messages (``results``, the piece's decoded values): plans with distribution
+        or latency reducers."""
         if p.lap is not None:
             fill_latency(results, p.lap)
         summary = pb.Summary(

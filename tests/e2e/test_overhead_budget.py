@@ -18,6 +18,7 @@ from support.e2e import batch, scrape, wait_for
 from support.reductions import count_reductions
 
 from layertap import Client
+from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.taps import budget
 from layertap.server.taps.budget import MAX_STRIDE
 from layertap.v1 import telemetry_pb2 as pb
@@ -163,27 +164,48 @@ def test_thirty_identical_subscribers_reduce_each_tensor_once_a_pass(make_server
     engine = srv.state.taps
     reduced: list[tuple[int, ...]] = []
     count_reductions(monkeypatch, lambda _plan, t: reduced.append(tuple(t.shape)))
+    # And decoded once: a shared reduction is one slice of the pass's copy, its results built once.
+    decoded: list[tuple[int, ...]] = []
+    real_decode = ReducerPlan.decode
+
+    def decode(plan: ReducerPlan, values: np.ndarray, shape: tuple[int, ...]) -> list[pb.ReducerResult]:
+        decoded.append(tuple(shape))
+        return real_decode(plan, values, shape)
+
+    monkeypatch.setattr(ReducerPlan, "decode", decode)
     wide = [pb.ReducerSpec(kind=k) for k in (pb.REDUCER_KIND_MOMENTS, pb.REDUCER_KIND_HISTOGRAM,
                                              pb.REDUCER_KIND_PER_CHANNEL)]
     spec = pb.TapSpec(selector="**", reducers=wide)
 
-    def one_pass() -> list[tuple[int, ...]]:
+    def one_pass() -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
         with Client(f"127.0.0.1:{srv.port}") as c:
             c.infer(batch(2))
+            assert engine.flush(30)
             reduced.clear()
+            decoded.clear()
             c.infer(batch(2))
-        return sorted(reduced)
+            assert engine.flush(30)
+        return sorted(reduced), sorted(decoded)
 
     one = Readers(srv.port, [spec])
     more = None
     try:
         assert wait_for(lambda: len(engine.all_taps()) == 1, 30)
         alone = one_pass()
-        assert len(alone) >= len(engine.all_taps()[0].layers) - 8  # a tensor a container shares is reduced once
+        assert len(alone[0]) >= len(engine.all_taps()[0].layers) - 8  # a tensor a container shares is reduced once
+        assert alone[1] == alone[0]  # each reduction decoded once
         more = Readers(srv.port, [spec] * 29)
         assert wait_for(lambda: len(engine.all_taps()) == 30, 30)
-        assert one_pass() == alone  # thirty subscribers: the same reductions as one
+        assert one_pass() == alone  # thirty subscribers: the same reductions and decodes as one
         assert wait_for(lambda: all(len(got) >= 2 for got in more.got), 60)  # and each one is told
+        # What each is told is its own message with the shared results: equal, field by field, but the tap.
+        first, second = ({(s.pass_index, s.layer, s.output_index, s.call_index): s for s in got}
+                         for got in more.got[:2])
+        common = sorted(set(first) & set(second))
+        assert common
+        for key in common:
+            a, b = first[key], second[key]
+            assert a.tap != b.tap and list(a.results) == list(b.results)
     finally:
         one.close()
         if more is not None:

@@ -67,6 +67,24 @@ def test_values_and_slices_by_key() -> None:
     assert pending.wait() is pending.wait()  # idempotent
 
 
+def test_a_tensor_added_under_several_keys_is_copied_once() -> None:
+    """Taps sharing a reduction (taps.reuse) add one tensor under each piece's key: one slice for all."""
+    shared, other = torch.tensor([1.0, 2.0], dtype=F64), torch.tensor([3.0], dtype=F64)
+    buf = PassBuffer()
+    buf.add(0, shared)
+    buf.add(1, other)
+    buf.add(2, shared)
+    buf.add(3, shared)
+    pending = buf.finish()
+    np.testing.assert_array_equal(pending.wait(), [1.0, 2.0, 3.0])
+    assert pending.slices == {0: slice(0, 2), 1: slice(2, 3), 2: slice(0, 2), 3: slice(0, 2)}
+    values = pending.values_by_key()
+    assert np.shares_memory(values[0], values[3]) and not np.shares_memory(values[0], values[1])
+    # The next pass starts afresh: an equal tensor, even the same object, is its own entry there.
+    buf.add(0, shared)
+    assert buf.finish().slices == {0: slice(0, 2)}
+
+
 def test_wait_returns_a_private_copy() -> None:
     t = torch.tensor([1.0, 2.0], dtype=F64)
     buf = PassBuffer()
