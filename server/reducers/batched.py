@@ -138,9 +138,9 @@ class PassBatch:
         return row
 
     def finish(self, add_rows: Callable[[list[list[int]], torch.Tensor], None],
-               failed: Callable[[list[int], Exception], None]) -> None:
+               failed: Callable[[list[int], Exception], None]) -> list[int]:
         """Reduces every group and gives each its block of statistics, with each row's keys
-        (``add_rows(keys, block)``, as :meth:`PassBuffer.add_rows` takes them).
+        (``add_rows(keys, block)``, as :meth:`PassBuffer.add_rows` takes them); returns the keys given.
 
         A group whose reduction raises, or whose block ``add_rows`` refuses,
         gives ``failed`` its keys and the error; the other groups are
@@ -148,6 +148,7 @@ class PassBatch:
         """
         groups = self._groups
         self._groups, self._bytes = {}, 0
+        given: list[int] = []
         for group, items in groups.items():
             tensors = [t for t, _ in items]
             keys = [row.keys for _, row in items]
@@ -157,8 +158,10 @@ class PassBatch:
                     # Row-major, each row in the tensor's logical order (a view of a contiguous stack).
                     stacked = (torch.stack(tensors) if len(tensors) > 1 else tensors[0][None]).reshape(len(tensors), -1)
                     add_rows(keys, batched_basic_stats(stacked, self._generator(group[0]), self.kernel))
+                given.extend(k for row_keys in keys for k in row_keys)
             except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
                 failed([k for row_keys in keys for k in row_keys], exc)
+        return given
 
     def discard(self) -> None:
         self._groups, self._bytes = {}, 0

@@ -464,8 +464,11 @@ class TapEngine:
                     if not tap.disabled:
                         self._fail(tap, layer, exc)
 
-            self._batch.finish(buffer.add_rows, failed)
-            self._hook_seconds += time.perf_counter() - t0
+            given = self._batch.finish(buffer.add_rows, failed)
+            spent = time.perf_counter() - t0
+            self._hook_seconds += spent
+            for k in given:  # the budget's: each tap pays for its small tensors, as for the others
+                pieces[k].tap._spent += spent / len(given)
         hook_seconds, self._hook_seconds = self._hook_seconds + self.tap_hooks.take_seconds(), 0.0
         if hook_seconds:
             self.sinks.on_hook_time(hook_seconds)

@@ -8,6 +8,7 @@ does not run in a pass is given back that pass's sampling.
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -117,4 +118,25 @@ def test_a_pass_that_skips_a_taps_layer_takes_none_of_its_sampling() -> None:
     got = drained(engine, sub)
     assert sorted(p for (t, p, _l) in got if t == "B") == [1, 5, 9]
     assert len([k for k in got if k[0] == "A"]) == 10
+    engine.close()
+
+
+def test_the_pass_end_reduction_of_small_tensors_is_charged_to_their_taps(monkeypatch) -> None:
+    """Small tensors of basic plans are reduced together when the pass ends (``reducers.batched``): that
+    time is the taps' (the overhead budget thins it), not the floor no stride can cut."""
+    from layertap.server.reducers.batched import PassBatch
+
+    host, broker, engine = rig()
+    engine.use_op = False  # the plan path, where small tensors wait for the pass's end
+    real = PassBatch.finish
+
+    def slow_finish(batch: PassBatch, *args: object) -> list[int]:
+        time.sleep(0.05)  # a batch that costs at least 50 ms
+        return real(batch, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PassBatch, "finish", slow_finish)
+    tap = engine.create(spec("layer4", "A", "moments"), owner="u")  # (2, 128, 2, 2): a small tensor
+    training_steps(host, 1)
+    tap.settle()
+    assert tap.cost.sampled_seconds >= 0.05
     engine.close()
