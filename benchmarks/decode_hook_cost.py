@@ -46,6 +46,7 @@ from layertap.server.host.model_host import PHASE_DECODE, PHASE_PREFILL, ModelHo
 from layertap.server.host.sources import load_model
 from layertap.server.stream.broker import Broker
 from layertap.server.taps.engine import TapEngine
+from layertap.server.taps.plan_path import PlanPath
 from layertap.server.taps.tap_files import reducer_spec
 from layertap.v1 import telemetry_pb2 as pb
 
@@ -143,13 +144,13 @@ def main() -> None:
     rig = Rig(args.steps)
     engine = rig.engine
     publish = engine.publisher.publish
-    real_hook = TapEngine._on_hook
+    real_hook = PlanPath.fire
 
     def no_work() -> None:
-        TapEngine._on_hook = lambda *a, **k: None  # type: ignore[method-assign, assignment]
+        PlanPath.fire = lambda *a, **k: None  # type: ignore[method-assign, assignment]
 
     def real_work() -> None:
-        TapEngine._on_hook = real_hook  # type: ignore[method-assign]
+        PlanPath.fire = real_hook  # type: ignore[method-assign]
 
     def no_publish() -> None:
         engine.publisher.publish = lambda *a, **k: None  # type: ignore[method-assign]
@@ -158,10 +159,10 @@ def main() -> None:
         engine.publisher.publish = publish  # type: ignore[method-assign]
 
     def per_tensor() -> None:
-        engine.batch_small = False
+        engine.plans.batch_small = False
 
     def batched() -> None:
-        engine.batch_small = True
+        engine.plans.batch_small = True
 
     rows: dict[str, Callable[[], Cells]] = {
         "base": rig.run,

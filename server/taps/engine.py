@@ -9,7 +9,7 @@ sees a summary.
 
 A tap whose every plan is basic fires as one ``layertap::tap_stats`` call
 into a row of the pass's buffer (``taps.firing``); the rest take the plan
-path, :meth:`TapEngine._on_hook`. Which passes feed a tap, and what it
+path (``taps.plan_path``). Which passes feed a tap, and what it
 reduces of each tensor, is settled once per pass (``taps.pass_decision``).
 A tap that derives a quantity (``TapSpec.derive``: per-token entropy of the
 logits) reads it in place of each tensor, before the cut and the fold.
@@ -22,19 +22,14 @@ import random
 import secrets
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
-
-import torch
 
 from layertap.server.compile.kernel import BATCH, DENSE, Signature
 from layertap.server.compile.serving import CompiledServing
 from layertap.server.compile.stats import CompiledStats
 from layertap.server.errors import AlreadyExists, LimitExceeded, NotFound, echo
-from layertap.server.host.hooks import POINT_NAMES, CallArgs, ParamGrad
-from layertap.server.host.model_host import ModelHost, PassContext, flatten_tensors
-from layertap.server.reducers.batched import BATCH_DTYPES, PassBatch, Row
-from layertap.server.reducers.derive import derive
+from layertap.server.host.hooks import POINT_NAMES
+from layertap.server.host.model_host import ModelHost, PassContext
+from layertap.server.reducers.batched import BATCH_DTYPES
 from layertap.server.reducers.latency import LayerTimer
 from layertap.server.reducers.spec import TOKEN_MODEL_SOURCES
 from layertap.server.reducers.transfer import DEFAULT_TRANSFER_BYTES, HostTransfer, PassBuffer
@@ -47,7 +42,7 @@ from layertap.server.taps.firing import Firing, OpLayout, op_eligible
 from layertap.server.taps.graph import GraphFeed
 from layertap.server.taps.layer_hooks import TapHooks
 from layertap.server.taps.pass_decision import PassDecisions, refund
-from layertap.server.taps.reuse import PassReuse, passthrough_parents
+from layertap.server.taps.plan_path import PlanPath
 from layertap.server.taps.sampling import Clock
 from layertap.server.taps.spec_check import SpecChecker
 from layertap.server.taps.tap import SERVER_OWNER, Tap
@@ -97,10 +92,6 @@ class TapEngine:
         self._pieces: list[Piece[Tap]] = []
         self._hook_seconds = 0.0
         self.reducer_errors = 0
-        #: Model thread only: the pass's small tensors, reduced together when it ends (``reducers.batched``).
-        self._batch = PassBatch(kernel=stats)
-        #: Whether small tensors are batched (benchmarks turn it off to compare).
-        self.batch_small = True
         #: Whether basic taps fire as one ``layertap::tap_stats`` call (``taps.firing``); benchmarks compare.
         self.use_op = True
         #: Each tap's hooked firings, and the layout binding the op-eligible ones to rows (None: none).
@@ -110,12 +101,10 @@ class TapEngine:
         self._relayout_due = False
         # Bounded in bytes too: one pass of wide taps holds megabytes of values.
         self.transfer = HostTransfer(maxsize=transfer_queue, max_bytes=transfer_bytes)
-        #: Model thread only: reductions of this pass a later firing may reuse.
-        self._reuse = PassReuse(passthrough_parents(host.modules))
-        #: Whether two firings of a pass can see one tensor (:meth:`PassReuse.possible`); set under the lock.
-        self._reuse_on = False
         #: Model thread only: each tap's pass, settled once (sampling, phases, request rows, padding).
         self.decisions = PassDecisions()
+        #: Firings that are not one op call: reduced by their plans (``taps.plan_path``).
+        self.plans = PlanPath(host.modules, stats, self.decisions.decide, self._pass_buffer, self._fail)
         #: One hook per hooked (layer, point) for all taps; a pass calls the firings of the taps on in it.
         self.tap_hooks = TapHooks(host.hooks, self._decide_all)
         #: Feeds compiled passes' in-graph statistics to the taps (``serve --compile-model``).
@@ -179,7 +168,7 @@ class TapEngine:
                 life = DEFAULT_TTL_SECONDS if ttl is None else ttl
                 tap.expires_at = self.clock() + life
                 tap.expires_wall = self.wall() + life
-            firings = self._firings[tap_id] = [Firing(tap, layer, self._on_hook, self._fail) for layer in layers]
+            firings = self._firings[tap_id] = [Firing(tap, layer, self.plans.fire, self._fail) for layer in layers]
             self.tap_hooks.add(firings, point)
             if plan.timed:
                 # Added after the tap's own hook: its stop hook is prepended, so it runs first.
@@ -283,8 +272,9 @@ class TapEngine:
         return due
 
     def _update_reuse(self) -> None:
-        """Recompute :attr:`_reuse_on` from the live taps (the caller holds the engine lock)."""
-        self._reuse_on = self._reuse.possible((layer, t.spec.point) for t in self._taps.values() for layer in t.layers)
+        """Recompute the plan path's ``reuse_on`` from the live taps (the caller holds the engine lock)."""
+        self.plans.reuse_on = self.plans.reuse.possible(
+            (layer, t.spec.point) for t in self._taps.values() for layer in t.layers)
 
     def _relayout(self) -> None:
         """Binds the op-eligible taps' firings to rows of a new layout (under the engine lock). Never raises.
@@ -331,87 +321,6 @@ class TapEngine:
         tap.handles.clear()
 
     # -- model thread --------------------------------------------------------
-    def _on_hook(self, tap: Tap, layer: str, ctx: PassContext, value: Any) -> None:
-        if ctx.active or tap.disabled:
-            self._reuse.clear()  # whatever ran since the last firing is unknown
-            return  # active-capture passes are never fed to taps
-        if tap._pass != ctx.index:
-            self.decisions.decide(tap, ctx)
-        if not tap._on:
-            return  # as if the tap had no hook: nothing reduced, nothing for reuse to forget
-        t0 = time.perf_counter()
-        tensors: Sequence[tuple[str, torch.Tensor]]
-        if isinstance(value, torch.Tensor):  # the common case (a layer's output): nothing to unpack
-            slot: str | tuple[str, int] = layer
-            offset, keyword_from, tensors = 0, None, (("", value),)
-        else:
-            # A gradient arrives one tensor at a time: count calls per tensor position
-            # (as captures do), so a module's parameters all belong to call 0.
-            grad = isinstance(value, ParamGrad)
-            slot = (layer, value.position) if grad else layer
-            # A parameter gradient reports its position among the module's parameters.
-            offset = value.position if grad else 0
-            # Keyword tensors (after the positional ones) carry their path; nothing to build otherwise.
-            keyword_from = value.positional if isinstance(value, CallArgs) else None
-            tensors = flatten_tensors(value)
-        calls = tap.calls
-        call = calls.get(slot, 0)
-        calls[slot] = call + 1
-        reuse = self._reuse_on
-        if reuse:
-            self._reuse.at(layer, tap.spec.point, call)
-        plan = tap.layer_plans.get(layer, tap.plan) if tap._sampled else tap.always
-        lap = tap.timer.take(layer) if tap.timer is not None else None
-        if plan is None:
-            return
-        buffer = self._buffer
-        if buffer is None:
-            buffer = self._buffer = PassBuffer()
-        cut, padding = tap._cut, tap._padding
-        pieces = self._pieces
-        try:
-            key = plan.reuse_key if reuse else None  # None: reduced afresh, nothing held
-            derivation = tap.derive
-            if derivation is not None and key is not None:
-                key = (key, "derive", tap.spec.derive)  # the entropy's result is not the tensor's
-            if cut is not None and key is not None:
-                # Reused only for the same cut of the same tensor: never the whole tensor's result, nor another request's.
-                key = (key, cut.key)
-            for i, (name, tensor) in enumerate(tensors):
-                # Derived before the cut and the fold: a (batch, tokens) result is cut and folded as any such tensor.
-                read = tensor if derivation is None else derive(derivation, tensor)
-                part = read if cut is None else cut(read)
-                if part is None:
-                    continue  # it mixes this request's rows with others': not this request's to see
-                run, k, fold = plan, key, None
-                # A 2-D (batch, tokens) tensor folds to 1-D: a per-channel reducer would have no axis left, so
-                # such a tensor keeps its padding when the plan has one (the tap must not die on a padded pass).
-                if padding is not None and padding.fits(part) and (part.dim() > 2 or plan.folded() is plan):
-                    # Nor is a selection's result the whole tensor's.
-                    run, k, fold = plan.folded(), (None if key is None else (key, padding.key)), padding
-                vec = self._reuse.get(k, tensor) if k is not None else None
-                if vec is None:
-                    read = part if fold is None else fold(part)
-                    # Small tensors of basic-only plans: a copy now, their statistics with the pass's others at its end.
-                    vec = self._batch.defer(read) if run.basic_layout is not None and self.batch_small else None
-                    if vec is None:
-                        vec = run.run(read)
-                    if k is not None:
-                        self._reuse.put(k, tensor, vec)
-                shape = tuple(part.shape) if fold is None else fold.shape(part)
-                if isinstance(vec, Row):
-                    vec.keys.append(len(pieces))
-                else:
-                    buffer.add(len(pieces), vec)
-                pieces.append(Piece(tap, layer, offset + i, call, shape, run, tap._sampled,
-                                    lap if plan.timed else None,
-                                    name if keyword_from is not None and i >= keyword_from else "",
-                                    None if cut is None else cut.rows))
-        except Exception as exc:  # noqa: BLE001 - a reducer must never fail inference
-            self._fail(tap, layer, exc)
-        finally:
-            tap._spent += time.perf_counter() - t0  # the pass's total is its layer hooks' (taps.layer_hooks)
-
     def _pass_buffer(self) -> tuple[PassBuffer, list[Piece[Tap]]]:
         """The current pass's buffer (made on first use) and pieces: compiled passes feed them too."""
         if self._buffer is None:
@@ -436,7 +345,7 @@ class TapEngine:
             self._pass_buffer()  # the layout's block goes in the pass's buffer
         buffer, pieces = self._buffer, self._pieces
         self._buffer, self._pieces = None, []
-        self._reuse.clear()
+        self.plans.reuse.clear()
         self.decisions.pass_ended()
         for tap in self._tap_list:  # decided for the pass at its start: those that saw none of it get it back
             if tap._pass == ctx.index and not tap.calls and not self.tap_hooks.ran(self._firings.get(tap.id, ()),
@@ -455,8 +364,8 @@ class TapEngine:
             with self._lock:
                 self._relayout()
         if buffer is None or not pieces or ctx.failed:
-            self._batch.discard()
-        elif len(self._batch):
+            self.plans.batch.discard()
+        elif len(self.plans.batch):
             t0 = time.perf_counter()
 
             def failed(keys: list[int], exc: Exception) -> None:
@@ -464,7 +373,7 @@ class TapEngine:
                     if not tap.disabled:
                         self._fail(tap, layer, exc)
 
-            given = self._batch.finish(buffer.add_rows, failed)
+            given = self.plans.batch.finish(buffer.add_rows, failed)
             spent = time.perf_counter() - t0
             self._hook_seconds += spent
             for k in given:  # the budget's: each tap pays for its small tensors, as for the others

@@ -24,7 +24,7 @@ so every pass makes the same calls in the same order (what a CUDA graph
 needs to capture a pass once). On CUDA the flags go to the device in one
 copy per pass from a small ring of pinned buffers.
 
-What stays on the plan path (``TapEngine._on_hook``), as ``TapInfo.serving``
+What stays on the plan path (``taps.plan_path``), as ``TapInfo.serving``
 says: integer, bool and fp8 tensors, tuples and gradients, plans with a
 histogram, quantiles, per-channel or latency reducer, derived quantities,
 request taps, and a module called more often
@@ -47,7 +47,7 @@ from layertap.server.stream.publisher import Piece
 from layertap.server.taps.tap import Tap
 from layertap.v1 import telemetry_pb2 as pb
 
-#: The plan path a firing hands a value to: ``TapEngine._on_hook(tap, layer, ctx, value)``.
+#: The plan path a firing hands a value to: ``PlanPath.fire(tap, layer, ctx, value)`` (``taps.plan_path``).
 PlanPath = Callable[[Tap, str, PassContext, Any], None]
 #: Disables a tap whose reduction raised: ``TapEngine._fail(tap, layer, exc)``.
 Fail = Callable[[Tap, str, BaseException], None]

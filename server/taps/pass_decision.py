@@ -1,7 +1,7 @@
 """What a tap does in a pass, settled once per pass: seen or not, sampled or not, which rows, which padding.
 
 Why its own module: both paths of a firing read it, the plan path
-(``TapEngine._on_hook``) at a tap's first firing of the pass and the op path
+(``taps.plan_path``) at a tap's first firing of the pass and the op path
 (``taps.firing``) for every tap of its layout at the pass's first firing, so
 that sampling reaches the op as a flag decided before any launch.
 

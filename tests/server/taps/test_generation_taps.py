@@ -205,7 +205,7 @@ def test_request_taps_never_reuse_the_whole_tensors_or_another_requests_result(r
     check(got[taps[4].id], ref)
     # The second tap of "a" and the second whole tap reused; "b" and "a" each ran once on their own rows.
     assert sorted(runs) == sorted([(4, 5, HIDDEN), (2, 4, HIDDEN), (2, 2, HIDDEN)])
-    assert engine._reuse.reused == 2
+    assert engine.plans.reuse.reused == 2
 
 
 def test_a_request_tap_on_inputs_and_with_every_reducer_never_syncs(rig) -> None:

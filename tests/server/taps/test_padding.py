@@ -239,7 +239,7 @@ def test_equal_taps_share_one_selection_and_never_the_whole_tensors_result(rig, 
     for i in (0, 2):
         check_basic(got[taps[i].id], whole[mask.bool().numpy()])
         check_basic(got[taps[i + 1].id], whole)
-    assert sorted(runs) == [(3, 6, HIDDEN), (11, HIDDEN)] and engine._reuse.reused == 2
+    assert sorted(runs) == [(3, 6, HIDDEN), (11, HIDDEN)] and engine.plans.reuse.reused == 2
 
 
 def test_per_channel_names_axes_of_the_unfolded_tensor(rig) -> None:

@@ -105,7 +105,7 @@ def test_a_stage_and_its_last_block_and_two_equal_taps_share_reductions(monkeypa
     for s in got:  # the reference hooks count both passes as calls 0 and 1
         check(s, seen[(s.layer, passes.index(s.pass_index))])
     # Per pass: layer1.1, layer2 and the other plan ran; layer1 and the second layer2 tap reused.
-    assert len(runs) == 6 and engine._reuse.reused == 4
+    assert len(runs) == 6 and engine.plans.reuse.reused == 4
 
 
 def test_reuse_follows_each_pass_not_the_first() -> None:
@@ -141,7 +141,7 @@ def test_a_container_that_writes_its_output_in_place_is_reduced_afresh() -> None
     got = {s.layer: s for s in summaries(engine, sub)}
     check(got["0.0"], child)
     check(got["0"], -child)
-    assert engine._reuse.reused == 0
+    assert engine.plans.reuse.reused == 0
 
 
 def test_an_in_place_write_between_firings_is_caught_by_the_version() -> None:
@@ -161,7 +161,7 @@ def test_an_in_place_write_between_firings_is_caught_by_the_version() -> None:
     got = {s.layer: s for s in summaries(engine, sub)}
     check(got["0.0"], child)
     check(got["0"], 2 * child)
-    assert engine._reuse.reused == 0
+    assert engine.plans.reuse.reused == 0
 
 
 @pytest.mark.parametrize("inference", [True, False])
@@ -187,4 +187,4 @@ def test_a_module_called_twice_on_one_object_is_reduced_per_call(inference: bool
     assert sorted(s.call_index for s in got) == [0, 0, 1, 1]
     for s in got:
         check(s, (first if s.call_index == 0 else np.maximum(first - np.float32(10), 0)).astype(np.float64))
-    assert engine._reuse.reused == 2  # the second tap, once per call
+    assert engine.plans.reuse.reused == 2  # the second tap, once per call
