@@ -38,12 +38,13 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
 from layertap.server.errors import LimitExceeded
 from layertap.server.host.model_host import ModelHost
+from layertap.server.reducers.op import FLOAT_DTYPES, new_rows, tap_stats_op
 from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.taps.budget import MAX_STRIDE, Governor
 from layertap.server.taps.tap import Tap
@@ -59,7 +60,7 @@ SMALL, LARGE = 1 << 12, 1 << 16
 #: Plans and shapes measured and kept.
 MAX_KEPT = 256
 #: Timed runs per size (the least is kept: the others met a busy core).
-RUNS = 3
+RUNS = 5
 #: A plan that could not run on a shape (kept too, so a retry costs nothing).
 _CANNOT: object = object()
 
@@ -86,36 +87,39 @@ class CostModel:
         #: Calibrations run (tests count them: one per plan and shape).
         self.measured = 0
 
-    def estimate(self, plan: ReducerPlan, layers: Sequence[str], point: int) -> float:
+    def estimate(self, plan: ReducerPlan, layers: Sequence[str], point: int, op: bool = False) -> float:
         """Seconds one sampled pass of ``plan`` on ``layers`` costs, unscaled; layers whose shapes the
-        probe has not seen (or that a reducer cannot read) add nothing."""
+        probe has not seen (or that a reducer cannot read) add nothing. ``op``: the plan fires as one
+        ``layertap::tap_stats`` call (``taps.firing``), which is what is timed then."""
         total = 0.0
         for layer in layers:
             for shape in self._shapes(layer, point):
-                cost = self.cost(plan, shape)
+                cost = self.cost(plan, shape, op)
                 if cost is not None:
                     total += cost(math.prod(shape))
         return total
 
     def admit(self, plan: ReducerPlan, layers: Sequence[str], point: int, *, governor: Governor, owner: str,
-              live: Sequence[Tap], field: str) -> float:
+              live: Sequence[Tap], field: str, op: bool = False) -> float:
         """:func:`admit` for ``plan`` on ``layers`` (``live``: the taps now, for the principals); returns its estimate
         per sampled pass, 0 where nothing is measured: the budget off; a training host,
         whose steps run on the caller's thread (a timing would run beside a step); parameter gradients,
         whose tensors the shape probe does not see."""
         if not governor.on or self.host.training or point == pb.POINT_PARAM_GRAD:
             return 0.0
-        estimate = self.estimate(plan, layers, point)
+        estimate = self.estimate(plan, layers, point, op)
         nonfinite = plan.nonfinite_only()
-        always = 0.0 if nonfinite is None else self.estimate(nonfinite, layers, point)
+        always = 0.0 if nonfinite is None else self.estimate(nonfinite, layers, point, op)
         admit(estimate, always, governor=governor, owner=owner, owners={t.owner for t in live if t.governed},
               field=field)
         return estimate
 
-    def cost(self, plan: ReducerPlan, shape: Sequence[int]) -> PlanCost | None:
-        """``plan``'s measured cost on tensors of ``shape``'s trailing dims; None when it cannot run there."""
+    def cost(self, plan: ReducerPlan, shape: Sequence[int], op: bool = False) -> PlanCost | None:
+        """``plan``'s measured cost on tensors of ``shape``'s trailing dims (as one op call with ``op``);
+        None when it cannot run there."""
         inner = tuple(int(d) for d in shape[1:])
-        key = (tuple(r.key() for r in plan.reducers), inner, self.host.device, self.host.dtype)
+        op = op and self.host.dtype in FLOAT_DTYPES  # other dtypes take the plan path
+        key = ("op" if op else tuple(r.key() for r in plan.reducers), inner, self.host.device, self.host.dtype)
         with self._lock:
             kept = self._kept.get(key)
             if kept is not None:
@@ -124,9 +128,9 @@ class CostModel:
         base = (1, *inner) if inner else (LARGE,)  # a 1-d tensor: its one dim is the data
         small, large = _shrunk(base, SMALL), _shrunk(base, LARGE)
         # A plan of its own: timing the tap's would move its sampling generators and the kernel's counters.
-        probe = ReducerPlan(plan.reducers, plan.seed)
+        run = _op_call(self.host.device) if op else ReducerPlan(plan.reducers, plan.seed).run
         try:  # on the model thread: torch work on an RPC thread would start a second OpenMP team
-            t_small, t_large = self.host.on_model_thread(self._time_both, probe, small, large)
+            t_small, t_large = self.host.on_model_thread(self._time_both, run, small, large)
         except Exception as exc:  # noqa: BLE001  # a reducer that cannot read this shape never fires on it either
             log.info("cost model: %r cannot run on %s (%s); it adds nothing to estimates", plan, list(inner), exc)
             self._keep(key, _CANNOT)
@@ -144,26 +148,28 @@ class CostModel:
             if len(self._kept) > MAX_KEPT:
                 self._kept.popitem(last=False)
 
-    def _time_both(self, plan: ReducerPlan, small: tuple[int, ...], large: tuple[int, ...]) -> tuple[float, float]:
-        t_small = self._time(plan, small)
-        return t_small, self._time(plan, large) if large != small else t_small
-
-    def _time(self, plan: ReducerPlan, shape: tuple[int, ...]) -> float:
+    def _time_both(self, run: Callable[[torch.Tensor], object], small: tuple[int, ...], large: tuple[int, ...]
+                   ) -> tuple[float, float]:
+        """The least time of ``RUNS`` runs on each shape, interleaved (a busy moment slows both sizes, not
+        one), after a run of each that warms caches, allocators and the kernels' first calls."""
         device, dtype = self.host.device, self.host.dtype
         if not dtype.is_floating_point:
             dtype = torch.float32
         gen = torch.Generator(device=device).manual_seed(0)
-        x = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+        xs = [torch.randn(shape, generator=gen, device=device, dtype=dtype) for shape in (small, large)]
         self.measured += 1
-        best = math.inf
+        best = [math.inf, math.inf]
         with torch.inference_mode():
-            for _ in range(RUNS + 1):  # the first run warms caches and allocators
-                _sync(device)
-                start = time.perf_counter()
-                plan.run(x)
-                _sync(device)
-                best = min(best, time.perf_counter() - start)
-        return best
+            for x in xs:
+                run(x)
+            for _ in range(RUNS):
+                for i, x in enumerate(xs):
+                    _sync(device)
+                    start = time.perf_counter()
+                    run(x)
+                    _sync(device)
+                    best[i] = min(best[i], time.perf_counter() - start)
+        return best[0], best[1]
 
     def _shapes(self, layer: str, point: int) -> list[tuple[int, ...]]:
         """The shapes a firing of ``layer`` at ``point`` reduces, per the probe (each call's tensors)."""
@@ -172,6 +178,13 @@ class CostModel:
             return []
         tensors = seen.inputs if point in (pb.POINT_INPUT, pb.POINT_GRAD_INPUT) else seen.outputs
         return [tuple(s) for s in tensors if len(s) >= 1] * max(1, seen.calls)  # each call fires
+
+
+def _op_call(device: torch.device) -> Callable[[torch.Tensor], None]:
+    """One ``layertap::tap_stats`` call into a row of its own, flag on: what a basic tap's firing costs."""
+    out, row = new_rows(1, device), torch.zeros(1, dtype=torch.int64, device=device)
+    flag = torch.ones(1, dtype=torch.int32, device=device)
+    return lambda x: tap_stats_op(x, out, row, flag, None)
 
 
 def _shrunk(shape: tuple[int, ...], limit: int) -> tuple[int, ...]:

@@ -38,7 +38,7 @@ from layertap.server.stream.publisher import Piece, Publisher
 from layertap.server.stream.sinks import Sinks, TapView
 from layertap.server.taps.budget import Governor
 from layertap.server.taps.cost_model import CostModel
-from layertap.server.taps.firing import Firing, OpLayout, op_eligible
+from layertap.server.taps.firing import Firing, OpLayout, op_eligible, plans_op_eligible
 from layertap.server.taps.graph import GraphFeed
 from layertap.server.taps.layer_hooks import TapHooks
 from layertap.server.taps.pass_decision import PassDecisions, refund
@@ -146,7 +146,9 @@ class TapEngine:
         if owner != SERVER_OWNER:  # admission by cost (each plan and shape timed once, on the model thread)
             with self._lock:  # first what the lock checks again below: a refusal for those costs no timing
                 self._check_room(spec.name, field_prefix)
-            estimate = self.costs.admit(plan, layers, point, governor=self.governor, owner=owner,
+            op = self.use_op and plans_op_eligible([plan], derived=checked.derivation is not None,
+                                                   request=request_id is not None, point=point)
+            estimate = self.costs.admit(plan, layers, point, governor=self.governor, owner=owner, op=op,
                                         live=self._tap_list, field=f"{field_prefix}.reducers")
         # Lock order everywhere: the model lock, then the engine lock. Hooks go
         # in between passes, so a tap never sees half a pass.

@@ -34,7 +34,7 @@ in a pass than its rows (the layout grows for the next pass).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ import torch
 from layertap.server.host.model_host import PassContext
 from layertap.server.host.padding import PaddingCut
 from layertap.server.reducers.op import FLOAT_DTYPES, IDENTITY, MAX_DIMS, new_rows, reset_rows, tap_stats_op
+from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.reducers.transfer import PassBuffer
 from layertap.server.stream.publisher import Piece
 from layertap.server.taps.tap import Tap
@@ -60,9 +61,14 @@ _FLAG_RING = 4
 
 def op_eligible(tap: Tap) -> bool:
     """Whether every firing of ``tap`` on a float tensor can be one op call."""
-    plans = [tap.plan, *tap.layer_plans.values()]
-    return (all(p.basic_layout is not None for p in plans) and tap.derive is None and tap.request_id is None
-            and tap.timer is None and tap.spec.point == pb.POINT_OUTPUT)
+    return plans_op_eligible([tap.plan, *tap.layer_plans.values()], derived=tap.derive is not None,
+                             request=tap.request_id is not None, point=tap.spec.point)
+
+
+def plans_op_eligible(plans: Sequence[ReducerPlan], *, derived: bool, request: bool, point: int) -> bool:
+    """:func:`op_eligible` of a tap not made yet (``taps.cost_model`` estimates the path it will take)."""
+    return (all(p.basic_layout is not None and not p.timed for p in plans) and not derived and not request
+            and point == pb.POINT_OUTPUT)
 
 
 class _Module:

@@ -109,3 +109,14 @@ def test_a_plan_that_cannot_run_on_a_shape_is_kept_as_such_and_never_timed_again
     measured = model.measured
     assert model.cost(channel_4, (1, 64, 16)) is None and model.measured == measured
 
+
+
+def test_a_basic_plan_that_fires_as_one_op_call_is_timed_as_one(host: ModelHost) -> None:
+    """A basic tap's firing is one ``layertap::tap_stats`` call (taps.firing): that call is what is timed,
+    not the eager plan, which costs many times more on CPU and made admission refuse cheap taps."""
+    model = CostModel(host)
+    basic = plan([MOMENTS])
+    op = model.cost(basic, (1, 64, 16, 16), op=True)
+    assert op is not None and op.per_element > 0 and model.measured == 1
+    assert model.cost(plan([MOMENTS, pb.ReducerSpec(kind=pb.REDUCER_KIND_MINMAX)]), (1, 64, 16, 16), op=True) is op
+    assert model.cost(basic, (1, 64, 16, 16)) is not op and model.measured == 2  # the plan path: its own timing
