@@ -248,7 +248,7 @@ class Fleet:
 
     def set_baseline(self, selector: str, *, passes: int = 500, window: int = 50, point: str = "output",
                      thresholds: DriftThresholds | Mapping[str, float] | None = None, name: str | None = None,
-                     wait: float = 600.0, timeout: float | None = None) -> FleetResult[BaselineInfo]:
+                     derive: str = "", wait: float = 600.0, timeout: float | None = None) -> FleetResult[BaselineInfo]:
         """One drift baseline for the whole fleet, installed on every member.
 
         Every member collects ``passes`` live passes, the members' builders are
@@ -261,6 +261,8 @@ class Fleet:
         Args:
             selector, passes, window, point, thresholds: As for :meth:`Client.set_baseline`.
             name: Name of the baseline tap on every member (default derived from the selector).
+            derive: As for :meth:`Client.set_baseline`: ``"entropy"`` or ``"top1_prob"`` baselines that
+                quantity of the tensor on every member (the frozen reference names it), ``""`` the tensor.
             wait: Seconds to wait for every member to collect its passes.
             timeout: Deadline of each call, in seconds.
 
@@ -274,15 +276,15 @@ class Fleet:
         """
         return self._baseline_steps(lambda members, each, fail: set_fleet_baseline(
             members, each, fail, selector, passes=passes, window=window, point=point, thresholds=thresholds,
-            name=name, wait=wait, timeout=timeout), timeout)
+            name=name, derive=derive, wait=wait, timeout=timeout), timeout)
 
     def spread_baseline(self, selector: str, *, window: int = 50, point: str = "output",
                         thresholds: DriftThresholds | Mapping[str, float] | None = None, name: str | None = None,
-                        timeout: float | None = None) -> FleetResult[BaselineInfo]:
+                        derive: str = "", timeout: float | None = None) -> FleetResult[BaselineInfo]:
         """Copies the fleet baseline of :meth:`set_baseline` to the members that lack it (replicas added since).
 
         Give the arguments of that :meth:`set_baseline` call (its ``passes``
-        and ``wait`` aside): they name the baseline tap. A member that holds it
+        and ``wait`` aside): they name the baseline tap (``derive`` included). A member that holds it
         frozen exports its reference, installed unchanged (same edges, same
         counts) on every member without it; the others are left as they are.
 
@@ -295,7 +297,7 @@ class Fleet:
         """
         return self._baseline_steps(lambda members, each, fail: spread_fleet_baseline(
             members, each, fail, selector, window=window, point=point, thresholds=thresholds, name=name,
-            timeout=timeout), timeout)
+            derive=derive, timeout=timeout), timeout)
 
     def _baseline_steps(self, steps: Callable[[list[Client], Any, Any], list[tuple[Client, BaselineInfo]]],
                         timeout: float | None) -> FleetResult[BaselineInfo]:

@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from . import _convert
+from ._convert_base import derive_name
 from ._errors import DeadlineExceeded, InvalidArgument, LayertapError, NotFound
 from ._transport import Transport, Unary
 from ._types import BaselineInfo, DriftThresholds, LayerDrift
@@ -96,8 +97,8 @@ class Baselines:
                 or ``"top1_prob"`` of the softmax over its last axis, per token
                 (a ``(batch, tokens, vocab)`` head gives one value per token),
                 so drift scores the model's confidence. ``""``: the tensor.
-                A derived baseline is kept in memory only (not in
-                ``--baseline-dir``).
+                Its file in ``--baseline-dir`` names the derive (baseline
+                schema v4), so a restart reloads it as it was.
             timeout: Deadline override in seconds.
 
         Returns:
@@ -167,13 +168,15 @@ def set_fleet_baseline(
     point: str,
     thresholds: DriftThresholds | Mapping[str, float] | None,
     name: str | None,
+    derive: str = "",
     wait: float,
     timeout: float | None,
 ) -> list[tuple[M, BaselineInfo]]:
     """See :meth:`Fleet.set_baseline`; returns the members that installed the reference."""
     if not wait > 0:
         raise InvalidArgument(f"wait must be > 0 seconds, got {wait}")
-    req = _convert.set_baseline_request(selector, passes=passes, window=window, point=point, thresholds=thresholds)
+    req = _convert.set_baseline_request(selector, passes=passes, window=window, point=point, thresholds=thresholds,
+                                        derive=derive)
     req.hold = True
     if name:
         req.name = name
@@ -222,10 +225,14 @@ def set_fleet_baseline(
 
 def baseline_tap_id(req: telemetry_pb2.SetBaselineRequest) -> str:
     """The tap a SetBaseline request creates, as the server names it: its ``name``, else
-    ``baseline-`` and a hash of selector and point (``layertap.server.drift.names``;
-    tests/e2e/test_fleet_spread.py checks that the two agree)."""
+    ``baseline-`` and a hash of selector and point, suffixed ``-<derive>`` for a derived one
+    (``layertap.server.drift.names``; tests/e2e/test_fleet_spread.py checks that the two agree)."""
+    if req.name:
+        return req.name
     point = req.point or telemetry_pb2.POINT_OUTPUT
-    return req.name or "baseline-" + hashlib.sha1(f"{req.selector}|{point}".encode()).hexdigest()[:8]
+    plain = "baseline-" + hashlib.sha1(f"{req.selector}|{point}".encode()).hexdigest()[:8]
+    derive = derive_name(req.derive)
+    return f"{plain}-{derive}" if derive else plain
 
 
 def spread_fleet_baseline(
@@ -238,6 +245,7 @@ def spread_fleet_baseline(
     point: str,
     thresholds: DriftThresholds | Mapping[str, float] | None,
     name: str | None,
+    derive: str = "",
     timeout: float | None,
 ) -> list[tuple[M, BaselineInfo]]:
     """See :meth:`Fleet.spread_baseline`; returns the members that installed the copy.
@@ -245,7 +253,8 @@ def spread_fleet_baseline(
     Raises:
         NotFound: No member holds the baseline frozen.
     """
-    req = _convert.set_baseline_request(selector, passes=1, window=window, point=point, thresholds=thresholds)
+    req = _convert.set_baseline_request(selector, passes=1, window=window, point=point, thresholds=thresholds,
+                                        derive=derive)
     req.hold = True  # the tap only: its reference is installed, never collected
     if name:
         req.name = name

@@ -49,6 +49,11 @@ class Baseline:
         created_at: Unix time the baseline was frozen.
         phase: The passes it was frozen from (``"forward"``, ``"prefill"``,
             ``"decode"``): only passes of that phase are scored against it.
+        null: The no-change statistics of its calibrated alarm (None: read from a file older than calibration).
+        fixed: The thresholds were given: they decide the alarm, not calibration.
+        derive: What its tap reads of the tensor (a ``pb.Derive`` value, named in its document by
+            ``reducers.derive.DERIVE_NAMES``; 0: the tensor itself). A derived baseline has no
+            per-feature statistics.
     """
 
     tap: str
@@ -71,6 +76,7 @@ class Baseline:
     phase: str = FORWARD
     null: NullModel | None = None
     fixed: bool = False
+    derive: int = 0
 
     @property
     def key(self) -> tuple[str, str, str, str]:
@@ -99,11 +105,14 @@ class Baseline:
         result is uncalibrated.
 
         Raises:
-            ValueError: On a different layer/point/phase or different edges.
+            ValueError: On a different layer/point/phase/derive or different edges.
         """
         if (self.layer, self.point, self.phase) != (other.layer, other.point, other.phase):
             raise ValueError(f"cannot merge baselines of {self.layer}/{self.point}/{self.phase} and "
                              f"{other.layer}/{other.point}/{other.phase}")
+        if self.derive != other.derive:
+            raise ValueError(f"cannot merge baselines of {self.layer} that read different quantities "
+                             f"(derive {self.derive} and {other.derive})")
         if self.edges.shape != other.edges.shape or not np.array_equal(self.edges, other.edges):
             raise ValueError(f"cannot merge baselines of {self.layer} with different edges; rebuild one on the other's edges")
         n, mean, m2 = chan_merge(self.count, self.mean, self.m2, other.count, other.mean, other.m2)

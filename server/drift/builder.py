@@ -269,6 +269,7 @@ class BaselineBuilder:
         window: int = 50,
         thresholds: DriftThresholds | None = None,
         fixed: bool = False,
+        derive: int = 0,
     ) -> Baseline:
         """Freeze the reference: place edges at its quantiles and bin the reservoir.
 
@@ -279,6 +280,8 @@ class BaselineBuilder:
             window: Sliding window drift will use.
             thresholds: Drift thresholds (defaults when None).
             fixed: The thresholds were given: they decide the alarm, not calibration.
+            derive: What the tap fed it in place of the tensor (``pb.Derive``; 0: the tensor), kept
+                on the baseline so that its file reloads it as what it is.
 
         Raises:
             ValueError: When no usable pass or value was fed.
@@ -314,4 +317,5 @@ class BaselineBuilder:
             phase=self.phase,
             null=self.null.freeze(),
             fixed=fixed,
+            derive=derive,
         )

@@ -11,6 +11,10 @@ from other processes, so every field is checked here and a refusal names it
 Phases. A frozen document names its phase itself (schema v2). A builder's
 state says it in ``BaselineBuilderState.phase``, and ``LayerBaseline`` and
 ``LayerDrift`` in their own ``phase``: states merge only within one phase.
+
+Derives. A frozen document of a derived baseline names its derive (schema
+v4), so a replica installs it as what it is. A builder's state does not: the
+builders of one baseline tap read what the tap reads, and freeze with its derive.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ The messages themselves (builder states, frozen documents, their checks and
 the merge) are :mod:`.exchange`'s; here they meet a baseline tap's entries:
 every baseline is checked before any is installed, so a refusal changes
 nothing, and a phase the layer has not seen yet gets its entry when installed.
+Merged builders freeze with the tap's derive (a builder's state does not say
+it); a frozen document names its own (schema v4), and one that reads another
+quantity than the tap is refused.
 """
 
 from __future__ import annotations
@@ -20,9 +23,15 @@ from layertap.server.drift.layer import LayerEntry
 from layertap.server.drift.table import LayerTable
 from layertap.server.drift.tap_control import TapControl
 from layertap.server.errors import InvalidField, NotFound, Unsupported
+from layertap.server.reducers.derive import DERIVE_NAMES
 from layertap.v1 import telemetry_pb2 as pb
 
 __all__ = ["FleetBaselines"]
+
+
+def _reads(derive: int) -> str:
+    """What a tap with ``derive`` reads, for a refusal."""
+    return repr(DERIVE_NAMES[derive]) if derive in DERIVE_NAMES else "the tensor itself"
 
 
 class FleetBaselines:
@@ -81,7 +90,7 @@ class FleetBaselines:
                 e = next(iter(entries[layer].values()))
                 try:
                     baselines[layer, phase] = merge_states(req.tap, states).freeze(
-                        window=e.window_len, thresholds=e.thresholds, fixed=e.fixed)
+                        window=e.window_len, thresholds=e.thresholds, fixed=e.fixed, derive=e.derive)
                 except ValueError as exc:
                     raise Unsupported(f"builders: {exc}; collect more passes first", field="builders") from None
         else:
@@ -92,6 +101,9 @@ class FleetBaselines:
                 if (b.layer, b.phase) in baselines:
                     raise InvalidField(f"frozen[{i}]", f"a second document for layer {b.layer!r} in phase {b.phase!r}")
                 e = next(iter(entries[b.layer].values()))
+                if b.derive != e.derive:  # scored on the wrong quantity otherwise
+                    raise InvalidField(f"frozen[{i}]", f"a baseline of {_reads(b.derive)}, but tap {req.tap!r} "
+                                                       f"reads {_reads(e.derive)} of {b.layer!r}")
                 # The alarm decides on this tap's window: the null's per-pass μ, σ hold at any window.
                 null = b.null.rewindowed(e.window_len) if b.null is not None else None
                 baselines[b.layer, b.phase] = replace(b, tap=req.tap, window=e.window_len, thresholds=e.thresholds,

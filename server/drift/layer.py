@@ -181,9 +181,7 @@ class LayerEntry:
         ``layertap_baselines_unsaved`` say until a retry writes it.
         """
         assert self.baseline is not None
-        # A derived baseline stays in memory: its document has no derive, so a
-        # restart would reload it as the tensor's own and score the wrong quantity.
-        if not baseline_dir or self.derive:
+        if not baseline_dir:
             self.save_error = ""
             return True
         try:

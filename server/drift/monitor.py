@@ -134,11 +134,15 @@ class DriftMonitor(Sink, BaselineReload, FleetBaselines, BaselineSaves):
         """Every entry, all phases (the caller holds ``_lock``)."""
         return [e for phases in self._layers.values() for e in phases.values()]
 
-    def baseline_for(self, layer: str, point: str, phase: str = FORWARD) -> Baseline | None:
-        """A frozen baseline of ``layer`` at ``point`` in ``phase`` (any tap): the flight recorder's mean trigger."""
+    def baseline_for(self, layer: str, point: str, phase: str = FORWARD, *, derive: int = 0) -> Baseline | None:
+        """A frozen baseline of ``layer`` at ``point`` in ``phase`` (any tap): the flight recorder's mean trigger.
+
+        Only one of ``derive`` (0: the tensor's own): an entropy baseline's mean is no reference for the tensor's.
+        """
         with self._lock:
             for e in self._all():
-                if e.layer == layer and e.point == point and e.phase == phase and e.baseline is not None:
+                if (e.layer == layer and e.point == point and e.phase == phase and e.derive == derive
+                        and e.baseline is not None):
                     return e.baseline
         return None
 
@@ -297,7 +301,8 @@ class DriftMonitor(Sink, BaselineReload, FleetBaselines, BaselineSaves):
         # Only this (host-transfer) thread writes the total; readers see an int.
         self._skipped += builder.skipped_passes - before
         if builder.done and not entry.hold:
-            self._freeze(entry, builder.freeze(window=entry.window_len, thresholds=entry.thresholds, fixed=entry.fixed))
+            self._freeze(entry, builder.freeze(window=entry.window_len, thresholds=entry.thresholds, fixed=entry.fixed,
+                                               derive=entry.derive))
 
     def _live(self, entry: LayerEntry) -> bool:
         """Whether ``entry`` is still its layer's entry for its phase (the caller holds ``_lock``)."""

@@ -5,12 +5,21 @@ checked and a refusal carries a one-line reason for the operator.
 
 Versions. v1 has no phase: its baseline was frozen from plain forward
 passes. v2 adds ``"phase"`` (``"forward"``, ``"prefill"`` or ``"decode"``,
-:mod:`.phases`). Both load. A document is written at the lowest version that
-holds it: a forward baseline stays v1, byte for byte what v1 servers wrote,
-so a server rolled back, or an older replica of a fleet (frozen documents
-travel between replicas), still loads it; only prefill and decode baselines,
-which no v1 server could score anyway, are v2. A v1 document that names a
-phase is refused: an older server would read it as a forward baseline.
+:mod:`.phases`). v3 adds the alarm's null statistics (``"null"``) and
+``"fixed"``, and always names the phase. v4 is v3 and ``"derive"``: the name
+(``"entropy"``, ``"top1_prob"``, ``reducers.derive.DERIVE_NAMES``) of the
+quantity the baseline's tap reads in place of the tensor. All four load. A
+document is written at the lowest version that holds it: a forward baseline
+without null statistics stays v1, byte for byte what v1 servers wrote, so a
+server rolled back, or an older replica of a fleet (frozen documents travel
+between replicas), still loads it; prefill and decode baselines without them
+are v2, a baseline with them v3, and only a derived baseline, which a server
+before v4 would load as the tensor's own and score on the wrong quantity, is
+v4. A document that names a field of a later version is refused for the same
+reason: a v1 document with a phase (an older server would read it as a
+forward baseline), a v3 one with a derive. A v4 document without a known
+derive, or with per-feature statistics (a derived tensor has no features),
+is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from layertap.server.drift.null import MAX_PASSES, MIN_WINDOWS, NullModel
 from layertap.server.drift.phases import FORWARD, PHASE_BY_NAME
 from layertap.server.drift.thresholds import DRIFT_METRICS, DriftThresholds
 from layertap.server.host.hooks import POINT_BY_NAME
+from layertap.server.reducers.derive import DERIVE_NAMES
 from layertap.server.reducers.spec import MAX_BINS, MAX_CHANNELS
 
 __all__ = [
@@ -46,10 +56,14 @@ FloatArray = npt.NDArray[np.float64]
 KnownLayers: TypeAlias = Collection[str] | Mapping[str, int | None]
 
 BASELINE_SCHEMA = "layertap.baseline"
-#: The newest version (the one with ``null``).
-BASELINE_VERSION = 3
+#: The newest version (the one with ``derive``).
+BASELINE_VERSION = 4
 #: Versions this build reads.
-BASELINE_VERSIONS = (1, 2, 3)
+BASELINE_VERSIONS = (1, 2, 3, 4)
+#: The wire value of each derive by the name a v4 document gives it.
+_DERIVE_BY_NAME = {name: value for value, name in DERIVE_NAMES.items()}
+#: The null statistics a derived baseline without them is written with (v4 holds a null, as v3 does).
+_NO_NULL = "saved without null statistics: set the baseline again to calibrate its alarm"
 
 
 class BaselineFormatError(ValueError):
@@ -57,10 +71,18 @@ class BaselineFormatError(ValueError):
 
 
 def baseline_to_dict(b: Baseline) -> dict[str, Any]:
-    """The JSON document for ``b``: v3 with its null statistics; without them v1 for a forward baseline, else v2."""
+    """The JSON document for ``b``: v4 for a derived baseline; else v3 with its null statistics, and
+    without them v1 for a forward baseline, v2 for another phase.
+
+    Raises:
+        ValueError: ``b.derive`` is not a derive this build knows.
+    """
+    if b.derive and b.derive not in DERIVE_NAMES:
+        raise ValueError(f"baseline {b.tap}/{b.layer}: unknown derive {b.derive}")
+    null = b.null if b.null is not None or not b.derive else NullModel.uncalibrated(_NO_NULL, b.window)
     doc: dict[str, Any] = {
         "schema": BASELINE_SCHEMA,
-        "version": 3 if b.null is not None else 1 if b.phase == FORWARD else 2,
+        "version": 4 if b.derive else 3 if null is not None else 1 if b.phase == FORWARD else 2,
         "tap": b.tap,
         "layer": b.layer,
         "point": b.point,
@@ -79,11 +101,13 @@ def baseline_to_dict(b: Baseline) -> dict[str, Any]:
         "thresholds": b.thresholds.as_dict(),
         "created_at": float(b.created_at),
     }
-    if b.phase != FORWARD or b.null is not None:
+    if b.phase != FORWARD or null is not None:
         doc["phase"] = b.phase
-    if b.null is not None:
-        doc["null"] = b.null.as_dict()
+    if null is not None:
+        doc["null"] = null.as_dict()
         doc["fixed"] = bool(b.fixed)
+    if b.derive:
+        doc["derive"] = DERIVE_NAMES[b.derive]
     return doc
 
 
@@ -124,6 +148,20 @@ def _null_from_dict(d: Any) -> NullModel:
         why = "every feature is constant in the baseline"
     return NullModel(mean, std, passes, max(window, 1), windows, dispersion, features, why[:500],
                      unit=unit if unit > 0 else 1.0)
+
+
+def _derive_from_dict(d: Mapping[str, Any], version: int) -> int:
+    """The ``pb.Derive`` value a document names: v4 must name a known one, earlier versions none (0)."""
+    if version < 4:
+        if "derive" in d:
+            raise BaselineFormatError("field 'derive' needs schema version 4 "
+                                      "(an older reader takes it for the tensor's own baseline)")
+        return 0
+    named = d.get("derive")
+    if not isinstance(named, str) or named not in _DERIVE_BY_NAME:
+        raise BaselineFormatError(f"derive {named!r:.40} is not one of {', '.join(_DERIVE_BY_NAME)} "
+                                  "(schema version 4 names the derived quantity)")
+    return _DERIVE_BY_NAME[named]
 
 
 def _check_null_features(null: NullModel, layer: str, channels: int | None) -> NullModel:
@@ -183,7 +221,8 @@ def baseline_from_dict(d: Any, known_layers: KnownLayers | None = None) -> Basel
                                   f"(expected one of {', '.join(map(str, BASELINE_VERSIONS))})")
     null: NullModel | None = None
     fixed = False
-    if version == 3:
+    derive = _derive_from_dict(d, version)
+    if version >= 3:
         null = _null_from_dict(d.get("null"))
         fixed = d.get("fixed", False)
         if not isinstance(fixed, bool):
@@ -248,6 +287,9 @@ def baseline_from_dict(d: Any, known_layers: KnownLayers | None = None) -> Basel
             want = known_layers.get(layer)
             if want is not None and want != cmean.size:
                 raise BaselineFormatError(f"layer {layer!r} has {want} channels but the baseline {cmean.size}")
+    if derive and (cmean is not None or (null is not None and null.features > 0)):
+        raise BaselineFormatError(f"a baseline of derive {DERIVE_NAMES[derive]!r} has no per-feature statistics "
+                                  "(channel_mean or null features): a derived tensor has no features")
     if null is not None and isinstance(known_layers, Mapping):
         null = _check_null_features(null, layer, known_layers.get(layer))
     th = d.get("thresholds")
@@ -263,4 +305,5 @@ def baseline_from_dict(d: Any, known_layers: KnownLayers | None = None) -> Basel
         mean=mean, m2=m2, min=lo, max=hi, passes=passes, quantiles=quantiles,
         channel_mean=cmean, channel_std=cstd, window=window, thresholds=thresholds,
         created_at=float(created) if isinstance(created, (int, float)) else 0.0, phase=phase, null=null, fixed=fixed,
+        derive=derive,
     )

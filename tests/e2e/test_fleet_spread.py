@@ -24,8 +24,10 @@ def test_the_client_names_baseline_taps_as_the_server_does() -> None:
     for selector in ("fc", "layer*", "re:^layer[12]$", "model.layers.*.mlp"):
         for point in ("output", "input", "grad_output"):
             for name in ("", "my-baseline"):
-                req = _convert.set_baseline_request(selector, passes=1, window=1, point=point, thresholds=None, name=name)
-                assert baseline_tap_id(req) == server_tap_id(req), (selector, point, name)
+                for derive in ("", "entropy", "top1_prob"):
+                    req = _convert.set_baseline_request(selector, passes=1, window=1, point=point, thresholds=None,
+                                                        name=name, derive=derive)
+                    assert baseline_tap_id(req) == server_tap_id(req), (selector, point, name, derive)
 
 
 def _frozen(address: str, tap: str) -> list[dict]:

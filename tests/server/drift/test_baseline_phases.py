@@ -79,7 +79,7 @@ def test_phases_of_one_layer_are_separate_files_that_round_trip(tmp_path: Path) 
     ({"version": 2}, "phase None"),  # v2 must name its phase
     ({"version": 2, "phase": "sideways"}, "phase 'sideways' is not one of forward, prefill, decode"),
     ({"version": 2, "phase": 2}, "phase 2 is not"),
-    ({"version": 4, "phase": "decode"}, "version 4 is not supported"),
+    ({"version": 5, "phase": "decode"}, "version 5 is not supported"),
     ({"version": 3, "phase": "decode"}, "field 'null' must be an object"),  # v3 holds its null statistics
     ({"null": {}}, "field 'null' needs schema version 3"),
     ({"version": True}, "version True"),
