@@ -143,7 +143,10 @@ class Governor:
         for tap in taps:
             tap.settle()  # the window's last pass too
             # Its publishing (host-transfer thread, the same GIL) is part of what its passes cost.
-            cost, sampled, always = tap.cost, tap.published_seconds, tap.published_always_seconds
+            # Publishing (host-transfer thread) and delivery (the subscribers' stream threads): same GIL.
+            cost = tap.cost
+            sampled = tap.published_seconds + tap.delivered_seconds
+            always = tap.published_always_seconds + tap.delivered_always_seconds
             cost.sampled_seconds += sampled - cost.published_seen
             cost.always_seconds += always - cost.published_always_seen
             w.hook_seconds += sampled - cost.published_seen + always - cost.published_always_seen

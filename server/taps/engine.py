@@ -249,6 +249,11 @@ class TapEngine:
             raise NotFound(f"no tap {echo(tap_id)}; list taps with ListTaps / client.taps()")
         return tap
 
+    def find(self, tap_id: str) -> Tap | None:
+        """The tap, or None (a stream's summaries may outlive their tap)."""
+        with self._lock:
+            return self._taps.get(tap_id)
+
     def event(self, tap: TapView, kind: str, message: str) -> None:
         """Tells the tap's subscribers now (a sink's event: the recorder's incidents)."""
         self.publisher.event(tap, kind, message)

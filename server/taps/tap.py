@@ -7,6 +7,7 @@ only as a ``stream.sinks.TapView``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +21,9 @@ from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.stream.summary_wire import timestamp
 from layertap.server.taps.sampling import Sampler
 from layertap.v1 import telemetry_pb2 as pb
+
+#: Guards ``Tap.deliver``'s sums, written by every subscriber's stream thread.
+_DELIVERY_LOCK = threading.Lock()
 
 #: The owner of taps the server creates itself (``--taps``, baselines): no principal.
 SERVER_OWNER = ""
@@ -134,6 +138,18 @@ class Tap:
     #: (always-on) ones; that thread is their only writer.
     published_seconds: float = 0.0
     published_always_seconds: float = 0.0
+    #: Seconds subscribers' stream threads spent building and serializing its summaries (``deliver``).
+    delivered_seconds: float = 0.0
+    delivered_always_seconds: float = 0.0
+
+    def deliver(self, seconds: float, *, always: bool) -> None:
+        """Books a stream thread's seconds on its summaries (sampled, or unsampled: ``always``); many
+        threads write, so under a lock."""
+        with _DELIVERY_LOCK:
+            if always:
+                self.delivered_always_seconds += seconds
+            else:
+                self.delivered_seconds += seconds
 
     @property
     def durable(self) -> bool:

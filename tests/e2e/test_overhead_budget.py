@@ -116,6 +116,8 @@ def test_thirty_wide_subscribers_are_held_to_the_budget_and_told_their_rate(make
         assert wait_for(held, 120), list(zip(shares, cuttable, sparsest))[-10:]
         taps = engine.all_taps()
         assert governor.throttled > 0 and sum(t.throttle > 1 for t in taps) == governor.throttled
+        # The readers' threads' time, charged to their taps.
+        assert wait_for(lambda: all(t.delivered_seconds + t.delivered_always_seconds > 0 for t in taps), 60)
         # Everyone still hears from the model, and the thinned taps' summaries say by how much.
         assert wait_for(lambda: all(any(not s.unsampled for s in got) for got in readers.got), 120)
         thinned = {t.id: t.throttle for t in taps if t.throttle > 1}

@@ -297,3 +297,16 @@ def test_the_scale_is_bounded_when_a_tap_measures_nothing() -> None:
     tap.cost.estimate = 50e-6
     sim.run(windows(10.0))
     assert sim.governor.scale == pytest.approx(0.25, rel=0.01)
+
+
+def test_what_subscribers_threads_spend_delivering_a_taps_summaries_counts_against_it() -> None:
+    """Building and serializing a tap's summaries on subscribers' stream threads (``rpc.taps.deliver``)
+    holds the same GIL as the model: a tap cheap in its hooks but dear to deliver is thinned too."""
+    sim = Sim(budget=0.05)
+    cheap, dear = sim.add(make_tap("cheap"), cost=10e-6), sim.add(make_tap("dear"), cost=10e-6)
+    for _ in range(windows(3.0)):
+        sim.run(1)
+        if dear._sampled:
+            dear.deliver(1e-3, always=False)  # 1 ms of its subscribers' threads for each pass it samples
+    assert cheap.throttle == 1 and dear.throttle > 1
+    assert dear.delivered_seconds > 0 and dear.delivered_always_seconds == 0
