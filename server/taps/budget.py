@@ -5,10 +5,12 @@ time on every pass it samples. Continuous profilers keep to a budget by
 adapting their sampling; so does this governor (``serve --tap-budget``,
 default 5%).
 
-What counts: the model thread's time in tap hooks, and the host-transfer
-thread's time publishing the taps' pieces (``Tap.published_seconds``). The
-second runs beside the model, but it holds the same GIL: with thirty wide
-subscribers it was most of what slowed Infer once the hooks were thinned.
+What counts: the model thread's time in tap hooks, the host-transfer
+thread's time publishing the taps' pieces (``Tap.published_seconds``), and
+the subscribers' stream threads' time building and serializing their
+batches (``Tap.delivered_seconds``). The last two run beside the model, but
+they hold the same GIL: with thirty wide subscribers publishing was most of
+what slowed Infer once the hooks were thinned.
 
 How it works, once per window (``WINDOW_SECONDS`` and ``WINDOW_PASSES``):
 
