@@ -25,6 +25,7 @@ either. A prefill is replayed when its pass named its inputs
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -188,7 +189,8 @@ class Recorder(Sink):
         for tap_id, group in by_tap.items():
             tap = taps[tap_id]
             triggers = tap.spec.triggers
-            firing = evaluate(triggers, group, self._baseline)
+            # A derived tap (entropy) is held against its own derived baseline, never the tensor's.
+            firing = evaluate(triggers, group, functools.partial(self._baseline, derive=tap.spec.derive))
             if firing is None:
                 continue
             admitted = set(self.limits.admit(tap_id, firing.triggers, interval_of(triggers)))
@@ -201,10 +203,11 @@ class Recorder(Sink):
             fired.append((tap, Firing(layers, hits)))
         return fired
 
-    def _baseline(self, layer: str, point: int, phase: int = 0) -> tuple[float, float] | None:
+    def _baseline(self, layer: str, point: int, phase: int = 0, *, derive: int = 0) -> tuple[float, float] | None:
         if self.drift is None:
             return None
-        b = self.drift.baseline_for(layer, POINT_NAMES.get(point or pb.POINT_OUTPUT, "output"), phase_name(phase))
+        b = self.drift.baseline_for(layer, POINT_NAMES.get(point or pb.POINT_OUTPUT, "output"), phase_name(phase),
+                                    derive=derive)
         return None if b is None else (b.mean, b.std)
 
     # -- recorder thread -------------------------------------------------------------
@@ -250,7 +253,8 @@ class Recorder(Sink):
 
     def _rows_finder(self, tap: TapView, firing: Firing) -> Callable[[str, torch.Tensor], list[int]]:
         point = tap.spec.point or pb.POINT_OUTPUT
-        return lambda layer, t: anomalous_rows(t, tap.spec.triggers, firing.layers[layer], self._baseline(layer, point))
+        return lambda layer, t: anomalous_rows(t, tap.spec.triggers, firing.layers[layer],
+                                               self._baseline(layer, point, derive=tap.spec.derive))
 
     def _write(self, ctx: PassContext, firing: Firing, share: Share, inputs: ModelInputs | None,
                captured: dict[tuple[str, int, int, int], torch.Tensor], note: str) -> pb.Incident:

@@ -12,7 +12,7 @@ import grpc
 
 from layertap.server.errors import InvalidField, NotFound, Unavailable, grpc_errors, status_for
 from layertap.server.host.inputs import ModelInputs
-from layertap.server.rpc.auth import require
+from layertap.server.rpc.auth import principal_of, require
 from layertap.server.rpc.inference import decode_inputs
 from layertap.server.rpc.method_handlers import sends_wire_bytes
 from layertap.server.rpc.ownership import create_owned, require_owner
@@ -34,11 +34,15 @@ POLL_SECONDS = 0.1
 MAX_QUEUE = 65536
 
 
-def deliver(engine: TapEngine, summaries: Sequence[pb.Summary], seconds: float) -> None:
-    """Charges a stream's time building and serializing a batch to the batch's taps, by their summaries
+def deliver(engine: TapEngine, summaries: Sequence[pb.Summary], seconds: float, owner: str) -> None:
+    """Charges a stream's CPU time building and serializing a batch to the batch's taps, by their summaries
     (sampled and unsampled apart): with thirty subscribers it is thirty times one's, off both the model
-    thread and the host-transfer thread, but on the same GIL."""
-    if not summaries:
+    thread and the host-transfer thread, but on the same GIL.
+
+    Only to the subscriber's own governed taps (``owner``): a reader following every durable tap must not
+    get another principal's taps thinned, nor the server's own (never thinned) shrink everyone's room.
+    """
+    if not summaries or not engine.governor.on:
         return
     counts: dict[tuple[str, bool], int] = {}
     for s in summaries:
@@ -47,7 +51,7 @@ def deliver(engine: TapEngine, summaries: Sequence[pb.Summary], seconds: float) 
     each = seconds / len(summaries)
     for (tap_id, unsampled), n in counts.items():
         tap = engine.find(tap_id)
-        if tap is not None:
+        if tap is not None and tap.governed and tap.owner == owner:
             tap.deliver(each * n, always=unsampled)
 
 
@@ -104,6 +108,7 @@ class TapsServicer(StateBacked):
                 engine.delete(t.id, reason="ended")
             raise
         done = threading.Event()
+        me = principal_of(context).id
 
         def cleanup() -> None:
             if done.is_set():
@@ -128,10 +133,10 @@ class TapsServicer(StateBacked):
                             raise Unavailable("the server is shutting down; reconnect to another replica or retry")
                         return
                     continue
-                start = time.perf_counter()
+                start = time.thread_time()  # this thread's CPU: a wait for the GIL is someone else's time
                 wire = pb.SubscribeResponse(summaries=batch.summaries, events=batch.events,
                                             dropped=sub.dropped).SerializeToString()
-                deliver(engine, batch.summaries, time.perf_counter() - start)
+                deliver(engine, batch.summaries, time.thread_time() - start, me)
                 yield wire
         finally:
             cleanup()

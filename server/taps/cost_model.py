@@ -44,7 +44,7 @@ import torch
 
 from layertap.server.errors import LimitExceeded
 from layertap.server.host.model_host import ModelHost
-from layertap.server.reducers.op import FLOAT_DTYPES, new_rows, tap_stats_op
+from layertap.server.reducers.op import FLOAT_DTYPES, MAX_DIMS, new_rows, tap_stats_op
 from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.taps.budget import MAX_STRIDE, Governor
 from layertap.server.taps.tap import Tap
@@ -118,7 +118,7 @@ class CostModel:
         """``plan``'s measured cost on tensors of ``shape``'s trailing dims (as one op call with ``op``);
         None when it cannot run there."""
         inner = tuple(int(d) for d in shape[1:])
-        op = op and self.host.dtype in FLOAT_DTYPES  # other dtypes take the plan path
+        op = op and self.host.dtype in FLOAT_DTYPES and len(shape) <= MAX_DIMS  # else the plan path serves it
         key = ("op" if op else tuple(r.key() for r in plan.reducers), inner, self.host.device, self.host.dtype)
         with self._lock:
             kept = self._kept.get(key)
@@ -181,10 +181,17 @@ class CostModel:
 
 
 def _op_call(device: torch.device) -> Callable[[torch.Tensor], None]:
-    """One ``layertap::tap_stats`` call into a row of its own, flag on: what a basic tap's firing costs."""
-    out, row = new_rows(1, device), torch.zeros(1, dtype=torch.int64, device=device)
-    flag = torch.ones(1, dtype=torch.int32, device=device)
-    return lambda x: tap_stats_op(x, out, row, flag, None)
+    """One ``layertap::tap_stats`` call into a row of its own, flag on: what a basic tap's firing costs.
+    Its tensors are made at the first call (the warm-up, on the model thread), not here."""
+    made: list[torch.Tensor] = []
+
+    def call(x: torch.Tensor) -> None:
+        if not made:
+            made.extend((new_rows(1, device), torch.zeros(1, dtype=torch.int64, device=device),
+                         torch.ones(1, dtype=torch.int32, device=device)))
+        tap_stats_op(x, made[0], made[1], made[2], None)
+
+    return call
 
 
 def _shrunk(shape: tuple[int, ...], limit: int) -> tuple[int, ...]:

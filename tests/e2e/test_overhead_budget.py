@@ -66,9 +66,9 @@ class Readers:
             ch.close()
 
 
-def infer_until(port: int, stop: threading.Event, n: int) -> None:
+def infer_until(port: int, stop: threading.Event, n: int, token: str | None = None) -> None:
     x = batch(n)
-    with Client(f"127.0.0.1:{port}") as c:
+    with Client(f"127.0.0.1:{port}", token=token) as c:
         while not stop.is_set():
             c.infer(x, timeout=60)
 
@@ -265,3 +265,36 @@ def test_a_plan_that_cannot_fit_the_budget_even_at_its_slowest_rate_is_refused(m
                            timeout=60)
         assert taken.value.code() == grpc.StatusCode.ALREADY_EXISTS
         channel.close()
+
+
+def test_a_reader_following_another_principals_tap_never_charges_it(make_server, tmp_path) -> None:
+    """Delivery time is charged to the subscriber's own taps only: a read-only client following every
+    durable tap (32 streams of it) must not get another principal's taps thinned."""
+    import hashlib
+
+    tokens = {"owner": "tok-owner-0123456789abcdef", "reader": "tok-reader-0123456789abcdef"}
+    scopes = {"owner": "infer,read,tap", "reader": "read"}
+    path = tmp_path / "tokens"
+    path.write_text("".join(f"{who} sha256:{hashlib.sha256(tok.encode()).hexdigest()} {scopes[who]}\n"
+                            for who, tok in tokens.items()))
+    srv = make_server(auth_tokens=str(path), tap_budget=0.05)
+    with Client(f"127.0.0.1:{srv.port}", token=tokens["owner"]) as owner, \
+            Client(f"127.0.0.1:{srv.port}", token=tokens["reader"]) as reader:
+        tap = owner.create_tap("layer2", reducers=["moments", "histogram"], ttl=120)
+        engine_tap = srv.state.taps.get(tap.id)
+        stop = threading.Event()
+        driver = threading.Thread(target=infer_until, args=(srv.port, stop, 2), kwargs={"token": tokens["owner"]},
+                                  daemon=True)
+        driver.start()
+        try:
+            with reader.subscribe(timeout=60) as theirs:  # every durable tap: the owner's too
+                got = [next(theirs) for _ in range(5)]
+            assert {s.tap for s in got} == {tap.id}
+            assert engine_tap.delivered_seconds == 0
+            with owner.subscribe([tap.id], timeout=60) as mine:
+                got = [next(mine) for _ in range(5)]
+            assert {s.tap for s in got} == {tap.id}
+            assert wait_for(lambda: engine_tap.delivered_seconds > 0, 30)  # its owner's own stream: charged
+        finally:
+            stop.set()
+            driver.join(60)

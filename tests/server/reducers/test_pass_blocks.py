@@ -110,16 +110,16 @@ def test_reuse_is_on_only_while_two_firings_can_share_a_tensor() -> None:
     host, _broker, engine = rig(nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.ReLU(), nn.Linear(8, 8))))
     spec = pb.TapSpec(selector="0", reducers=[reducer_spec("moments", "r")])
     one = engine.create(spec)
-    assert not engine._reuse_on  # one tap, one layer: nothing to share
+    assert not engine.plans.reuse_on  # one tap, one layer: nothing to share
     two = engine.create(spec)
-    assert engine._reuse_on  # the same layer twice
+    assert engine.plans.reuse_on  # the same layer twice
     engine.delete(two.id)
-    assert not engine._reuse_on
+    assert not engine.plans.reuse_on
     parent = engine.create(pb.TapSpec(selector="1", reducers=[reducer_spec("moments", "r")]))
-    assert not engine._reuse_on  # "1" returns its last child's output, but that child is not hooked
+    assert not engine.plans.reuse_on  # "1" returns its last child's output, but that child is not hooked
     child = engine.create(pb.TapSpec(selector="1.1", reducers=[reducer_spec("moments", "r")]))
-    assert engine._reuse_on
+    assert engine.plans.reuse_on
     for tap in (one, parent, child):
         engine.delete(tap.id)
-    assert not engine._reuse_on
+    assert not engine.plans.reuse_on
     engine.close()
