@@ -27,8 +27,8 @@ from layertap.server.rpc.telemetry import SERVICE, SERVICERS, TelemetryService, 
 pytestmark = pytest.mark.unit
 
 RPC_DIR = Path(method_handlers.__file__).resolve().parent
-#: Methods whose responses go out as bytes framed by the servicer.
-WIRE_BYTES = {"Capture"}
+#: Methods whose responses go out as bytes the servicer serialized.
+WIRE_BYTES = {"Capture", "Subscribe"}  # Subscribe: serialized by its stream, which times it (rpc.taps.deliver)
 
 
 class _Recorder:
