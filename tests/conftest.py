@@ -33,10 +33,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if wrong:
         raise pytest.UsageError("every test needs exactly one tier marker (unit, e2e or slow):\n  "
                                 + "\n  ".join(wrong[:20]))
-    # The slow tier's files first (a stable sort: each file keeps its order). pytest-xdist hands files to
-    # its two workers in this order, and a compile file of several minutes handed out last left one worker
-    # idle while the other ran it (issue 41: CI time).
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture
