@@ -238,3 +238,22 @@ def test_an_installed_baseline_reads_what_the_tap_reads(demo) -> None:  # type: 
     copy, _ = monitor.set_baseline(pb.SetBaselineRequest(selector="fc", name="copy", derive=pb.DERIVE_ENTROPY, hold=True))
     [c] = monitor.install(pb.InstallBaselineRequest(tap=copy, frozen=[json.dumps(doc).encode()]))
     assert (c.tap, c.derive, c.mean) == ("copy", pb.DERIVE_ENTROPY, b.mean)
+
+
+def test_the_flight_recorder_holds_a_derived_tap_against_its_derived_baseline(demo, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The mean trigger's reference: an entropy tap's is the entropy baseline, a plain tap's the tensor's."""
+    from layertap.server.record.recorder import Recorder
+    from layertap.server.record.store import IncidentStore
+
+    start, _errors = demo
+    host, engine, monitor = start()
+    monitor.set_baseline(pb.SetBaselineRequest(selector="fc", passes=4, window=3, derive=pb.DERIVE_ENTROPY))
+    monitor.set_baseline(pb.SetBaselineRequest(selector="fc", passes=4, window=3))
+    feed(host, 4)
+    engine.flush(10)
+    entropy = monitor.baseline_for("fc", "output", derive=pb.DERIVE_ENTROPY)
+    tensor = monitor.baseline_for("fc", "output")
+    assert entropy is not None and tensor is not None and entropy.mean != tensor.mean
+    recorder = Recorder(engine, IncidentStore(tmp_path / "incidents"), drift=monitor)
+    assert recorder._baseline("fc", pb.POINT_OUTPUT, derive=pb.DERIVE_ENTROPY) == (entropy.mean, entropy.std)
+    assert recorder._baseline("fc", pb.POINT_OUTPUT) == (tensor.mean, tensor.std)
