@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -167,7 +167,7 @@ class Publisher:
         summaries = []
         # Results decoded once per shared reduction (taps.reuse: one slice of the pass for every tap that
         # shares it, reducers.transfer), so thirty identical subscribers decode what one does.
-        decoded: dict[Hashable, Any] = {}
+        decoded: dict[Hashable, list[pb.ReducerResult]] = {}
         clock = time.perf_counter
         last = clock()
         for p, vec in zip(pieces, values):
@@ -179,19 +179,21 @@ class Publisher:
                     mine = own[p.request.request_id] = (at, at.wire() + rank_part)
                 piece_place, piece_tail = mine
             layout = p.plan.basic_layout
-            shared = None if p.plan.reuse_key is None or p.lap is not None else \
-                (vec.__array_interface__["data"][0], vec.size, p.shape, p.plan.reuse_key)
-            done = None if shared is None else decoded.get(shared)
             if layout is not None and p.lap is None:  # the common case: see summary_wire
-                results = done if done is not None else results_bytes(layout, vec.tolist(), p.shape)
+                results = results_bytes(layout, vec.tolist(), p.shape)
                 summary = self._wire.summary(p.tap.id, p.layer, p.tap.spec.point, p.output_index, p.call_index,
                                              not p.sampled, pass_part, results, piece_tail, p.output_key,
                                              p.tap.throttle)
             else:
-                results = done if done is not None else p.plan.decode(vec, p.shape)
-                summary = self._summary(ctx, p, wall, results, rank, piece_place)
-            if shared is not None and done is None:
-                decoded[shared] = results
+                # Only here: decoding costs many times what keying it does, and basic pieces' bytes cost no more.
+                shared = None if p.plan.reuse_key is None or p.lap is not None else \
+                    (vec.__array_interface__["data"][0], vec.size, p.shape, p.plan.reuse_key)
+                decoded_once = None if shared is None else decoded.get(shared)
+                if decoded_once is None:
+                    decoded_once = p.plan.decode(vec, p.shape)
+                    if shared is not None:
+                        decoded[shared] = decoded_once
+                summary = self._summary(ctx, p, wall, decoded_once, rank, piece_place)
             summaries.append(summary)
             now = clock()
             key = (id(p.tap), p.sampled)

@@ -243,8 +243,7 @@ class TapEngine:
             self._relayout()
 
     def get(self, tap_id: str) -> Tap:
-        with self._lock:
-            tap = self._taps.get(tap_id)
+        tap = self.find(tap_id)
         if tap is None:
             raise NotFound(f"no tap {echo(tap_id)}; list taps with ListTaps / client.taps()")
         return tap
