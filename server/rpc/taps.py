@@ -134,8 +134,7 @@ class TapsServicer(StateBacked):
                         return
                     continue
                 start = time.thread_time()  # this thread's CPU: a wait for the GIL is someone else's time
-                wire = pb.SubscribeResponse(summaries=batch.summaries, events=batch.events,
-                                            dropped=sub.dropped).SerializeToString()
+                wire = batch.response(sub.dropped)
                 deliver(engine, batch.summaries, time.thread_time() - start, me)
                 yield wire
         finally:

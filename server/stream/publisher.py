@@ -27,7 +27,7 @@ from layertap.server.reducers.latency import Lap, fill_latency
 from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.stream.broker import Broker
 from layertap.server.stream.sinks import Sinks, TapView
-from layertap.server.stream.summary_wire import Place, SummaryWire, results_bytes, timestamp
+from layertap.server.stream.summary_wire import Place, SummaryWire, message_results_bytes, results_bytes, timestamp
 from layertap.v1 import telemetry_pb2 as pb
 
 __all__ = ["Piece", "PublishedTap", "Publisher"]
@@ -142,10 +142,10 @@ class Publisher:
             build.append(i)
         start = time.perf_counter()
         built: dict[tuple[int, bool], float] = {}  # seconds building messages, by (id(tap), sampled)
-        summaries = self._summaries(ctx, [pieces[i] for i in build], [values[i] for i in build], rank, built) \
-            if build else []
+        summaries, wires = self._summaries(ctx, [pieces[i] for i in build], [values[i] for i in build], rank,
+                                           built) if build else ([], [])
         try:
-            self.broker.publish(summaries, live)
+            self.broker.publish(summaries, live, wires=wires)
             self.sinks.on_summaries(ctx, summaries)
             if basic:
                 self.sinks.on_basic(ctx, basic)
@@ -153,9 +153,13 @@ class Publisher:
             _charge(pieces, built, time.perf_counter() - start)
 
     def _summaries(self, ctx: PassContext, pieces: Sequence[Piece[PublishedTap]], values: Sequence[np.ndarray],
-                   rank: int | None, built: dict[tuple[int, bool], float]) -> list[pb.Summary]:
-        """The messages of these pieces of one pass, with the pass's fields written once; the seconds
-        spent on each tap's go to ``built`` (by ``(id(tap), sampled)``)."""
+                   rank: int | None, built: dict[tuple[int, bool], float]) -> tuple[list[pb.Summary], list[bytes]]:
+        """The messages of these pieces of one pass and their wire bytes, with the pass's fields written once;
+        the seconds spent on each tap's go to ``built`` (by ``(id(tap), sampled)``).
+
+        The bytes go to the subscribers' streams as they are (``Broker.publish``): a reduction that thirty
+        taps share is decoded and serialized once, and each tap's summary only adds its own header.
+        """
         wall = timestamp(ctx.wall_time)
         pass_part = SummaryWire.pass_part(ctx.index, ctx.step, wall.seconds, wall.nanos)
         rank_part = SummaryWire.rank_part(rank)
@@ -164,42 +168,50 @@ class Publisher:
         tail = rank_part if place is None else place.wire() + rank_part
         # A request's place and tail, made once per pass for its inline taps' pieces.
         own: dict[str, tuple[Place, bytes]] = {}
-        summaries = []
-        # Results decoded once per shared reduction (taps.reuse: one slice of the pass for every tap that
-        # shares it, reducers.transfer), so thirty identical subscribers decode what one does.
-        decoded: dict[Hashable, list[pb.ReducerResult]] = {}
+        summaries, wires = [], []
+        # Results decoded and serialized once per shared reduction (taps.reuse: one slice of the pass for
+        # every tap that shares it, reducers.transfer), so thirty identical subscribers cost what one does.
+        decoded: dict[Hashable, bytes] = {}
         clock = time.perf_counter
         last = clock()
         for p, vec in zip(pieces, values):
-            piece_place, piece_tail = place, tail
+            piece_tail = tail
             if p.request is not None:
                 mine = own.get(p.request.request_id)
                 if mine is None:
                     at = Place.of_request(ctx, p.request)
                     mine = own[p.request.request_id] = (at, at.wire() + rank_part)
-                piece_place, piece_tail = mine
+                piece_tail = mine[1]
             layout = p.plan.basic_layout
-            if layout is not None and p.lap is None:  # the common case: see summary_wire
-                results = results_bytes(layout, vec.tolist(), p.shape)
-                summary = self._wire.summary(p.tap.id, p.layer, p.tap.spec.point, p.output_index, p.call_index,
-                                             not p.sampled, pass_part, results, piece_tail, p.output_key,
-                                             p.tap.throttle)
+            if p.lap is not None:  # timed: its own results, built as messages
+                summary = self._summary(ctx, p, wall, p.plan.decode(vec, p.shape), rank,
+                                        place if p.request is None else own[p.request.request_id][0])
+                wire = summary.SerializeToString()
             else:
-                # Only here: decoding costs many times what keying it does, and basic pieces' bytes cost no more.
-                shared = None if p.plan.reuse_key is None or p.lap is not None else \
-                    (vec.__array_interface__["data"][0], vec.size, p.shape, p.plan.reuse_key)
-                decoded_once = None if shared is None else decoded.get(shared)
-                if decoded_once is None:
-                    decoded_once = p.plan.decode(vec, p.shape)
-                    if shared is not None:
-                        decoded[shared] = decoded_once
-                summary = self._summary(ctx, p, wall, decoded_once, rank, piece_place)
+                if layout is not None:  # the common case: see summary_wire
+                    results = results_bytes(layout, vec.tolist(), p.shape)
+                else:
+                    # Only here: decoding costs many times what keying it does, and basic pieces' bytes
+                    # cost no more.
+                    shared = None if p.plan.reuse_key is None else \
+                        (vec.__array_interface__["data"][0], vec.size, p.shape, p.plan.reuse_key)
+                    once = None if shared is None else decoded.get(shared)
+                    if once is None:
+                        once = message_results_bytes(p.plan.decode(vec, p.shape))
+                        if shared is not None:
+                            decoded[shared] = once
+                    results = once
+                wire = self._wire.summary(p.tap.id, p.layer, p.tap.spec.point, p.output_index, p.call_index,
+                                          not p.sampled, pass_part, results, piece_tail, p.output_key,
+                                          p.tap.throttle)
+                summary = pb.Summary.FromString(wire)
             summaries.append(summary)
+            wires.append(wire)
             now = clock()
             key = (id(p.tap), p.sampled)
             built[key] = built.get(key, 0.0) + now - last
             last = now
-        return summaries
+        return summaries, wires
 
     @staticmethod
     def _summary(ctx: PassContext, p: Piece[PublishedTap], wall: Timestamp, results: list[pb.ReducerResult],

@@ -1,4 +1,4 @@
-"""``Summary`` messages of basic-only plans, written as protobuf wire bytes and parsed once.
+"""``Summary`` messages written as protobuf wire bytes and parsed once.
 
 Why: the host-transfer thread builds every summary of every pass, and it shares
 the GIL with the model thread, so its Python time lands on the forward.
@@ -30,14 +30,15 @@ from layertap.server.protowire import uint64, varint
 from layertap.server.reducers.plan import BasicLayout as Layout
 from layertap.v1 import telemetry_pb2 as pb
 
-__all__ = ["Place", "SummaryWire", "results_bytes"]
+__all__ = ["Place", "SummaryWire", "message_results_bytes", "results_bytes"]
 
 _VARINT, _FIXED64, _LENGTH = 0, 1, 2
 _SUMMARY = pb.Summary.DESCRIPTOR.fields_by_name
 _RESULTS = pb.ReducerResult.DESCRIPTOR.fields_by_name
 _double = struct.Struct("<d").pack
-#: Header entries kept at most (one per tap, layer, output, call, sampling and keyword path).
-MAX_HEADERS = 4096
+#: Header entries kept at most (one per tap, layer, output, call, sampling and keyword path): thirty
+#: subscribers of every layer of a 67-layer model, sampled and not, need 4,020.
+MAX_HEADERS = 16384
 
 
 def timestamp(seconds: float) -> Timestamp:
@@ -178,11 +179,17 @@ def results_bytes(layout: Layout, slots: Sequence[float], shape: Sequence[int]) 
     return b"".join([encode(numbers(slots[a:b], shape)) for numbers, encode, a, b in _plan_encoders(layout)])
 
 
+def message_results_bytes(results: Sequence[pb.ReducerResult]) -> bytes:
+    """``Summary.results`` entries from decoded messages, serialized once: a reduction that thirty taps share
+    is written once and its bytes go into each tap's summary."""
+    return b"".join([_RESULTS_KEY + varint(len(b)) + b for b in (r.SerializeToString() for r in results)])
+
+
 class SummaryWire:
     """Writes summaries from cached per-piece headers; one per engine (the host-transfer thread's)."""
 
     def __init__(self) -> None:
-        self._headers: dict[tuple[object, ...], tuple[bytes, bytes, bytes]] = {}
+        self._headers: dict[tuple[object, ...], tuple[bytes, bytes]] = {}
 
     @staticmethod
     def pass_part(pass_index: int, step: int | None, seconds: int, nanos: int) -> bytes:
@@ -202,13 +209,16 @@ class SummaryWire:
 
     def summary(self, tap: str, layer: str, point: int, output_index: int, call_index: int, unsampled: bool,
                 pass_part: bytes, results: bytes, rank_part: bytes = b"", output_key: str = "",
-                throttle: int = 1) -> pb.Summary:
-        """A parsed ``Summary``; ``results`` is :func:`results_bytes` of its plan.
+                throttle: int = 1) -> bytes:
+        """A ``Summary``'s wire bytes; ``results`` is :func:`results_bytes` of its plan (or
+        :func:`message_results_bytes`).
 
         ``rank_part`` is the summary's tail: a :meth:`Place.wire` (fields 13-16),
         if any, then :meth:`rank_part`'s (20-21); ``throttle`` (22) follows it.
         """
-        key = (tap, layer, point, output_index, call_index, unsampled, output_key, throttle)
+        # Not keyed by the stride: the overhead budget revises it every window, and a key with it missed
+        # every header of thirty wide subscribers at once.
+        key = (tap, layer, point, output_index, call_index, unsampled, output_key)
         header = self._headers.get(key)
         if header is None:
             if len(self._headers) >= MAX_HEADERS:
@@ -218,5 +228,11 @@ class SummaryWire:
             rest = _summary_field("unsampled", unsampled) + _summary_field("call_index", call_index)
             if output_key:  # proto3 writes no empty string: nor do we
                 rest += _summary_field("output_key", output_key)
-            header = self._headers[key] = (head, rest, _summary_field("throttle", throttle) if throttle > 1 else b"")
-        return pb.Summary.FromString(header[0] + pass_part + results + header[1] + rank_part + header[2])
+            header = self._headers[key] = (head, rest)
+        return header[0] + pass_part + results + header[1] + rank_part + (
+            _throttle_part(throttle) if throttle > 1 else b"")
+
+
+@functools.lru_cache(maxsize=1024)
+def _throttle_part(throttle: int) -> bytes:
+    return _summary_field("throttle", throttle)

@@ -76,8 +76,8 @@ def test_the_fold_from_slots_equals_the_fold_of_the_summaries(passes, phase, wal
     place = b"" if phase == PHASE_NONE else pb.Summary(phase=phase).SerializeToString()
     for index, pieces in enumerate(passes):
         part = SummaryWire.pass_part(index, None, ts.seconds, ts.nanos)
-        summaries = [(tap, wire.summary(tap, layer, point, out, call, not sampled, part,
-                                        results_bytes(plan.basic_layout, slots, shape), place))
+        summaries = [(tap, pb.Summary.FromString(wire.summary(tap, layer, point, out, call, not sampled, part,
+                                                              results_bytes(plan.basic_layout, slots, shape), place)))
                      for tap, layer, point, out, call, sampled, plan, slots, shape in pieces]
         by_summaries.update_from_summaries(summaries)
         by_slots.update_from_basic(seconds, index, phase, [

@@ -78,10 +78,11 @@ def test_wire_summary_equals_the_message_built_one(kinds, data, shape, tap, laye
                            wall=wall, output_key=output_key, place=place)
     ts = timestamp(wall)
     wire = SummaryWire()
-    got = wire.summary(tap, layer, point, output_index, call_index, unsampled,
-                       SummaryWire.pass_part(pass_index, step, ts.seconds, ts.nanos),
-                       results_bytes(plan.basic_layout, values, shape),
-                       (place.wire() if place is not None else b"") + SummaryWire.rank_part(rank), output_key)
+    got = pb.Summary.FromString(wire.summary(tap, layer, point, output_index, call_index, unsampled,
+                                             SummaryWire.pass_part(pass_index, step, ts.seconds, ts.nanos),
+                                             results_bytes(plan.basic_layout, values, shape),
+                                             (place.wire() if place is not None else b"") + SummaryWire.rank_part(rank),
+                                             output_key))
     assert got.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
     if place is not None:  # and the place's own bytes are protobuf's, zero values left out
         alone = pb.Summary()
