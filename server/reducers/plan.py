@@ -12,6 +12,8 @@ host array back into ``ReducerResult`` messages off the model thread.
 from __future__ import annotations
 
 import itertools
+import threading
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,7 +31,38 @@ from layertap.server.reducers.spec import SpecError, check_histogram, check_kind
 from layertap.server.reducers.workspace import F64, DeviceCache, Workspace, device_constant
 from layertap.v1 import telemetry_pb2 as pb
 
-__all__ = ["BasicLayout", "ReducerPlan", "build_reducers"]
+__all__ = ["BasicLayout", "ReducerPlan", "ReuseKey", "build_reducers"]
+
+
+class ReuseKey:
+    """What makes two plans compute the same slots from one tensor, interned: equal plans hold the same
+    key, so it hashes and compares by identity.
+
+    Why: the key holds every reducer's parameters (a histogram's edges among them), and a tuple hashes
+    itself anew on every lookup: with thirty taps sharing 67 layers' reductions, hashing it on each
+    firing and each published piece cost more than the sharing saved.
+    """
+
+    __slots__ = ("parts", "__weakref__")
+
+    def __init__(self, parts: tuple[object, ...]) -> None:
+        self.parts = parts
+
+    def __repr__(self) -> str:
+        return f"ReuseKey({self.parts!r})"
+
+    @classmethod
+    def of(cls, parts: tuple[object, ...]) -> ReuseKey:
+        """The one live key for these parts (kept while a plan holds it)."""
+        with _KEYS_LOCK:
+            key = _KEYS.get(parts)
+            if key is None:
+                key = _KEYS[parts] = cls(parts)
+            return key
+
+
+_KEYS: weakref.WeakValueDictionary[tuple[object, ...], ReuseKey] = weakref.WeakValueDictionary()
+_KEYS_LOCK = threading.Lock()
 
 #: A basic-only plan's results: (reducer, first slot, end slot) each, in the summary's order.
 BasicLayout = tuple[tuple[BasicReducer, int, int], ...]
@@ -138,8 +171,8 @@ class ReducerPlan:
         self._generators: dict[torch.device, torch.Generator] = {}
         #: Equal for plans that compute the same slots from the same tensor
         #: (see :mod:`layertap.server.taps.reuse`); None for timed plans.
-        self.reuse_key: tuple[object, ...] | None = (
-            None if self.timed else tuple(r.key() for r in self.reducers))
+        self.reuse_key: ReuseKey | None = (
+            None if self.timed else ReuseKey.of(tuple(r.key() for r in self.reducers)))
         self._folded: ReducerPlan | None = None
 
     def __len__(self) -> int:

@@ -67,6 +67,8 @@ WINDOW_SECONDS = 0.5
 WINDOW_PASSES = 8
 #: The gain's floor, its step down while over the budget and its step up well under it.
 _GAIN_MIN, _GAIN_DOWN, _GAIN_UP = 0.02, 0.8, 1.1
+#: How far a tap's cost per pass falls toward a lower window's figure (it rises at once): :func:`_follow`.
+_COST_FALL = 0.25
 #: How far each window moves :attr:`Governor.scale` toward its measured ratio.
 _SCALE_RATE = 0.3
 #: :attr:`Governor.scale` stays within [1 / this, this].
@@ -287,16 +289,26 @@ def _phase(tap: Tap, stride: int) -> int:
     return zlib.crc32(tap.id.encode()) % stride
 
 
+def _follow(kept: float, measured: float) -> float:
+    """A cost per pass that rises at once and falls by :data:`_COST_FALL` of the gap a window.
+
+    Why: a sampled pass's publishing and delivery land after it, often in a later window, so the window
+    that holds a thinned tap's sampled pass sees its hook time alone; taken as the whole cost, the stride
+    fell to 3 for thirty wide subscribers, and the next windows paid for it.
+    """
+    return measured if measured >= kept else kept + _COST_FALL * (measured - kept)
+
+
 def _account(cost: TapCost, passes: int) -> tuple[float, float]:
     """A tap's full-rate demands (seconds a pass: its sampled passes', its always-on part's) from its
     window's figures, which it then clears. A cost per pass is kept from an earlier window when this
     one measured none."""
     cost.fresh = cost.sampled_passes > 0
     if cost.sampled_passes:
-        cost.per_sampled = cost.sampled_seconds / cost.sampled_passes
+        cost.per_sampled = _follow(cost.per_sampled, cost.sampled_seconds / cost.sampled_passes)
         cost.sampled_seconds = 0.0
     if cost.always_passes:
-        cost.per_always = cost.always_seconds / cost.always_passes
+        cost.per_always = _follow(cost.per_always, cost.always_seconds / cost.always_passes)
         cost.always_seconds = 0.0
     # Seconds with no pass to divide by are kept for the next window: publishing lands after its pass,
     # often in the next window, and a thinned tap's window may hold none of its sampled passes.

@@ -310,3 +310,29 @@ def test_what_subscribers_threads_spend_delivering_a_taps_summaries_counts_again
             dear.deliver(1e-3, always=False)  # 1 ms of its subscribers' threads for each pass it samples
     assert cheap.throttle == 1 and dear.throttle > 1
     assert dear.delivered_seconds > 0 and dear.delivered_always_seconds == 0
+
+
+def test_a_cost_that_lands_a_window_after_its_pass_keeps_the_tap_thinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampled pass's publishing and delivery land later, often in the next window, whose own sampled
+    passes (if any) then carry it. Taken window by window, the window holding the sampled pass saw its
+    hook time alone and the stride fell back; the governor keeps a cost until later windows show it fell."""
+
+    def spend(fall: float) -> float:
+        monkeypatch.setattr("layertap.server.taps.budget._COST_FALL", fall)
+        sim = Sim(budget=0.05)
+        tap = sim.add(make_tap("wide"), cost=20e-6)
+        late: list[int] = []  # passes at which a sampled pass's 20 ms of delivery lands
+        delivered: list[float] = []
+        for i in range(windows(30.0)):
+            sim.run(1)
+            if tap._sampled:
+                late.append(i + 140)  # past the end of the next window (125 passes of 4 ms)
+            due = sum(1 for d in late if d == i)
+            tap.deliver(20e-3 * due, always=False)
+            delivered.append(20e-3 * due)
+        tail = windows(20.0)
+        time = sum(s for _, s in sim.passes[-tail:])
+        return (sum(h for h, _ in sim.passes[-tail:]) + sum(delivered[-tail:])) / time
+
+    assert spend(0.25) <= 0.05 * 1.2  # near the budget (the gain trims what remains)
+    assert spend(1.0) > 0.05 * 1.5  # window by window: well over it
