@@ -22,6 +22,7 @@ from layertap.server.taps.capture_limits import CaptureSlot
 from layertap.server.taps.capture_options import describe, parse_options
 from layertap.server.taps.capture_wire import encode_pass
 from layertap.server.taps.engine import TapEngine
+from layertap.server.taps.tap import Tap
 from layertap.v1 import telemetry_pb2 as pb
 
 __all__ = ["CaptureCall", "TapsServicer", "create_owned"]
@@ -53,6 +54,20 @@ def deliver(engine: TapEngine, summaries: Sequence[pb.Summary], seconds: float, 
         tap = engine.find(tap_id)
         if tap is not None and tap.governed and tap.owner == owner:
             tap.deliver(each * n, always=unsampled)
+
+
+def _stream_tap(engine: TapEngine, spec: pb.TapSpec, context: grpc.ServicerContext, owner: str, field: str) -> Tap:
+    """The subscriber's stream tap for ``spec``: a live one it shares with the principal's other subscribers
+    of the same spec (``taps.shared_streams``), else a new one."""
+    while (tap_id := engine.streams.join(spec, owner)) is not None:
+        tap = engine.find(tap_id)
+        if tap is not None and not tap.disabled:
+            return tap
+        engine.streams.leave(tap_id)  # ended or failed meanwhile: not to be joined
+        engine.streams.forget(tap_id)
+    tap = create_owned(engine, spec, context, kind=pb.TAP_KIND_STREAM, field_prefix=field)
+    engine.streams.add(tap.id, spec, owner)
+    return tap
 
 
 class TapsServicer(StateBacked):
@@ -96,30 +111,33 @@ class TapsServicer(StateBacked):
                 raise NotFound(f"tap_ids[{i}]: {exc}", field=f"tap_ids[{i}]") from None
         if request.stream_taps:
             require(context, "tap", "Subscribe with stream_taps")
-        stream_taps = []
+        me = principal_of(context).id
+        stream_taps: list[Tap] = []
+
+        def leave() -> None:
+            for t in stream_taps:
+                if engine.streams.leave(t.id):  # its last subscriber: the tap ends
+                    try:
+                        engine.delete(t.id, reason="ended")
+                    except Exception:  # noqa: BLE001 - already gone
+                        pass
+
         try:
             for i, spec in enumerate(request.stream_taps):
-                stream_taps.append(create_owned(engine, spec, context, kind=pb.TAP_KIND_STREAM,
-                                                field_prefix=f"stream_taps[{i}]"))
+                stream_taps.append(_stream_tap(engine, spec, context, me, f"stream_taps[{i}]"))
             ids = [*request.tap_ids, *(t.id for t in stream_taps)]
             sub = broker.subscribe(ids or None, request.queue_size)
         except Exception:
-            for t in stream_taps:
-                engine.delete(t.id, reason="ended")
+            leave()
             raise
         done = threading.Event()
-        me = principal_of(context).id
 
         def cleanup() -> None:
             if done.is_set():
                 return
             done.set()
             broker.unsubscribe(sub)
-            for t in stream_taps:
-                try:
-                    engine.delete(t.id, reason="ended")
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
+            leave()
 
         # Stream taps and the queue go when the client does, even on SIGKILL.
         context.add_callback(cleanup)

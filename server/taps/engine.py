@@ -44,6 +44,7 @@ from layertap.server.taps.layer_hooks import TapHooks
 from layertap.server.taps.pass_decision import PassDecisions, refund
 from layertap.server.taps.plan_path import PlanPath
 from layertap.server.taps.sampling import Clock
+from layertap.server.taps.shared_streams import SharedStreams
 from layertap.server.taps.spec_check import SpecChecker
 from layertap.server.taps.tap import SERVER_OWNER, Tap
 from layertap.v1 import telemetry_pb2 as pb
@@ -86,6 +87,8 @@ class TapEngine:
         self.costs = CostModel(host)
         self._lock = threading.RLock()
         self._taps: dict[str, Tap] = {}
+        #: Stream taps that subscribers share (``taps.shared_streams``).
+        self.streams = SharedStreams()
         #: The taps as a tuple, for the model thread's pass decision (copy-on-write under the lock).
         self._tap_list: tuple[Tap, ...] = ()
         self._buffer: PassBuffer | None = None
@@ -210,6 +213,7 @@ class TapEngine:
     def delete(self, tap_id: str, reason: str = "deleted") -> Tap:
         with self._lock:
             tap = self._taps.pop(tap_id, None)
+            self.streams.forget(tap_id)
             self._tap_list = tuple(self._taps.values())
             self._update_reuse()  # off before the hooks go: a firing meanwhile reduces afresh, never wrongly
             # A pass may be running (no model lock here): its layout stays until the pass ends; the

@@ -197,17 +197,25 @@ def test_thirty_identical_subscribers_reduce_each_tensor_once_a_pass(make_server
         assert len(alone[0]) >= len(engine.all_taps()[0].layers) - 8  # a tensor a container shares is reduced once
         assert alone[1] == alone[0]  # each reduction decoded once
         more = Readers(srv.port, [spec] * 29)
-        assert wait_for(lambda: len(engine.all_taps()) == 30, 30)
+        # One principal's identical unnamed stream taps are one tap with thirty subscribers (taps.shared_streams).
+        tap_id = engine.all_taps()[0].id
+        assert wait_for(lambda: engine.streams.subscribers(tap_id) == 30, 30)
+        assert [t.id for t in engine.all_taps()] == [tap_id]
         assert one_pass() == alone  # thirty subscribers: the same reductions and decodes as one
         assert wait_for(lambda: all(len(got) >= 2 for got in more.got), 60)  # and each one is told
-        # What each is told is its own message with the shared results: equal, field by field, but the tap.
+        # What each is told is the one tap's summaries, fanned out: equal, field by field.
         first, second = ({(s.pass_index, s.layer, s.output_index, s.call_index): s for s in got}
                          for got in more.got[:2])
         common = sorted(set(first) & set(second))
         assert common
         for key in common:
-            a, b = first[key], second[key]
-            assert a.tap != b.tap and list(a.results) == list(b.results)
+            assert first[key] == second[key] and first[key].tap == tap_id
+        more.close()
+        more = None
+        assert wait_for(lambda: engine.streams.subscribers(tap_id) == 1, 30)
+        assert [t.id for t in engine.all_taps()] == [tap_id]  # the first subscriber still has it
+        one.close()
+        assert wait_for(lambda: engine.all_taps() == [], 30)  # the last one gone: so is the tap
     finally:
         one.close()
         if more is not None:
