@@ -14,7 +14,7 @@ Model thread only.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -95,7 +95,7 @@ class PlanPath:
         buffer, pieces = self._pass_buffer()
         cut, padding = tap._cut, tap._padding
         try:
-            key = plan.reuse_key if reuse else None  # None: reduced afresh, nothing held
+            key: Hashable | None = plan.reuse_key if reuse else None  # None: reduced afresh, nothing held
             derivation = tap.derive
             if derivation is not None and key is not None:
                 key = (key, "derive", tap.spec.derive)  # the entropy's result is not the tensor's
