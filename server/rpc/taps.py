@@ -56,15 +56,25 @@ def deliver(engine: TapEngine, summaries: Sequence[pb.Summary], seconds: float, 
             tap.deliver(each * n, always=unsampled)
 
 
-def _stream_tap(engine: TapEngine, spec: pb.TapSpec, context: grpc.ServicerContext, owner: str, field: str) -> Tap:
+def _stream_tap(engine: TapEngine, spec: pb.TapSpec, context: grpc.ServicerContext, owner: str, field: str,
+                taken: Sequence[Tap]) -> Tap:
     """The subscriber's stream tap for ``spec``: a live one it shares with the principal's other subscribers
-    of the same spec (``taps.shared_streams``), else a new one."""
+    of the same spec (``taps.shared_streams``), else a new one. A spec listed twice in one request (``taken``)
+    gets a second tap, as it always did."""
     while (tap_id := engine.streams.join(spec, owner)) is not None:
         tap = engine.find(tap_id)
+        if tap is not None and tap in taken:
+            engine.streams.leave(tap_id)  # this join undone: the request holds the tap already, never its last
+            break
         if tap is not None and not tap.disabled:
             return tap
-        engine.streams.leave(tap_id)  # ended or failed meanwhile: not to be joined
-        engine.streams.forget(tap_id)
+        # Gone or failed: no one joins it again, and those who follow it keep their places.
+        engine.streams.unshare(tap_id)
+        if engine.streams.leave(tap_id) and tap is not None:
+            try:
+                engine.delete(tap_id, reason="ended")  # a failed tap no one follows any more
+            except NotFound:
+                pass
     tap = create_owned(engine, spec, context, kind=pb.TAP_KIND_STREAM, field_prefix=field)
     engine.streams.add(tap.id, spec, owner)
     return tap
@@ -124,18 +134,19 @@ class TapsServicer(StateBacked):
 
         try:
             for i, spec in enumerate(request.stream_taps):
-                stream_taps.append(_stream_tap(engine, spec, context, me, f"stream_taps[{i}]"))
+                stream_taps.append(_stream_tap(engine, spec, context, me, f"stream_taps[{i}]", stream_taps))
             ids = [*request.tap_ids, *(t.id for t in stream_taps)]
             sub = broker.subscribe(ids or None, request.queue_size)
         except Exception:
             leave()
             raise
-        done = threading.Event()
+        once = threading.Lock()
 
         def cleanup() -> None:
-            if done.is_set():
+            # Once, atomically: gRPC's callback and the generator's end may both come here, and a second
+            # leave() would take another subscriber's place in a shared tap (and end its stream with it).
+            if not once.acquire(blocking=False):
                 return
-            done.set()
             broker.unsubscribe(sub)
             leave()
 

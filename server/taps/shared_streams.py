@@ -72,6 +72,13 @@ class SharedStreams:
             self._forget(tap_id)
             return True
 
+    def unshare(self, tap_id: str) -> None:
+        """No one joins this tap any more (it failed); those who follow it keep their places."""
+        with self._lock:
+            key = self._spec_of.pop(tap_id, None)
+            if key is not None and self._by_spec.get(key) == tap_id:
+                del self._by_spec[key]
+
     def forget(self, tap_id: str) -> None:
         """The tap is gone (ended, failed, deleted): no subscriber joins it again."""
         with self._lock:

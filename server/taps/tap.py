@@ -47,10 +47,11 @@ class TapCost:
     always_seconds: float = 0.0
     always_passes: int = 0
     eligible: int = 0
-    #: Its last measured cost per sampled pass and per always-on pass (kept while a window measures none).
+    #: Its cost per sampled pass and per always-on pass: up at once to a window's figure, down a quarter of
+    #: the gap a window (``budget._follow``), and kept while a window measures none.
     per_sampled: float = 0.0
     per_always: float = 0.0
-    #: Whether the last window measured its sampled passes (``per_sampled`` is that window's).
+    #: Whether the last window measured its sampled passes (``per_sampled`` then holds that window's figure).
     fresh: bool = False
     #: Its plan's estimated seconds per sampled pass (``taps.cost_model``, unscaled; 0: none).
     estimate: float = 0.0

@@ -222,6 +222,42 @@ def test_thirty_identical_subscribers_reduce_each_tensor_once_a_pass(make_server
             more.close()
 
 
+def test_thirty_identical_durable_taps_are_thirty_taps_that_reduce_and_decode_each_tensor_once(
+        make_server, monkeypatch) -> None:
+    """Distinct taps that ask for the same reductions (durable ones are never merged into one tap) still share
+    them within a pass (taps.reuse), and each shared reduction is decoded once (stream.publisher)."""
+    srv = make_server(tap_budget=0.0)
+    engine = srv.state.taps
+    reduced: list[tuple[int, ...]] = []
+    count_reductions(monkeypatch, lambda _plan, t: reduced.append(tuple(t.shape)))
+    decoded: list[tuple[int, ...]] = []
+    real_decode = ReducerPlan.decode
+
+    def decode(plan: ReducerPlan, values: np.ndarray, shape: tuple[int, ...]) -> list[pb.ReducerResult]:
+        decoded.append(tuple(shape))
+        return real_decode(plan, values, shape)
+
+    monkeypatch.setattr(ReducerPlan, "decode", decode)
+    wide = ["moments", "histogram", "per_channel"]
+    with Client(f"127.0.0.1:{srv.port}") as c:
+        def one_pass() -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+            c.infer(batch(2))
+            assert engine.flush(30)
+            reduced.clear()
+            decoded.clear()
+            c.infer(batch(2))
+            assert engine.flush(30)
+            return sorted(reduced), sorted(decoded)
+
+        c.create_tap("**", reducers=wide)
+        alone = one_pass()
+        assert alone[0] and alone[1] == alone[0]
+        for _ in range(29):
+            c.create_tap("**", reducers=wide)
+        assert len({t.id for t in engine.all_taps()}) == 30
+        assert one_pass() == alone  # thirty taps: the same reductions and decodes as one
+
+
 def test_a_baseline_is_never_thinned_and_becomes_ready_on_time(make_server) -> None:
     """A drift baseline is the server's standing monitor (its windows count passes): the budget leaves it
     every pass, even when it alone costs more than the budget, and counts it as the floor instead."""

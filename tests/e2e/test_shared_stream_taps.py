@@ -91,3 +91,21 @@ def test_identical_stream_taps_of_one_principal_are_one_tap_until_the_last_leave
         for s in [first, second, *others]:
             s.close()
         channel.close()
+
+
+def test_a_spec_listed_twice_in_one_request_gets_two_taps(server) -> None:
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = telemetry_pb2_grpc.TelemetryServiceStub(channel)
+    call = stub.Subscribe(pb.SubscribeRequest(stream_taps=[WIDE, WIDE]), timeout=60,
+                          metadata=[("authorization", f"Bearer {TOKENS['alice']}")])
+    try:
+        ids = list(next(call).stream_tap_ids)
+        assert len(ids) == 2 and ids[0] != ids[1]  # as before sharing: each entry its own tap
+        other = Stream(channel, "alice", WIDE)  # another subscriber joins the first of them
+        assert other.ids == ids[:1]
+        assert server.state.taps.streams.subscribers(ids[0]) == 2 and server.state.taps.streams.subscribers(ids[1]) == 1
+        other.close()
+    finally:
+        call.cancel()
+        channel.close()
+    assert wait_for(lambda: server.state.taps.all_taps() == [], 30)

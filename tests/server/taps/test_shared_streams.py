@@ -54,3 +54,17 @@ def test_two_made_at_once_the_second_stays_its_own() -> None:
     assert streams.join(WIDE, "alice") == "t1"
     assert streams.leave("t2")  # its only subscriber
     assert streams.join(WIDE, "alice") == "t1"
+
+
+def test_a_failed_tap_is_unshared_and_its_subscribers_keep_their_places() -> None:
+    """A newcomer finds the shared tap failed: it gets a tap of its own, and the failed one still ends only
+    with the last of those who followed it (the review's finding: one leaving had ended the other's stream)."""
+    streams = SharedStreams()
+    streams.add("t1", WIDE, "alice")
+    assert streams.join(WIDE, "alice") == "t1"  # two follow t1
+    assert streams.join(WIDE, "alice") == "t1"  # the newcomer, who finds it failed...
+    streams.unshare("t1")
+    assert not streams.leave("t1")  # ...undoes its join
+    assert streams.join(WIDE, "alice") is None  # no one joins t1 again
+    assert not streams.leave("t1")  # the first follower leaves: one remains
+    assert streams.leave("t1")  # the last one: now it ends
