@@ -277,7 +277,6 @@ class Broker:
         total = sum(sizes)
         for sub in subs:
             wanted = [t for t in by_tap if sub.wants(t, durable.get(t, False))]
-            mine_wires = None
             if len(wanted) == len(by_tap):
                 mine, nbytes = list(summaries), total
                 mine_wires = None if wires is None else list(wires)

@@ -21,6 +21,7 @@ from layertap import Client
 from layertap.server.reducers.plan import ReducerPlan
 from layertap.server.taps import budget
 from layertap.server.taps.budget import MAX_STRIDE
+from layertap.server.taps.engine import TapEngine
 from layertap.v1 import telemetry_pb2 as pb
 from layertap.v1 import telemetry_pb2_grpc
 
@@ -161,12 +162,11 @@ def test_a_tap_thinned_by_the_budget_is_exact_on_the_passes_it_samples(make_serv
             assert s.results["minmax"].min == ref.min() and s.results["minmax"].max == ref.max()
 
 
-def test_thirty_identical_subscribers_reduce_each_tensor_once_a_pass(make_server, monkeypatch) -> None:
-    srv = make_server(tap_budget=0.0)
-    engine = srv.state.taps
+def count_reductions_and_decodes(monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The shapes of every reduction and every decode from now on: a shared reduction is one slice of the
+    pass's copy, its results decoded once."""
     reduced: list[tuple[int, ...]] = []
     count_reductions(monkeypatch, lambda _plan, t: reduced.append(tuple(t.shape)))
-    # And decoded once: a shared reduction is one slice of the pass's copy, its results built once.
     decoded: list[tuple[int, ...]] = []
     real_decode = ReducerPlan.decode
 
@@ -175,19 +175,32 @@ def test_thirty_identical_subscribers_reduce_each_tensor_once_a_pass(make_server
         return real_decode(plan, values, shape)
 
     monkeypatch.setattr(ReducerPlan, "decode", decode)
+    return reduced, decoded
+
+
+def one_pass_counts(c: Client, engine: TapEngine, reduced: list[tuple[int, ...]],
+                    decoded: list[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The reductions and decodes of one Infer pass, after a first pass that settles the taps."""
+    c.infer(batch(2))
+    assert engine.flush(30)
+    reduced.clear()
+    decoded.clear()
+    c.infer(batch(2))
+    assert engine.flush(30)
+    return sorted(reduced), sorted(decoded)
+
+
+def test_thirty_identical_subscribers_reduce_each_tensor_once_a_pass(make_server, monkeypatch) -> None:
+    srv = make_server(tap_budget=0.0)
+    engine = srv.state.taps
+    reduced, decoded = count_reductions_and_decodes(monkeypatch)
     wide = [pb.ReducerSpec(kind=k) for k in (pb.REDUCER_KIND_MOMENTS, pb.REDUCER_KIND_HISTOGRAM,
                                              pb.REDUCER_KIND_PER_CHANNEL)]
     spec = pb.TapSpec(selector="**", reducers=wide)
 
     def one_pass() -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
         with Client(f"127.0.0.1:{srv.port}") as c:
-            c.infer(batch(2))
-            assert engine.flush(30)
-            reduced.clear()
-            decoded.clear()
-            c.infer(batch(2))
-            assert engine.flush(30)
-        return sorted(reduced), sorted(decoded)
+            return one_pass_counts(c, engine, reduced, decoded)
 
     one = Readers(srv.port, [spec])
     more = None
@@ -228,26 +241,11 @@ def test_thirty_identical_durable_taps_are_thirty_taps_that_reduce_and_decode_ea
     them within a pass (taps.reuse), and each shared reduction is decoded once (stream.publisher)."""
     srv = make_server(tap_budget=0.0)
     engine = srv.state.taps
-    reduced: list[tuple[int, ...]] = []
-    count_reductions(monkeypatch, lambda _plan, t: reduced.append(tuple(t.shape)))
-    decoded: list[tuple[int, ...]] = []
-    real_decode = ReducerPlan.decode
-
-    def decode(plan: ReducerPlan, values: np.ndarray, shape: tuple[int, ...]) -> list[pb.ReducerResult]:
-        decoded.append(tuple(shape))
-        return real_decode(plan, values, shape)
-
-    monkeypatch.setattr(ReducerPlan, "decode", decode)
+    reduced, decoded = count_reductions_and_decodes(monkeypatch)
     wide = ["moments", "histogram", "per_channel"]
     with Client(f"127.0.0.1:{srv.port}") as c:
         def one_pass() -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-            c.infer(batch(2))
-            assert engine.flush(30)
-            reduced.clear()
-            decoded.clear()
-            c.infer(batch(2))
-            assert engine.flush(30)
-            return sorted(reduced), sorted(decoded)
+            return one_pass_counts(c, engine, reduced, decoded)
 
         c.create_tap("**", reducers=wide)
         alone = one_pass()
